@@ -1,0 +1,1 @@
+"""Data stages: pull, prep, tokenizer, tokenize, manifests. Never imports an engine."""

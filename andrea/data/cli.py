@@ -1,0 +1,5 @@
+"""Subcommands of the data stages."""
+
+
+def register(subparsers) -> None:
+    pass

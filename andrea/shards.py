@@ -1,0 +1,65 @@
+"""Token shards in llm.c's format — the one place that knows the header.
+
+    header: 256 x int32, little-endian: [0] magic 20240520, [1] version 1, [2] token count
+    body:   token count x uint16 tokens (so vocab_size <= 65536)
+
+Documents are separated by the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from andrea.errors import AndreaError
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+MAX_VOCAB = 1 << 16
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write tokens atomically (temp file in the same folder, fsync, rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= MAX_VOCAB):
+        raise AndreaError(f"{path}: token ids must lie in [0, {MAX_VOCAB}) to fit a uint16 shard")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_shard(path: str | os.PathLike) -> np.ndarray:
+    """Memory-map a shard's tokens after checking its header and size."""
+    path = Path(path)
+    if not path.is_file():
+        raise AndreaError(f"{path}: token shard not found; run `andrea tokenize` first")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise AndreaError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != MAGIC or header[1] != VERSION:
+        raise AndreaError(
+            f"{path}: not a token shard (magic {header[0]}, version {header[1]}; "
+            f"expected {MAGIC}, {VERSION})"
+        )
+    n = int(header[2])
+    expected = HEADER_BYTES + n * TOKEN_DTYPE.itemsize
+    if size != expected:
+        raise AndreaError(f"{path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes")
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
