@@ -1,0 +1,113 @@
+"""Checkpoints in the seed's exact binary format, written atomically.
+
+    [int32 step][int32 n_params][n_params x float32 weights][n_params x float32 m][n_params x float32 v]
+
+Little-endian, no padding, nothing else. `step` = optimizer steps completed. What the format cannot
+hold lives in the `.state.json` sidecar (see `andrea.train`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from andrea.errors import AndreaError
+
+HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
+HEADER_BYTES = HEADER.itemsize
+FLOAT = np.dtype("<f4")
+
+
+def checkpoint_bytes(n_params: int) -> int:
+    return HEADER_BYTES + 3 * n_params * FLOAT.itemsize
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb"):
+    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder.
+    A crash or signal at any moment leaves either the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    with atomic_write(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_checkpoint(path, step: int, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> str:
+    """Write atomically; returns the sha256 of the bytes written."""
+    n = params.size
+    if not (m.size == v.size == n):
+        raise ValueError("params, m and v must have the same size")
+    header = np.array([(step, n)], dtype=HEADER)
+    digest = hashlib.sha256()
+    with atomic_write(path) as f:
+        for part in (header, params, m, v):
+            data = np.ascontiguousarray(part, dtype=part.dtype if part is header else FLOAT).tobytes()
+            digest.update(data)
+            f.write(data)
+    return digest.hexdigest()
+
+
+def read_header(path) -> tuple[int, int]:
+    """(step, n_params) after checking the file is exactly a checkpoint of that size."""
+    path = Path(path)
+    if not path.is_file():
+        raise AndreaError(f"{path}: checkpoint not found")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise AndreaError(f"{path}: {size} bytes is too short to be a checkpoint (header is {HEADER_BYTES} bytes)")
+    header = np.fromfile(path, dtype=HEADER, count=1)[0]
+    step, n = int(header["step"]), int(header["n_params"])
+    if n <= 0 or step < 0 or size != checkpoint_bytes(n):
+        raise AndreaError(
+            f"{path}: not a checkpoint: {size} bytes, but a header of n_params={n} needs "
+            f"8 + 12*n = {checkpoint_bytes(max(n, 0)):,} bytes (truncated or not an ANDREA checkpoint)"
+        )
+    return step, n
+
+
+def read_checkpoint(path, expected_n_params: int | None = None, what: str = "this experiment"):
+    """Return (step, params, m, v) as float32 arrays."""
+    step, n = read_header(path)
+    if expected_n_params is not None and n != expected_n_params:
+        raise AndreaError(
+            f"{path}: checkpoint holds {n:,} parameters but {what} has {expected_n_params:,}; "
+            "it belongs to another model shape"
+        )
+    body = np.fromfile(path, dtype=FLOAT, offset=HEADER_BYTES, count=3 * n)
+    return step, body[:n].copy(), body[n:2 * n].copy(), body[2 * n:].copy()
+
+
+def sha256_file(path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,170 @@
+"""The model schedule, written once over the engine API: forward, backward in reverse, the step.
+
+    x = wte[tokens] + wpe[positions]
+    for each layer:  x = x + attn(LN1(x));  x = x + mlp(LN2(x))
+    loss = mean cross-entropy(LNf(x) @ wte.T, targets)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from andrea.config import Experiment, ModelShape
+from andrea.layout import ParameterLayout
+from andrea.memory import plan_model
+
+INIT_STD = 0.02
+
+
+def init_params(layout: ParameterLayout, seed: int) -> np.ndarray:
+    """GPT-2 init: N(0, 0.02) matrices, residual projections (W_O, W_2) scaled by 1/sqrt(2L),
+    LayerNorm gamma 1 and beta 0. Drawn on the host in layout order, so every engine starts equal."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    params = np.zeros(layout.n_params, dtype=np.float32)
+    residual_std = INIT_STD / math.sqrt(2 * layout.shape.n_layer)
+    for t in layout.tensors:
+        view = params[t.offset:t.end]
+        if t.name.endswith(".gamma"):
+            view[:] = 1.0
+        elif t.name.endswith(".beta"):
+            continue
+        else:
+            std = residual_std if t.name.endswith(("W_O", "W_2")) else INIT_STD
+            view[:] = rng.standard_normal(t.size, dtype=np.float32) * np.float32(std)
+    return params
+
+
+def lr_at(exp: Experiment, step: int, total_steps: int) -> float:
+    """Linear warmup then cosine decay to lr * min_lr_ratio at the last step; a function of step."""
+    peak = exp.optimizer["lr"]
+    warmup = exp.schedule["warmup_steps"]
+    floor = peak * exp.schedule["min_lr_ratio"]
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, total_steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+class Model:
+    """Buffers from the memory plan plus the forward/backward schedule over one engine."""
+
+    def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True):
+        self.engine = engine
+        self.shape = shape
+        self.layout = ParameterLayout(shape)
+        self.micro_batch = micro_batch
+        self.plan = plan_model(self.layout, micro_batch, training=training)
+        self.buf = engine.allocate(self.plan)
+        self.training = training
+        self._views("params", "P")
+        if training:
+            self._views("grads", "G")
+
+    def _views(self, flat_name: str, attr: str) -> None:
+        flat = self.buf[flat_name]
+        lay = self.layout
+        setattr(self, attr, {
+            "wte": lay.view(flat, "wte"),
+            "wpe": lay.view(flat, "wpe"),
+            "LNf.gamma": lay.view(flat, "LNf.gamma"),
+            "LNf.beta": lay.view(flat, "LNf.beta"),
+            "layers": [lay.layer(flat, i) for i in range(self.shape.n_layer)],
+        })
+
+    # ---- state ---------------------------------------------------------------------------
+    def load_state(self, params: np.ndarray, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
+        e = self.engine
+        e.upload(self.buf["params"], params)
+        if self.training:
+            e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
+            e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
+            e.zero_grads(self.buf["grads"])
+
+    def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        e = self.engine
+        return tuple(e.to_host(self.buf[k]).astype(np.float32, copy=True) for k in ("params", "m", "v"))
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        """Run the forward pass on one micro-batch; returns the mean loss (saves what backward needs)."""
+        e, b, P, H = self.engine, self.buf, self.P, self.shape.n_head
+        e.upload(b["tokens"], tokens)
+        e.upload(b["targets"], targets)
+        res = b["residual"]
+        e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
+        for l, p in enumerate(P["layers"]):
+            e.layernorm_fwd(b["ln1"][l], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
+            e.attn_qkv_fwd(b["qkv"][l], b["ln1"][l], p["W_Q"], p["W_K"], p["W_V"])
+            e.attn_fwd(b["atty"][l], b["att"][l], b["qkv"][l], H)
+            e.attn_out_fwd(b["branch"], b["atty"][l], p["W_O"])
+            e.residual_add(b["residual_mid"][l], res[l], b["branch"])
+            e.layernorm_fwd(b["ln2"][l], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
+            e.mlp_fwd(b["branch"], b["mlp_pre"][l], b["mlp_act"][l], b["ln2"][l], p["W_1"], p["W_2"])
+            e.residual_add(res[l + 1], b["residual_mid"][l], b["branch"])
+        e.layernorm_fwd(b["lnf"], b["lnf_mean"], b["lnf_rstd"], res[-1], P["LNf.gamma"], P["LNf.beta"])
+        e.loss_fwd(b["losses"], b["probs"], b["lnf"], P["wte"], b["targets"])
+        return e.mean_loss(b["losses"])
+
+    # ---- backward --------------------------------------------------------------------------
+    def backward(self) -> None:
+        """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed)."""
+        e, b, P, G, H = self.engine, self.buf, self.P, self.G, self.shape.n_head
+        res = b["residual"]
+        dres, dres_next = b["d_residual"], b["d_residual_next"]
+        n_positions = self.micro_batch * self.shape.seq_len
+        for name in ("d_residual", "d_ln"):
+            e.zero(b[name])
+        e.loss_bwd(b["d_ln"], G["wte"], b["d_logits"], b["probs"], b["lnf"], P["wte"], b["targets"], 1.0 / n_positions)
+        e.layernorm_bwd(dres, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"], b["lnf_mean"], b["lnf_rstd"])
+        for l in reversed(range(self.shape.n_layer)):
+            p, g = P["layers"][l], G["layers"][l]
+            # x_out = x_mid + mlp(LN2(x_mid))
+            for name in ("d_residual_next", "d_branch", "d_ln"):
+                e.zero(b[name])
+            e.residual_add_bwd(dres_next, b["d_branch"], dres)
+            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["d_mlp_pre"], b["d_branch"], b["ln2"][l],
+                      b["mlp_pre"][l], b["mlp_act"][l], p["W_1"], p["W_2"])
+            e.layernorm_bwd(dres_next, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
+                            p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
+            # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
+            for name in ("d_residual", "d_branch", "d_atty", "d_qkv", "d_ln"):
+                e.zero(b[name])
+            e.residual_add_bwd(dres, b["d_branch"], dres_next)
+            e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][l], p["W_O"])
+            e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["att"][l], H)
+            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], b["ln1"][l], p["W_Q"], p["W_K"], p["W_V"])
+            e.layernorm_bwd(dres, g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"],
+                            b["ln1_mean"][l], b["ln1_rstd"][l])
+        e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
+
+    # ---- optimizer step --------------------------------------------------------------------
+    def grad_norm(self) -> float:
+        e, b = self.engine, self.buf
+        e.grad_norm_partial(b["grad_norm_partials"], b["grads"])
+        e.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])
+        return float(e.to_host(b["grad_norm"])[0])
+
+    def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict) -> tuple[float, float]:
+        """Accumulate over micro-batches, scale by 1/n, clip the global norm, AdamW, zero.
+
+        `step` counts optimizer steps already done; returns (mean loss, grad norm before clipping)."""
+        e, b = self.engine, self.buf
+        losses = []
+        for tokens, targets in micro_batches:
+            losses.append(self.forward(tokens, targets))
+            self.backward()
+        if len(micro_batches) > 1:
+            e.grad_scale(b["grads"], 1.0 / len(micro_batches))
+        norm = self.grad_norm()
+        clip = optimizer["grad_clip"]
+        if clip > 0 and norm > clip:
+            e.grad_scale(b["grads"], clip / (norm + 1e-6))
+        beta1, beta2 = optimizer["betas"]
+        e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
+                     eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
+                     decay_ranges=self.layout.decay_ranges())
+        e.zero_grads(b["grads"])
+        return float(np.mean(losses)), norm

@@ -1,0 +1,369 @@
+"""The training loop: `andrea train`.
+
+Outputs for results/NAME.ckpt (see docs/ANDREA.md):
+    NAME.ckpt          the seed's checkpoint format, atomic
+    NAME.state.json    what the format cannot hold: experiment, step, data, sha256 of the ckpt
+    NAME.loss.json     JSON Lines, one record per step (+ event lines); appended, never truncated
+    NAME.samples.json  generated text at the sample interval (when a tokenizer is present)
+    NAME.log           the run's log lines
+
+SIGTERM: checkpoint at the next step boundary, exit 0 once durable. SIGUSR1: checkpoint, continue.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from andrea import __version__
+from andrea.checkpoint import read_checkpoint, sha256_file, write_checkpoint, write_json_atomic
+from andrea.config import load_experiment
+from andrea.errors import AndreaError
+
+STATE_FORMAT = 1
+N_SAMPLE_PROMPTS = 3
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a model from token shards",
+        description="Train an experiment on token shards (DATA/train.bin, DATA/val.bin). Writes the "
+        "checkpoint and, beside it, .state.json, .loss.json (one JSON line per step), .samples.json and "
+        ".log. SIGTERM checkpoints and exits 0; SIGUSR1 checkpoints and continues.",
+    )
+    p.add_argument("--experiment", required=True, help="experiment JSON (config/experiments/ANDREA-*-TRAIN.json)")
+    p.add_argument("--data", required=True, help="folder with train.bin, val.bin and optionally tokenizer.json")
+    p.add_argument("--out", required=True, help="checkpoint to write, e.g. results/ANDREA-12M.ckpt")
+    p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
+                   help="auto (default) uses CUDA when a device is present, else NumPy")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps in total (the LR schedule still spans the full run)")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from --out if it exists and its .state.json matches the experiment")
+    start.add_argument("--init-from", metavar="CKPT", help="start from any checkpoint of this model size (weights, m, v, step)")
+    p.add_argument("--tokenizer", help="tokenizer.json for samples (default: DATA/tokenizer.json if present)")
+    p.set_defaults(func=main)
+
+
+class RunFiles:
+    def __init__(self, ckpt: Path):
+        self.ckpt = ckpt
+        stem = ckpt.with_suffix("")
+        self.state = stem.with_name(stem.name + ".state.json")
+        self.loss = stem.with_name(stem.name + ".loss.json")
+        self.samples = stem.with_name(stem.name + ".samples.json")
+        self.log = stem.with_name(stem.name + ".log")
+
+
+class Log:
+    """Log lines to stderr and to NAME.log."""
+
+    def __init__(self, path: Path, console):
+        self.path = path
+        self.console = console
+
+    def __call__(self, msg: str) -> None:
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.console.print(msg, highlight=False, markup=False)
+        with open(self.path, "a") as f:
+            f.write(f"{stamp} {msg}\n")
+
+
+class Signals:
+    """Record SIGTERM / SIGUSR1; the loop acts on them at step boundaries. Handlers only set flags,
+    so a signal arriving during a checkpoint write cannot interrupt the write."""
+
+    def __init__(self):
+        self.terminate = False
+        self.snapshot = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig, handler in ((signal.SIGTERM, self._term), (signal.SIGUSR1, self._usr1)):
+            self._old[sig] = signal.signal(sig, handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _term(self, signum, frame):
+        self.terminate = True
+
+    def _usr1(self, signum, frame):
+        self.snapshot = True
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_loss_history(path) -> list[dict]:
+    """Step records of a .loss.json, the later line winning when a step repeats (after a crash)."""
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if "event" not in rec:
+                    by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def data_fingerprint(data_dir: Path) -> dict:
+    out = {}
+    for name in ("train.bin", "val.bin"):
+        path = data_dir / name
+        stat = path.stat()
+        out[name] = {"bytes": stat.st_size}
+        manifest = path.with_name(name + ".manifest.json")
+        if manifest.is_file():
+            out[name]["sha256"] = json.loads(manifest.read_text()).get("output", {}).get("sha256")
+    return out
+
+
+class Trainer:
+    def __init__(self, args, console):
+        from andrea.engines import cuda_available, make_engine
+        from andrea.loader import TokenWindows
+        from andrea.model import Model
+
+        self.args = args
+        self.exp = load_experiment(args.experiment)
+        self.files = RunFiles(Path(args.out))
+        self.files.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        self.log = Log(self.files.log, console)
+        self.console = console
+        data = Path(args.data)
+        shape = self.exp.model
+        self.data_dir = data
+        self.train_windows = TokenWindows(data / "train.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
+        self.val_windows = TokenWindows(data / "val.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
+        self.total_steps = self.exp.total_steps(self.train_windows.tokens.size)
+        self.engine = make_engine(args.engine, precision=self.exp.precision)
+        if self.engine.name == "numpy" and args.engine == "auto" and not cuda_available():
+            self.log("engine: numpy (no CUDA device found; the NumPy reference engine runs on the CPU)")
+        else:
+            self.log(f"engine: {self.engine.name}")
+        self.model = Model(self.engine, shape, self.exp.micro_batch_size)
+        console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {self.exp.micro_batch_size}"))
+        self.log(f"memory plan: {self.model.plan.total_bytes:,} bytes in {len(self.model.plan.buffers)} buffers")
+        self.sampler = None
+        self.prompts: list[list[int]] = []
+        self._setup_sampling(args.tokenizer)
+        self.elapsed_before = 0.0
+
+    def _setup_sampling(self, explicit_tokenizer) -> None:
+        from andrea.sample import Sampler, find_tokenizer, load_tokenizer, validation_prompts
+
+        if self.exp.intervals["sample"] <= 0:
+            return
+        path = find_tokenizer(self.data_dir, explicit_tokenizer)
+        if path is None:
+            self.log(f"samples: skipped (no tokenizer.json in {self.data_dir}; pass --tokenizer to enable)")
+            return
+        if not path.is_file():
+            raise AndreaError(f"{path}: tokenizer file not found")
+        tokenizer = load_tokenizer(path)
+        self.prompts = validation_prompts(tokenizer, self.val_windows.tokens, N_SAMPLE_PROMPTS)
+        if not self.prompts:
+            self.log("samples: skipped (no conversation with an assistant turn in val.bin)")
+            return
+        self.sampler = Sampler(self.engine, self.exp.model, tokenizer)
+
+    # ---- start state -------------------------------------------------------------------------
+    def start_step(self) -> int:
+        from andrea.model import init_params
+
+        n = self.model.layout.n_params
+        files, args = self.files, self.args
+        if args.init_from:
+            step, params, m, v = read_checkpoint(args.init_from, n, f"experiment {self.exp.name}")
+            self.model.load_state(params, m, v)
+            self._start_history(fresh=True)
+            self.event("init_from", step=step, checkpoint=str(args.init_from))
+            return step
+        if args.resume and files.ckpt.exists():
+            return self._resume()
+        if files.ckpt.exists():
+            raise AndreaError(
+                f"{files.ckpt}: a checkpoint is already there; pass --resume to continue it, "
+                "or remove it to start over"
+            )
+        self.model.load_state(init_params(self.model.layout, self.exp.seed))
+        self._start_history(fresh=True)
+        self.event("start", step=0)
+        if args.resume:
+            self.log(f"resume: no checkpoint at {files.ckpt} yet; starting from step 0")
+        return 0
+
+    def _start_history(self, fresh: bool) -> None:
+        if fresh and self.files.loss.exists():
+            # A loss history without a checkpoint is from a run that never saved: keep it aside.
+            old = self.files.loss.with_name(self.files.loss.name + ".old")
+            self.files.loss.replace(old)
+            self.log(f"moved the previous loss history (no checkpoint) to {old}")
+
+    def _resume(self) -> int:
+        files = self.files
+        if not files.state.is_file():
+            raise AndreaError(
+                f"{files.state}: missing, so {files.ckpt} cannot be matched to the experiment; "
+                f"use --init-from {files.ckpt} to start from its weights anyway"
+            )
+        state = json.loads(files.state.read_text())
+        ours = self.exp.trajectory_hash()
+        if state.get("trajectory_hash") != ours:
+            theirs = state.get("experiment", {})
+            differing = [k for k in ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
+                         if theirs.get(k) != self.exp.raw[k]]
+            raise AndreaError(
+                f"{files.ckpt}: cannot resume: the experiment changed since it was written "
+                f"(sections differing: {', '.join(differing) or 'unknown'}); "
+                f"use --init-from {files.ckpt} to start a new run from its weights"
+            )
+        expected = state.get("ckpt_sha256")
+        if expected and sha256_file(files.ckpt) != expected:
+            raise AndreaError(
+                f"{files.ckpt}: sha256 does not match the one recorded in {files.state}; "
+                "the checkpoint was modified or damaged"
+            )
+        step, params, m, v = read_checkpoint(files.ckpt, self.model.layout.n_params, f"experiment {self.exp.name}")
+        self.model.load_state(params, m, v)
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self.event("resume", step=step)
+        self.log(f"resumed {files.ckpt} at step {step}")
+        return step
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def event(self, name: str, **fields) -> None:
+        append_jsonl(self.files.loss, {"event": name, "wall": time.time(), **fields})
+
+    def checkpoint(self, step: int, elapsed: float, reason: str) -> None:
+        params, m, v = self.model.host_state()
+        digest = write_checkpoint(self.files.ckpt, step, params, m, v)
+        write_json_atomic(self.files.state, {
+            "format": STATE_FORMAT,
+            "andrea_version": __version__,
+            "experiment_path": self.exp.path,
+            "experiment": self.exp.raw,
+            "trajectory_hash": self.exp.trajectory_hash(),
+            "step": step,
+            "total_steps": self.total_steps,
+            "samples_seen": step * self.exp.batch_size,
+            "tokens_seen": step * self.exp.tokens_per_step,
+            "data": {"dir": str(self.data_dir), **data_fingerprint(self.data_dir)},
+            "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
+            "engine": self.engine.name,
+            "n_params": self.model.layout.n_params,
+            "ckpt_sha256": digest,
+            "elapsed_s": elapsed,
+            "written_at": datetime.now(timezone.utc).isoformat(),
+        })
+        self.event("checkpoint", step=step, reason=reason)
+        self.log(f"checkpoint: step {step} -> {self.files.ckpt} ({reason})")
+
+    def write_samples(self, step: int) -> None:
+        from andrea.sample import training_samples
+
+        params, _, _ = self.model.host_state()
+        self.sampler.load_params(params)
+        entry = {"step": step, "samples": training_samples(self.sampler, self.prompts, seed=self.exp.seed, step=step)}
+        history = json.loads(self.files.samples.read_text()) if self.files.samples.exists() else []
+        history = [h for h in history if h["step"] < step] + [entry]
+        write_json_atomic(self.files.samples, history)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        from andrea.evaluate import validation_loss
+        from andrea.model import lr_at
+
+        exp, model = self.exp, self.model
+        step = self.start_step()
+        stop = self.total_steps if self.args.max_steps is None else min(self.total_steps, self.args.max_steps)
+        iv = exp.intervals
+        self.log(f"training {exp.name}: steps {step} -> {stop} of {self.total_steps}, "
+                 f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters")
+        t_start = time.time()
+        with Signals() as signals, Progress(self.console, step, stop) as progress:
+            while step < stop:
+                t0 = time.time()
+                micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches)
+                lr = lr_at(exp, step, self.total_steps)
+                loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
+                step += 1
+                dt = time.time() - t0
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                          "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt,
+                          "time": self.elapsed_before + time.time() - t_start}
+                last = step == self.total_steps
+                if (iv["eval"] and step % iv["eval"] == 0) or last:
+                    record["val_loss"] = validation_loss(model, self.val_windows, iv["eval_batches"])
+                append_jsonl(self.files.loss, record)
+                progress.update(step, record)
+                if self.sampler and ((iv["sample"] and step % iv["sample"] == 0) or last):
+                    self.write_samples(step)
+                elapsed = self.elapsed_before + time.time() - t_start
+                if signals.terminate:
+                    self.checkpoint(step, elapsed, "SIGTERM")
+                    self.log(f"SIGTERM: stopped at step {step}; resume with --resume")
+                    return 0
+                if signals.snapshot:
+                    signals.snapshot = False
+                    self.checkpoint(step, elapsed, "SIGUSR1")
+                elif iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
+                    self.checkpoint(step, elapsed, "interval")
+            self.checkpoint(step, self.elapsed_before + time.time() - t_start, "end" if step == self.total_steps else "max-steps")
+        self.log(f"done: step {step} of {self.total_steps}")
+        return 0
+
+
+class Progress:
+    """A live bar with loss, tokens/s and ETA on a terminal; a few plain lines in logs."""
+
+    def __init__(self, console, start: int, stop: int):
+        self.console, self.start, self.stop = console, start, stop
+        self.live = console.is_terminal
+        self.every = max(1, (stop - start) // 20)
+        self.t0 = time.time()
+
+    def __enter__(self):
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+
+            self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                           TimeRemainingColumn(), console=self.console)
+            self.bar.__enter__()
+            self.task = self.bar.add_task("train", total=self.stop, completed=self.start, info="")
+        return self
+
+    def __exit__(self, *exc):
+        if self.live:
+            self.bar.__exit__(*exc)
+
+    def update(self, step: int, rec: dict) -> None:
+        info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s"
+        if "val_loss" in rec:
+            info += f"  val {rec['val_loss']:.4f}"
+        if self.live:
+            self.bar.update(self.task, completed=step, info=info)
+        elif (step - self.start) % self.every == 0 or step == self.stop:
+            done = step - self.start
+            eta = (time.time() - self.t0) / max(done, 1) * (self.stop - step)
+            self.console.print(f"step {step}/{self.stop}  {info}  eta {eta:,.0f}s", highlight=False)
+
+
+def main(args) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return Trainer(args, console).run()
