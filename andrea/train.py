@@ -72,7 +72,7 @@ class Log:
 
     def __call__(self, msg: str) -> None:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        self.console.print(msg, highlight=False, markup=False)
+        self.console.print(msg, highlight=False, markup=False, soft_wrap=True)
         with open(self.path, "a") as f:
             f.write(f"{stamp} {msg}\n")
 
@@ -359,7 +359,7 @@ class Progress:
         elif (step - self.start) % self.every == 0 or step == self.stop:
             done = step - self.start
             eta = (time.time() - self.t0) / max(done, 1) * (self.stop - step)
-            self.console.print(f"step {step}/{self.stop}  {info}  eta {eta:,.0f}s", highlight=False)
+            self.console.print(f"step {step}/{self.stop}  {info}  eta {eta:,.0f}s", highlight=False, soft_wrap=True)
 
 
 def main(args) -> int:

@@ -7,6 +7,7 @@ Every backward op ADDS into its grad_input and grad_weight buffers (callers zero
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -16,13 +17,18 @@ GELU_K = math.sqrt(2.0 / math.pi)
 
 
 def _gelu(x):
-    return 0.5 * x * (1.0 + np.tanh(GELU_K * (x + 0.044715 * x**3)))
+    # x * x * x, not x**3: NumPy's float32 pow is ~30x slower than two multiplies.
+    return 0.5 * x * (1.0 + np.tanh(GELU_K * (x + 0.044715 * (x * x * x))))
 
 
 def _gelu_grad(x):
-    u = GELU_K * (x + 0.044715 * x**3)
-    th = np.tanh(u)
+    th = np.tanh(GELU_K * (x + 0.044715 * (x * x * x)))
     return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3 * 0.044715 * x * x)
+
+
+@functools.cache
+def _future_mask(T):
+    return np.triu(np.ones((T, T), dtype=bool), k=1)
 
 
 def _heads(x, H):
@@ -110,7 +116,7 @@ class NumpyEngine:
         T = q.shape[2]
         scale = 1.0 / math.sqrt(q.shape[-1])
         s = (q @ k.transpose(0, 1, 3, 2)) * scale
-        s[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+        s[..., _future_mask(T)] = -np.inf
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)

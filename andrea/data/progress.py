@@ -1,0 +1,46 @@
+"""Progress for the data stages: a rich bar on a terminal, a few plain lines in logs.
+
+Logs (Snakemake's `log:` files, CI) get a start line, one line per quarter done and an end
+line, never bar redraws.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+def log(stage: str, message: str) -> None:
+    print(f"andrea {stage}: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def progress(stage: str, description: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
+    """Yield `advance(n)`; `total` None shows work without a known end (a spinner)."""
+    start = time.perf_counter()
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        columns = [SpinnerColumn(), TextColumn(f"andrea {stage}: {description}"), BarColumn(),
+                   MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn()]
+        with Progress(*columns, console=Console(stderr=True)) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda n=1: bar.advance(task, n)
+        return
+
+    log(stage, f"{description} ({total:,} {unit})" if total else f"{description} ...")
+    done = 0
+    next_quarter = 1
+
+    def advance(n: int = 1) -> None:
+        nonlocal done, next_quarter
+        done += n
+        while total and next_quarter < 4 and done * 4 >= total * next_quarter:
+            log(stage, f"{description}: {25 * next_quarter}% ({done:,}/{total:,} {unit})")
+            next_quarter += 1
+
+    yield advance
+    log(stage, f"{description}: done, {done:,} {unit} in {time.perf_counter() - start:.1f} s")

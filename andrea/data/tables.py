@@ -1,0 +1,47 @@
+"""Parquet in and out for the data stages: clear errors on read, atomic writes."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from andrea.errors import AndreaError
+from andrea.manifest import atomic_output
+
+BATCH_ROWS = 2048
+
+
+def open_parquet(path: str | os.PathLike, required: Sequence[str], made_by: str) -> pq.ParquetFile:
+    """Open a stage's parquet input; every failure names the file and the stage that makes it."""
+    path = Path(path)
+    if not path.is_file():
+        raise AndreaError(f"{path}: no such file; run `andrea {made_by}` first or check the path")
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise AndreaError(f"{path}: not a readable parquet file ({err}); rerun `andrea {made_by}`") from None
+    missing = [c for c in required if c not in table.schema_arrow.names]
+    if missing:
+        raise AndreaError(
+            f"{path}: missing column(s) {', '.join(missing)} (has {', '.join(table.schema_arrow.names)}); "
+            f"expected the output of `andrea {made_by}`"
+        )
+    return table
+
+
+def iter_rows(table: pq.ParquetFile, columns: Sequence[str]) -> Iterator[list[dict]]:
+    """Rows as dicts, a batch at a time (the whole file need not fit in memory)."""
+    for batch in table.iter_batches(batch_size=BATCH_ROWS, columns=list(columns)):
+        yield batch.to_pylist()
+
+
+@contextmanager
+def parquet_output(path: str | os.PathLike, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
+    """A ParquetWriter whose file appears at `path` only once it is complete."""
+    with atomic_output(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        yield writer

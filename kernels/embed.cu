@@ -1,0 +1,78 @@
+// embed: token + position embedding.
+//   forward:  out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]
+//   backward: dwte[v, :] += sum of dout[n, :] over the positions n whose token is v
+//             dwpe[t, :] += sum over b of dout[b, t, :]
+// The backward sums run in a fixed order with no atomics, so repeated tokens give the same bits on
+// every run: the block of position n owns token v = tokens[n] only where n is v's first occurrence,
+// and the owner gathers all of v's occurrences in ascending position order.
+#include "common.cuh"
+
+// Columns one thread accumulates in the backward pass: C <= EMBED_BWD_THREADS * EMBED_BWD_COLS.
+#define EMBED_BWD_THREADS 256
+#define EMBED_BWD_COLS 16
+
+extern "C" __global__ void k_embed_fwd(float* out, const int* tokens, const float* wte, const float* wpe,
+                                       long long n_pos, int T, int C) {
+    GRID_STRIDE_LOOP(i, n_pos * C) {
+        const long long n = i / C;
+        const int c = (int)(i % C), t = (int)(n % T);
+        out[i] = wte[(long long)tokens[n] * C + c] + wpe[(long long)t * C + c];
+    }
+}
+
+// Blocks [0, n_pos) own token rows of dwte; blocks [n_pos, n_pos + T) own rows of dwpe.
+extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)
+k_embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C) {
+    const int tid = threadIdx.x;
+    if (blockIdx.x >= n_pos) {
+        const int t = (int)(blockIdx.x - n_pos);
+        const long long B = n_pos / T;
+        for (int c = tid; c < C; c += blockDim.x) {
+            float sum = 0.0f;
+            for (long long b = 0; b < B; b++) sum += dout[(b * T + t) * C + c];
+            dwpe[(long long)t * C + c] += sum;
+        }
+        return;
+    }
+    const long long n = blockIdx.x;
+    const int token = tokens[n];
+    // Not the first occurrence: an earlier block owns this token.
+    for (long long j0 = 0; j0 < n; j0 += blockDim.x) {
+        const long long j = j0 + tid;
+        if (__syncthreads_or(j < n && tokens[j] == token)) return;
+    }
+    __shared__ int hits[EMBED_BWD_THREADS];  // offsets in the current chunk that hold `token`, ascending
+    __shared__ int warp_hits[EMBED_BWD_THREADS / WARP_SIZE];
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, n_warps = blockDim.x / WARP_SIZE;
+    float acc[EMBED_BWD_COLS];
+#pragma unroll
+    for (int k = 0; k < EMBED_BWD_COLS; k++) acc[k] = 0.0f;
+    for (long long j0 = n; j0 < n_pos; j0 += blockDim.x) {
+        const long long j = j0 + tid;
+        const bool hit = j < n_pos && tokens[j] == token;
+        const unsigned ballot = __ballot_sync(FULL_MASK, hit);
+        if (lane == 0) warp_hits[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, total = 0;
+        for (int w = 0; w < n_warps; w++) {
+            before += w < warp ? warp_hits[w] : 0;
+            total += warp_hits[w];
+        }
+        if (hit) hits[before + __popc(ballot & ((1u << lane) - 1u))] = tid;
+        __syncthreads();
+        for (int h = 0; h < total; h++) {
+            const float* row = dout + (j0 + hits[h]) * C;
+#pragma unroll
+            for (int k = 0; k < EMBED_BWD_COLS; k++) {
+                const int c = tid + k * EMBED_BWD_THREADS;
+                if (c < C) acc[k] += row[c];
+            }
+        }
+        __syncthreads();  // hits and warp_hits are rewritten by the next chunk
+    }
+#pragma unroll
+    for (int k = 0; k < EMBED_BWD_COLS; k++) {
+        const int c = tid + k * EMBED_BWD_THREADS;
+        if (c < C) dwte[(long long)token * C + c] += acc[k];
+    }
+}

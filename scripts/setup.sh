@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up ANDREA in ./.venv. `--test` adds what the test suite needs.
+# Idempotent: rerunning only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="gpu"
+if [[ "${1:-}" == "--test" ]]; then
+  extras="test,kernels,slurm"
+fi
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[${extras}]"
+echo "andrea installed in .venv (extras: ${extras})"

@@ -1,0 +1,277 @@
+"""Finite-difference gradient checks (float64) for every op pair, `+=` semantics, the whole model."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from andrea.config import load_experiment
+from andrea.engines.numpy_engine import NumpyEngine
+from andrea.model import Model, init_params
+from conftest import EXPERIMENTS
+
+B, T, C, H, V = 2, 5, 8, 2, 11
+E = NumpyEngine("float64")
+
+
+def rand(rng, *shape, scale=1.0):
+    return rng.standard_normal(shape) * scale
+
+
+# Each op fixture returns (differentiable inputs, fwd, bwd) on fresh random float64 inputs;
+# the checked scalar is L = sum(out * R) for a random R, so dout = R.
+
+
+def op_embed(rng):
+    tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+    tokens[0, :2] = 3  # a repeated id must accumulate, not overwrite
+    x = {"wte": rand(rng, V, C), "wpe": rand(rng, T + 2, C)}
+
+    def fwd(x):
+        out = np.zeros((B, T, C))
+        E.embed_fwd(out, tokens, x["wte"], x["wpe"])
+        return out, None
+
+    def bwd(x, saved, dout, g):
+        E.embed_bwd(g["wte"], g["wpe"], dout, tokens)
+
+    return x, fwd, bwd
+
+
+def op_layernorm(rng):
+    x = {"inp": rand(rng, B, T, C) * 3 + 1, "gamma": rand(rng, C), "beta": rand(rng, C)}
+
+    def fwd(x):
+        out, mean, rstd = np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T))
+        E.layernorm_fwd(out, mean, rstd, x["inp"], x["gamma"], x["beta"])
+        return out, (mean, rstd)
+
+    def bwd(x, saved, dout, g):
+        E.layernorm_bwd(g["inp"], g["gamma"], g["beta"], dout, x["inp"], x["gamma"], *saved)
+
+    return x, fwd, bwd
+
+
+def op_attn_qkv(rng):
+    x = {"inp": rand(rng, B, T, C), "W_Q": rand(rng, C, C), "W_K": rand(rng, C, C), "W_V": rand(rng, C, C)}
+
+    def fwd(x):
+        out = np.zeros((3, B, T, C))
+        E.attn_qkv_fwd(out, x["inp"], x["W_Q"], x["W_K"], x["W_V"])
+        return out, None
+
+    def bwd(x, saved, dout, g):
+        E.attn_qkv_bwd(g["inp"], g["W_Q"], g["W_K"], g["W_V"], dout, x["inp"], x["W_Q"], x["W_K"], x["W_V"])
+
+    return x, fwd, bwd
+
+
+def op_attn(rng):
+    x = {"qkv": rand(rng, 3, B, T, C)}
+
+    def fwd(x):
+        out, att = np.zeros((B, T, C)), np.zeros((B, H, T, T))
+        E.attn_fwd(out, att, x["qkv"], H)
+        return out, att
+
+    def bwd(x, att, dout, g):
+        E.attn_bwd(g["qkv"], np.zeros((B, H, T, T)), dout, x["qkv"], att, H)
+
+    return x, fwd, bwd
+
+
+def op_attn_out(rng):
+    x = {"inp": rand(rng, B, T, C), "W_O": rand(rng, C, C)}
+
+    def fwd(x):
+        out = np.zeros((B, T, C))
+        E.attn_out_fwd(out, x["inp"], x["W_O"])
+        return out, None
+
+    def bwd(x, saved, dout, g):
+        E.attn_out_bwd(g["inp"], g["W_O"], dout, x["inp"], x["W_O"])
+
+    return x, fwd, bwd
+
+
+def op_mlp(rng):
+    x = {"inp": rand(rng, B, T, C), "W_1": rand(rng, C, 4 * C), "W_2": rand(rng, 4 * C, C, scale=0.5)}
+
+    def fwd(x):
+        out, pre, act = np.zeros((B, T, C)), np.zeros((B, T, 4 * C)), np.zeros((B, T, 4 * C))
+        E.mlp_fwd(out, pre, act, x["inp"], x["W_1"], x["W_2"])
+        return out, (pre, act)
+
+    def bwd(x, saved, dout, g):
+        E.mlp_bwd(g["inp"], g["W_1"], g["W_2"], np.zeros((B, T, 4 * C)), dout, x["inp"], *saved, x["W_1"], x["W_2"])
+
+    return x, fwd, bwd
+
+
+def op_residual_add(rng):
+    x = {"a": rand(rng, B, T, C), "b": rand(rng, B, T, C)}
+
+    def fwd(x):
+        out = np.zeros((B, T, C))
+        E.residual_add(out, x["a"], x["b"])
+        return out, None
+
+    def bwd(x, saved, dout, g):
+        E.residual_add_bwd(g["a"], g["b"], dout)
+
+    return x, fwd, bwd
+
+
+OPS = [op_embed, op_layernorm, op_attn_qkv, op_attn, op_attn_out, op_mlp, op_residual_add]
+
+
+def analytic_and_numeric(op, seed, n_probe=12, h=1e-6):
+    rng = np.random.default_rng(seed)
+    x, fwd, bwd = op(rng)
+    out, saved = fwd(x)
+    R = rng.standard_normal(out.shape)
+    grads = {k: np.zeros_like(v) for k, v in x.items()}
+    bwd(x, saved, R, grads)
+    pairs = []
+    for name, arr in x.items():
+        for i in rng.choice(arr.size, min(n_probe, arr.size), replace=False):
+            orig = arr.flat[i]
+            arr.flat[i] = orig + h
+            lp = np.sum(fwd(x)[0] * R)
+            arr.flat[i] = orig - h
+            lm = np.sum(fwd(x)[0] * R)
+            arr.flat[i] = orig
+            pairs.append((name, grads[name].flat[i], (lp - lm) / (2 * h)))
+    return x, fwd, bwd, R, grads, pairs
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__[3:])
+def test_op_gradient_matches_finite_difference(op):
+    *_, pairs = analytic_and_numeric(op, seed=hash(op.__name__) % 2**32)
+    for name, analytic, numeric in pairs:
+        assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8), name
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__[3:])
+def test_backward_adds_into_gradients(op):
+    x, fwd, bwd, R, grads, _ = analytic_and_numeric(op, seed=7, n_probe=1)
+    once = {k: v.copy() for k, v in grads.items()}
+    assert any(np.abs(v).max() > 0 for v in once.values())
+    _, saved = fwd(x)
+    bwd(x, saved, R, grads)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], 2 * once[k], rtol=1e-12, atol=1e-14)
+
+
+def loss_op_fixture(seed):
+    rng = np.random.default_rng(seed)
+    inp, wte = rand(rng, B, T, C), rand(rng, V, C)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+
+    def loss(inp, wte):
+        losses, probs = np.zeros((B, T)), np.zeros((B, T, V))
+        E.loss_fwd(losses, probs, inp, wte, targets)
+        return losses, probs
+
+    return inp, wte, targets, loss
+
+
+def test_loss_gradient_matches_finite_difference():
+    inp, wte, targets, loss = loss_op_fixture(3)
+    losses, probs = loss(inp, wte)
+    ref = -np.log(np.exp(inp @ wte.T)[np.arange(B)[:, None], np.arange(T), targets] / np.exp(inp @ wte.T).sum(-1))
+    np.testing.assert_allclose(losses, ref, rtol=1e-12)
+    scale = 1.0 / (B * T)
+    dinp, dwte = np.zeros_like(inp), np.zeros_like(wte)
+    E.loss_bwd(dinp, dwte, np.zeros((B, T, V)), probs, inp, wte, targets, scale)
+    rng = np.random.default_rng(0)
+    for arr, grad in ((inp, dinp), (wte, dwte)):
+        for i in rng.choice(arr.size, 12, replace=False):
+            orig, h = arr.flat[i], 1e-6
+            arr.flat[i] = orig + h
+            lp = loss(inp, wte)[0].sum() * scale
+            arr.flat[i] = orig - h
+            lm = loss(inp, wte)[0].sum() * scale
+            arr.flat[i] = orig
+            assert grad.flat[i] == pytest.approx((lp - lm) / (2 * h), rel=1e-6, abs=1e-9)
+    once = (dinp.copy(), dwte.copy())
+    E.loss_bwd(dinp, dwte, np.zeros((B, T, V)), probs, inp, wte, targets, scale)
+    np.testing.assert_allclose(dinp, 2 * once[0], rtol=1e-12)
+    np.testing.assert_allclose(dwte, 2 * once[1], rtol=1e-12)
+
+
+def test_grad_norm_and_scale():
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal(10_001)
+    partials, norm = np.zeros(64), np.zeros(1)
+    E.grad_norm_partial(partials, g)
+    E.grad_norm_final(norm, partials)
+    assert norm[0] == pytest.approx(np.linalg.norm(g), rel=1e-12)
+    before = norm[0]
+    E.grad_scale(g, 0.5)
+    E.grad_norm_partial(partials, g)
+    E.grad_norm_final(norm, partials)
+    assert norm[0] == pytest.approx(0.5 * before, rel=1e-12)
+
+
+def test_adamw_matches_textbook_formula():
+    rng = np.random.default_rng(2)
+    p, g = rng.standard_normal(20), rng.standard_normal(20)
+    m, v = rng.standard_normal(20) * 0.1, rng.random(20) * 0.1
+    want_m = 0.9 * m + 0.1 * g
+    want_v = 0.95 * v + 0.05 * g * g
+    upd = (want_m / (1 - 0.9**3)) / (np.sqrt(want_v / (1 - 0.95**3)) + 1e-8)
+    decay = np.zeros(20)
+    decay[5:12] = 0.1
+    want_p = p - 0.01 * (upd + decay * p)
+    E.adamw_step(p, g, m, v, lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, decay_ranges=[(5, 12)])
+    np.testing.assert_allclose(m, want_m, rtol=1e-12)
+    np.testing.assert_allclose(v, want_v, rtol=1e-12)
+    np.testing.assert_allclose(p, want_p, rtol=1e-12)
+
+
+def tiny_model(micro_batch, seed=0):
+    shape = load_experiment(EXPERIMENTS / "ANDREA-tiny-TRAIN.json").model
+    model = Model(NumpyEngine("float64"), shape, micro_batch)
+    params = init_params(model.layout, seed).astype(np.float64)
+    params += np.random.default_rng(seed + 1).normal(0, 0.05, params.shape)  # non-trivial LN params
+    model.load_state(params)
+    return model, shape
+
+
+def test_whole_model_gradient_matches_finite_difference():
+    model, shape = tiny_model(micro_batch=2)
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, shape.vocab_size, (2, shape.seq_len)).astype(np.int32)
+    y = rng.integers(0, shape.vocab_size, (2, shape.seq_len)).astype(np.int32)
+    model.forward(x, y)
+    model.backward()
+    grads = model.buf["grads"].copy()
+    params = model.buf["params"]
+    # probe every tensor of the layout, a few entries each
+    for t in model.layout.tensors:
+        for i in t.offset + rng.choice(t.size, 2, replace=False):
+            orig, h = params[i], 1e-6
+            params[i] = orig + h
+            lp = model.forward(x, y)
+            params[i] = orig - h
+            lm = model.forward(x, y)
+            params[i] = orig
+            assert grads[i] == pytest.approx((lp - lm) / (2 * h), rel=1e-5, abs=1e-9), t.name
+
+
+def test_two_micro_batches_equal_one_batch():
+    exp = load_experiment(EXPERIMENTS / "ANDREA-tiny-TRAIN.json")
+    rng = np.random.default_rng(9)
+    x = rng.integers(0, 512, (4, 64)).astype(np.int32)
+    y = rng.integers(0, 512, (4, 64)).astype(np.int32)
+    whole, _ = tiny_model(micro_batch=4)
+    split, _ = tiny_model(micro_batch=2)
+    opt = dict(exp.optimizer, grad_clip=0.5)  # clipping active: the norm must agree too
+    lw, nw = whole.train_step([(x, y)], step=0, lr=1e-3, optimizer=opt)
+    ls, ns = split.train_step([(x[:2], y[:2]), (x[2:], y[2:])], step=0, lr=1e-3, optimizer=opt)
+    assert ls == pytest.approx(lw, rel=1e-12)
+    assert ns == pytest.approx(nw, rel=1e-12)
+    for k in ("params", "m", "v"):
+        np.testing.assert_allclose(split.buf[k], whole.buf[k], rtol=1e-10, atol=1e-14)
+    assert not split.buf["grads"].any()
