@@ -9,13 +9,11 @@ hold lives in the `.state.json` sidecar (see `andrea.train`).
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
 
 HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
@@ -27,52 +25,27 @@ def checkpoint_bytes(n_params: int) -> int:
     return HEADER_BYTES + 3 * n_params * FLOAT.itemsize
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb"):
-    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder.
-    A crash or signal at any moment leaves either the old file or the new one, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    with atomic_write(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-def write_checkpoint(path, step: int, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> str:
-    """Write atomically; returns the sha256 of the bytes written."""
+def _parts(step: int, params, m, v) -> list[np.ndarray]:
     n = params.size
     if not (m.size == v.size == n):
         raise ValueError("params, m and v must have the same size")
-    header = np.array([(step, n)], dtype=HEADER)
+    return [np.array([(step, n)], dtype=HEADER)] + [np.ascontiguousarray(x, dtype=FLOAT) for x in (params, m, v)]
+
+
+def checkpoint_digest(step: int, params, m, v) -> str:
+    """sha256 of the bytes write_checkpoint writes for this state."""
     digest = hashlib.sha256()
-    with atomic_write(path) as f:
-        for part in (header, params, m, v):
-            data = np.ascontiguousarray(part, dtype=part.dtype if part is header else FLOAT).tobytes()
-            digest.update(data)
-            f.write(data)
+    for part in _parts(step, params, m, v):
+        digest.update(memoryview(part).cast("B"))
     return digest.hexdigest()
+
+
+def write_checkpoint(path, step: int, params, m, v) -> None:
+    """Write atomically: a reader sees the old file or the new one, never a torn one."""
+    parts = _parts(step, params, m, v)
+    with atomic_write(path) as f:
+        for part in parts:
+            f.write(memoryview(part).cast("B"))
 
 
 def read_header(path) -> tuple[int, int]:

@@ -15,6 +15,11 @@ from andrea.errors import AndreaError
 STAGE_MODULES = [
     "andrea.data.cli",
     "andrea.train",
+    "andrea.evaluate",
+    "andrea.sample",
+    "andrea.export",
+    "andrea.inspect_ckpt",
+    "andrea.dashboard.cli",
 ]
 
 
@@ -43,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except AndreaError as err:
         print(f"andrea {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        # Disk full, I/O error, permissions: name the file and the cause, no traceback.
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"andrea {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"andrea {args.command}: interrupted", file=sys.stderr)

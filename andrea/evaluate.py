@@ -1,11 +1,158 @@
-"""Validation loss: the one implementation, used by the training loop and by `andrea eval`."""
+"""Validation loss — the one implementation, used by the training loop and by `andrea eval` — and
+`andrea eval`: loss, perplexity and bits per byte of a checkpoint, with its lineage.
+
+Bits per byte makes models with different tokenizers comparable: the total cross-entropy of the
+evaluated target tokens, in bits, divided by the UTF-8 length of the text those tokens decode to.
+"""
 
 from __future__ import annotations
 
+import math
+import time
+from pathlib import Path
+
 import numpy as np
+
+from andrea.errors import AndreaError
+
+EVAL_FORMAT = "andrea-eval/1"
 
 
 def validation_loss(model, windows, n_batches: int) -> float:
     """Mean loss over the first n_batches micro-batches of the validation windows (in order)."""
     losses = [model.forward(*windows.val_batch(i, model.micro_batch)) for i in range(n_batches)]
     return float(np.mean(losses))
+
+
+def evaluated_targets(windows, micro_batch: int, n_batches: int) -> np.ndarray:
+    """The target tokens validation_loss scores, in order: consecutive windows are consecutive
+    text, so the concatenation decodes as the val shard's own text."""
+    return np.concatenate([windows.val_batch(i, micro_batch)[1].reshape(-1) for i in range(n_batches)])
+
+
+def bits_per_byte(mean_loss: float, n_tokens: int, n_bytes: int) -> float:
+    """Total nats over the tokens, in bits, per UTF-8 byte of their decoded text."""
+    return mean_loss * n_tokens / math.log(2) / n_bytes
+
+
+def inference_engine(name: str, precision: str):
+    """The engine that runs a checkpoint: CUDA at the experiment's precision, or the NumPy engine
+    (fp32, the only precision it has) when there is no device."""
+    from andrea.engines import cuda_available, make_engine
+
+    on_cuda = name == "cuda" or (name == "auto" and cuda_available())
+    return make_engine(name, precision=precision if on_cuda else "fp32")
+
+
+def _file_record(path: Path) -> dict:
+    """A file as the eval report names it: path, sha256 and, when a stage made it, its manifest's sha256."""
+    from andrea.manifest import manifest_path, read_manifest, sha256_file
+
+    record = {"path": str(path), "sha256": sha256_file(path)}
+    if manifest_path(path).is_file():
+        record["manifest_sha256"] = read_manifest(path)["sha256"]
+    return record
+
+
+def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: str = "auto",
+                        n_batches: int | None = None) -> dict:
+    """Everything `andrea eval` writes, as one JSON-ready dict. All but `throughput` is deterministic."""
+    from dataclasses import asdict
+
+    from andrea.checkpoint import read_checkpoint
+    from andrea.inspect_ckpt import experiment_for, read_state, recorded_sha256s
+    from andrea.layout import ParameterLayout
+    from andrea.loader import TokenWindows
+    from andrea.manifest import lineage, manifest_path
+    from andrea.model import Model
+    from andrea.sample import find_tokenizer, load_tokenizer
+
+    ckpt, data_dir = Path(ckpt), Path(data_dir)
+    exp = experiment_for(ckpt, experiment)
+    shape = exp.model
+    n_batches = exp.intervals["eval_batches"] if n_batches is None else n_batches
+    if n_batches < 1:
+        raise AndreaError(f"--batches {n_batches} must be at least 1")
+    val_path = data_dir / "val.bin"
+    windows = TokenWindows(val_path, shape.seq_len, exp.seed, shape.vocab_size)
+    tokenizer_path = find_tokenizer(data_dir, tokenizer)
+    chat = load_tokenizer(tokenizer_path) if tokenizer_path else None
+
+    step, params, _, _ = read_checkpoint(ckpt, ParameterLayout(shape).n_params, f"experiment {exp.name}")
+    model = Model(inference_engine(engine, exp.precision), shape, exp.micro_batch_size, training=False)
+    model.load_state(params)
+    start = time.perf_counter()
+    loss = validation_loss(model, windows, n_batches)
+    model.engine.synchronize()
+    wall = time.perf_counter() - start
+
+    targets = evaluated_targets(windows, model.micro_batch, n_batches)
+    n_bytes = len(chat.decode(targets).encode("utf-8")) if chat else None
+    state = read_state(ckpt)
+    ckpt_record = _file_record(ckpt)
+    return {
+        "format": EVAL_FORMAT,
+        "experiment": {"name": exp.name, "path": exp.path, "trajectory_hash": exp.trajectory_hash()},
+        "checkpoint": {**ckpt_record, "step": step, "n_params": int(params.size),
+                       "vouched_for_by_state": ckpt_record["sha256"] in recorded_sha256s(state) if state else None},
+        "data": {"val": {**_file_record(val_path), "tokens": int(windows.tokens.size), "windows": windows.n_windows},
+                 "tokenizer": _file_record(tokenizer_path) if tokenizer_path else None},
+        "trained_on": (state or {}).get("data"),
+        "lineage": asdict(lineage(val_path)) if manifest_path(val_path).is_file() else None,
+        "metrics": {
+            "val_loss": loss,
+            "perplexity": math.exp(loss),
+            "bits_per_byte": bits_per_byte(loss, targets.size, n_bytes) if n_bytes else None,
+            "tokens": int(targets.size),
+            "bytes": n_bytes,
+            "batches": n_batches,
+            "micro_batch": model.micro_batch,
+            "seq_len": shape.seq_len,
+            "distinct_windows": min(n_batches * model.micro_batch, windows.n_windows),
+        },
+        "engine": model.engine.name,
+        "throughput": {"tokens_per_s": targets.size / wall, "wall_s": wall},
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="validation loss, perplexity and bits per byte of a checkpoint",
+        description="Evaluate a checkpoint on DATA/val.bin exactly as the training loop does (same windows, "
+        "micro-batch size and intervals.eval_batches), so the loss equals the val_loss logged at that step. "
+        "Adds perplexity, bits per UTF-8 byte (needs DATA/tokenizer.json or --tokenizer), throughput and "
+        "the lineage of the checkpoint and data. Writes JSON to --out.",
+    )
+    p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
+    p.add_argument("--ckpt", required=True, help="checkpoint, e.g. results/ANDREA-12M.ckpt")
+    p.add_argument("--data", required=True, help="folder with val.bin (and tokenizer.json)")
+    p.add_argument("--out", required=True, help="JSON report to write, e.g. results/eval/ANDREA-12M.json")
+    p.add_argument("--tokenizer", help="tokenizer.json for bits per byte (default: DATA/tokenizer.json)")
+    p.add_argument("--batches", type=int, help="validation micro-batches (default: the experiment's intervals.eval_batches)")
+    p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
+                   help="auto (default) uses CUDA when a device is present, else NumPy; the loss equals "
+                   "training's when the engine is the one that trained")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from andrea.atomic import write_json_atomic
+    from andrea.manifest import write_manifest
+
+    report = evaluate_checkpoint(args.experiment, args.ckpt, args.data, tokenizer=args.tokenizer,
+                                 engine=args.engine, n_batches=args.batches)
+    write_json_atomic(args.out, report)
+    write_manifest(
+        args.out, stage="eval",
+        inputs=[p for p in (args.ckpt, report["data"]["val"]["path"], (report["data"]["tokenizer"] or {}).get("path")) if p],
+        config={"experiment": report["experiment"], "batches": report["metrics"]["batches"], "engine": report["engine"]},
+        counts={"tokens": report["metrics"]["tokens"]}, wall_time_s=report["throughput"]["wall_s"],
+    )
+    m = report["metrics"]
+    bpb = f"{m['bits_per_byte']:.4f}" if m["bits_per_byte"] is not None else "n/a (no tokenizer)"
+    print(f"{report['experiment']['name']} step {report['checkpoint']['step']}: val_loss {m['val_loss']:.6f}  "
+          f"perplexity {m['perplexity']:.3f}  bits/byte {bpb}  {m['tokens']:,} tokens  "
+          f"{report['throughput']['tokens_per_s']:,.0f} tok/s -> {args.out}")
+    return 0
+

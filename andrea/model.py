@@ -18,6 +18,10 @@ from andrea.memory import plan_model
 INIT_STD = 0.02
 
 
+class NonFiniteStep(Exception):
+    """A micro-batch produced a NaN/inf loss or gradient; the step made no update."""
+
+
 def init_params(layout: ParameterLayout, seed: int) -> np.ndarray:
     """GPT-2 init: N(0, 0.02) matrices, residual projections (W_O, W_2) scaled by 1/sqrt(2L),
     LayerNorm gamma 1 and beta 0. Drawn on the host in layout order, so every engine starts equal."""
@@ -159,6 +163,12 @@ class Model:
         if len(micro_batches) > 1:
             e.grad_scale(b["grads"], 1.0 / len(micro_batches))
         norm = self.grad_norm()
+        loss = float(np.mean(losses))
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            bad = self.nonfinite_grad_tensors()
+            e.zero_grads(b["grads"])
+            raise NonFiniteStep(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
+                                f"(loss {loss}, grad norm {norm}; non-finite gradients in: {', '.join(bad) or 'none'})")
         clip = optimizer["grad_clip"]
         if clip > 0 and norm > clip:
             e.grad_scale(b["grads"], clip / (norm + 1e-6))
@@ -167,4 +177,8 @@ class Model:
                      eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
                      decay_ranges=self.layout.decay_ranges())
         e.zero_grads(b["grads"])
-        return float(np.mean(losses)), norm
+        return loss, norm
+
+    def nonfinite_grad_tensors(self) -> list[str]:
+        grads = self.engine.to_host(self.buf["grads"])
+        return [t.name for t in self.layout.tensors if not np.isfinite(grads[t.offset:t.end]).all()]

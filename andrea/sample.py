@@ -1,40 +1,79 @@
-"""Text generation from a model: ChatML prompts, temperature / top-k, deterministic given a seed."""
+"""Text generation: ChatML prompts (through `andrea.data.chatml`), temperature / top-k sampling,
+deterministic given a seed. `andrea sample` and the training loop's `.samples.json` share it.
+
+Generation stops at `<|im_end|>` (the end of the assistant's turn) or `<|endoftext|>`.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
-from andrea.model import Model
+from andrea.data.chatml import ChatTokenizer
+from andrea.errors import AndreaError
 
-END_OF_TEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
+TEMPERATURE = 0.8
+TOP_K = 40
+TRAINING_MAX_NEW_TOKENS = 48
 ASSISTANT_OPENER = "assistant\n"
 
 
-def load_tokenizer(path):
-    from tokenizers import Tokenizer
+def load_tokenizer(path) -> ChatTokenizer:
+    return ChatTokenizer.load(path)
 
-    return Tokenizer.from_file(str(path))
+
+def find_tokenizer(data_dir, explicit=None) -> Path | None:
+    """--tokenizer when given, else DATA/tokenizer.json when it exists (tokenize writes it there)."""
+    if explicit:
+        return Path(explicit)
+    candidate = Path(data_dir) / "tokenizer.json"
+    return candidate if candidate.is_file() else None
+
+
+def tokenizer_for(ckpt, explicit=None) -> Path:
+    """The tokenizer of a checkpoint: --tokenizer, else the one beside the data it was trained on."""
+    from andrea.inspect_ckpt import read_state
+
+    state = read_state(ckpt) or {}
+    data_dir = state.get("data", {}).get("dir")
+    path = find_tokenizer(data_dir, explicit) if (explicit or data_dir) else None
+    if path is None:
+        where = f"in {data_dir}, the data folder its .state.json records" if data_dir else "recorded for it"
+        raise AndreaError(f"{ckpt}: no tokenizer.json {where}; pass --tokenizer")
+    if not path.is_file():
+        raise AndreaError(f"{path}: tokenizer not found; run `andrea train-tokenizer` or pass --tokenizer")
+    return path
+
+
+def check_vocab(tokenizer: ChatTokenizer, shape) -> None:
+    if tokenizer.vocab_size > shape.vocab_size:
+        raise AndreaError(
+            f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model's vocab_size is "
+            f"{shape.vocab_size:,}; use the tokenizer the model was trained with"
+        )
 
 
 class Sampler:
     """A batch-1 inference model sharing the training model's engine and shape."""
 
-    def __init__(self, engine, shape, tokenizer):
+    def __init__(self, engine, shape, tokenizer: ChatTokenizer):
+        from andrea.model import Model
+
+        check_vocab(tokenizer, shape)
         self.engine = engine
         self.shape = shape
         self.tokenizer = tokenizer
         self.model = Model(engine, shape, micro_batch=1, training=False)
-        self.stop_ids = {tokenizer.token_to_id(t) for t in (IM_END, END_OF_TEXT)} - {None}
+        self.stop_ids = {tokenizer.im_end_id, tokenizer.endoftext_id}
 
     def load_params(self, params: np.ndarray) -> None:
         self.model.load_state(params)
 
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
                  rng: np.random.Generator) -> list[int]:
+        """New token ids after the prompt, without the stop token; the context is the last seq_len ids."""
         T = self.shape.seq_len
         ids = list(prompt_ids)
         out: list[int] = []
@@ -42,7 +81,7 @@ class Sampler:
         for _ in range(max_new_tokens):
             context = ids[-T:]
             tokens[0, :len(context)] = context
-            tokens[0, len(context):] = 0
+            tokens[0, len(context):] = 0  # causal: positions after the context do not affect it
             self.model.forward(tokens, tokens)
             probs = self.engine.to_host(self.model.buf["probs"][0, len(context) - 1]).astype(np.float64)
             next_id = pick_token(probs, temperature, top_k, rng)
@@ -54,6 +93,7 @@ class Sampler:
 
 
 def pick_token(probs: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """Temperature 0 is greedy; top_k 0 keeps every token."""
     if temperature <= 0:
         return int(np.argmax(probs))
     logits = np.log(np.maximum(probs, 1e-30)) / temperature
@@ -65,21 +105,19 @@ def pick_token(probs: np.ndarray, temperature: float, top_k: int, rng: np.random
     return int(rng.choice(p.size, p=p))
 
 
-def validation_prompts(tokenizer, val_tokens: np.ndarray, count: int) -> list[list[int]]:
+def validation_prompts(tokenizer: ChatTokenizer, val_tokens: np.ndarray, count: int) -> list[list[int]]:
     """The first `count` conversations of the validation shard, cut after their first
     `<|im_start|>assistant\\n`: fixed prompts, so samples are comparable across steps."""
-    eot = tokenizer.token_to_id(END_OF_TEXT)
-    im_start = tokenizer.token_to_id(IM_START)
-    opener = tokenizer.encode(ASSISTANT_OPENER, add_special_tokens=False).ids
+    opener = tokenizer.encode_text(ASSISTANT_OPENER)
     prompts: list[list[int]] = []
     start = 0
     toks = np.asarray(val_tokens)
     while len(prompts) < count and start < toks.size:
-        ends = np.flatnonzero(toks[start:] == eot)
+        ends = np.flatnonzero(toks[start:] == tokenizer.endoftext_id)
         stop = start + int(ends[0]) if ends.size else toks.size
         conv = toks[start:stop].tolist()
         for i, t in enumerate(conv):
-            if t == im_start and conv[i + 1:i + 1 + len(opener)] == opener:
+            if t == tokenizer.im_start_id and conv[i + 1:i + 1 + len(opener)] == opener:
                 prompts.append(conv[:i + 1 + len(opener)])
                 break
         start = stop + 1
@@ -87,22 +125,81 @@ def validation_prompts(tokenizer, val_tokens: np.ndarray, count: int) -> list[li
 
 
 def training_samples(sampler: Sampler, prompts: list[list[int]], *, seed: int, step: int,
-                     max_new_tokens: int = 48) -> list[dict]:
+                     max_new_tokens: int = TRAINING_MAX_NEW_TOKENS) -> list[dict]:
     """Samples at one training step, seeded from (seed, step)."""
     rng = np.random.Generator(np.random.PCG64([seed, step]))
     tok = sampler.tokenizer
     return [
         {
-            "prompt": tok.decode(p, skip_special_tokens=False),
-            "completion": tok.decode(sampler.generate(p, max_new_tokens=max_new_tokens, temperature=0.8,
-                                                      top_k=40, rng=rng)),
+            "prompt": tok.decode(p),
+            "completion": tok.decode(sampler.generate(p, max_new_tokens=max_new_tokens, temperature=TEMPERATURE,
+                                                      top_k=TOP_K, rng=rng)),
         }
         for p in prompts
     ]
 
 
-def find_tokenizer(data_dir, explicit=None) -> Path | None:
-    if explicit:
-        return Path(explicit)
-    candidate = Path(data_dir) / "tokenizer.json"
-    return candidate if candidate.is_file() else None
+def chat_turns(prompt: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tokenizer=None, engine: str = "auto",
+           temperature: float = TEMPERATURE, top_k: int = TOP_K, seed: int = 0, max_new_tokens: int = 256) -> dict:
+    """One chat completion from a checkpoint; the same arguments give the same text."""
+    from andrea.checkpoint import read_checkpoint
+    from andrea.evaluate import inference_engine
+    from andrea.inspect_ckpt import experiment_for
+    from andrea.layout import ParameterLayout
+
+    if max_new_tokens < 1:
+        raise AndreaError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    exp = experiment_for(ckpt, experiment)
+    chat = load_tokenizer(tokenizer_for(ckpt, tokenizer))
+    sampler = Sampler(inference_engine(engine, exp.precision), exp.model, chat)
+    step, params, _, _ = read_checkpoint(ckpt, ParameterLayout(exp.model).n_params, f"experiment {exp.name}")
+    sampler.load_params(params)
+    prompt_ids = chat.encode_prompt(chat_turns(prompt, system))
+    if len(prompt_ids) >= exp.model.seq_len:
+        raise AndreaError(
+            f"--prompt is {len(prompt_ids)} tokens with its chat markup; the model sees at most "
+            f"{exp.model.seq_len - 1} before it must generate; shorten it"
+        )
+    new = sampler.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           rng=np.random.Generator(np.random.PCG64(seed)))
+    return {
+        "checkpoint": str(ckpt), "step": step, "experiment": exp.name,
+        "prompt": chat.decode(prompt_ids), "completion": chat.decode(new), "new_tokens": len(new),
+        "stopped_by": "max_new_tokens" if len(new) == max_new_tokens else "end of turn",
+        "temperature": temperature, "top_k": top_k, "seed": seed,
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sample",
+        help="generate a chat reply from a checkpoint",
+        description="Generate the assistant's reply to --prompt (ChatML, as in training) until <|im_end|> or "
+        "--max-new-tokens. The experiment comes from the checkpoint's .state.json (or --experiment), the "
+        "tokenizer from the data folder recorded there (or --tokenizer). Same seed, same text.",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint, e.g. results/ANDREA-12M.ckpt")
+    p.add_argument("--prompt", required=True, help="the user's message")
+    p.add_argument("--system", help="an optional system message before it")
+    p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: DATA/tokenizer.json of the training data)")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
+    p.add_argument("--top-k", type=int, default=TOP_K, help=f"sample from the k likeliest tokens; 0: all (default {TOP_K})")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
+                   help="auto (default) uses CUDA when a device is present, else NumPy")
+    p.add_argument("--json", action="store_true", help="print prompt, completion and settings as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    result = sample(args.ckpt, args.prompt, system=args.system, experiment=args.experiment, tokenizer=args.tokenizer,
+                    engine=args.engine, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                    max_new_tokens=args.max_new_tokens)
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else result["completion"])
+    return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
 
 MAGIC = 20240520
@@ -24,24 +25,15 @@ MAX_VOCAB = 1 << 16
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write tokens atomically (temp file in the same folder, fsync, rename)."""
+    """Write tokens atomically (see andrea.atomic)."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= MAX_VOCAB):
         raise AndreaError(f"{path}: token ids must lie in [0, {MAX_VOCAB}) to fit a uint16 shard")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_write(path) as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
 
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:

@@ -7,27 +7,34 @@ Outputs for results/NAME.ckpt (see docs/ANDREA.md):
     NAME.samples.json  generated text at the sample interval (when a tokenizer is present)
     NAME.log           the run's log lines
 
-SIGTERM: checkpoint at the next step boundary, exit 0 once durable. SIGUSR1: checkpoint, continue.
+SIGTERM: checkpoint at the next step boundary, exit (0 by default) once durable.
+SIGUSR1: checkpoint, continue. See docs/RELIABILITY.md for every failure the loop survives.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import signal
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
-
 from andrea import __version__
-from andrea.checkpoint import read_checkpoint, sha256_file, write_checkpoint, write_json_atomic
+from andrea.atomic import write_json_atomic
+from andrea.checkpoint import read_checkpoint, sha256_file, write_checkpoint
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
 
 STATE_FORMAT = 1
 N_SAMPLE_PROMPTS = 3
+# Exit status of a run stopped by a non-finite loss or gradient (nothing was updated).
+EXIT_NONFINITE = 3
+# How many recent checkpoints .state.json vouches for: a kill between renaming the checkpoint and
+# renaming the state leaves a checkpoint that is one of these two.
+STATE_CHECKPOINT_HISTORY = 2
+RESTARTS_ENV = "ANDREA_RESTARTS"
 
 
 def register(subparsers) -> None:
@@ -36,7 +43,7 @@ def register(subparsers) -> None:
         help="train a model from token shards",
         description="Train an experiment on token shards (DATA/train.bin, DATA/val.bin). Writes the "
         "checkpoint and, beside it, .state.json, .loss.json (one JSON line per step), .samples.json and "
-        ".log. SIGTERM checkpoints and exits 0; SIGUSR1 checkpoints and continues.",
+        ".log. SIGTERM checkpoints and exits; SIGUSR1 checkpoints and continues.",
     )
     p.add_argument("--experiment", required=True, help="experiment JSON (config/experiments/ANDREA-*-TRAIN.json)")
     p.add_argument("--data", required=True, help="folder with train.bin, val.bin and optionally tokenizer.json")
@@ -47,9 +54,19 @@ def register(subparsers) -> None:
                    help="stop after this many optimizer steps in total (the LR schedule still spans the full run)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
-                       help="continue from --out if it exists and its .state.json matches the experiment")
+                       help="continue from --out if it exists and its .state.json matches the experiment "
+                       "(starts from step 0 if there is no checkpoint yet)")
     start.add_argument("--init-from", metavar="CKPT", help="start from any checkpoint of this model size (weights, m, v, step)")
     p.add_argument("--tokenizer", help="tokenizer.json for samples (default: DATA/tokenizer.json if present)")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a NaN/inf loss or gradient norm: stop before the update (default, exit 3) or skip the step")
+    p.add_argument("--sigterm-exit-code", type=int, default=0, metavar="N",
+                   help="exit status after a SIGTERM checkpoint (default 0; a workflow that should retry a "
+                   "preempted job uses a non-zero one, e.g. 75)")
+    p.add_argument("--supervise", action="store_true",
+                   help="run training as a child process and restart it from the last checkpoint when it dies "
+                   "(crash, SIGKILL, out of memory); SIGTERM/SIGUSR1 are forwarded")
+    p.add_argument("--max-restarts", type=int, default=3, help="with --supervise: restarts before giving up (default 3)")
     p.set_defaults(func=main)
 
 
@@ -61,6 +78,12 @@ class RunFiles:
         self.loss = stem.with_name(stem.name + ".loss.json")
         self.samples = stem.with_name(stem.name + ".samples.json")
         self.log = stem.with_name(stem.name + ".log")
+        self.lock = stem.with_name(stem.name + ".lock")
+
+    def stale_temp_files(self) -> list[Path]:
+        """Temp files of an atomic write that a killed process left behind."""
+        folder = self.ckpt.parent
+        return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]
 
 
 class Log:
@@ -123,8 +146,7 @@ def data_fingerprint(data_dir: Path) -> dict:
     out = {}
     for name in ("train.bin", "val.bin"):
         path = data_dir / name
-        stat = path.stat()
-        out[name] = {"bytes": stat.st_size}
+        out[name] = {"bytes": path.stat().st_size}
         manifest = path.with_name(name + ".manifest.json")
         if manifest.is_file():
             out[name]["sha256"] = json.loads(manifest.read_text()).get("output", {}).get("sha256")
@@ -141,6 +163,7 @@ class Trainer:
         self.exp = load_experiment(args.experiment)
         self.files = RunFiles(Path(args.out))
         self.files.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
         self.log = Log(self.files.log, console)
         self.console = console
         data = Path(args.data)
@@ -161,6 +184,18 @@ class Trainer:
         self.prompts: list[list[int]] = []
         self._setup_sampling(args.tokenizer)
         self.elapsed_before = 0.0
+        self.recent_checkpoints: list[dict] = []
+        self.skipped_steps: list[int] = []
+
+    def _take_lock(self) -> None:
+        """One trainer per run: a second one on the same --out would interleave its writes."""
+        self._lock = open(self.files.lock, "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AndreaError(f"{self.files.ckpt}: another `andrea train` is writing this run; wait for it or stop it") from None
+        for stale in self.files.stale_temp_files():
+            stale.unlink(missing_ok=True)
 
     def _setup_sampling(self, explicit_tokenizer) -> None:
         from andrea.sample import Sampler, find_tokenizer, load_tokenizer, validation_prompts
@@ -184,14 +219,7 @@ class Trainer:
     def start_step(self) -> int:
         from andrea.model import init_params
 
-        n = self.model.layout.n_params
         files, args = self.files, self.args
-        if args.init_from:
-            step, params, m, v = read_checkpoint(args.init_from, n, f"experiment {self.exp.name}")
-            self.model.load_state(params, m, v)
-            self._start_history(fresh=True)
-            self.event("init_from", step=step, checkpoint=str(args.init_from))
-            return step
         if args.resume and files.ckpt.exists():
             return self._resume()
         if files.ckpt.exists():
@@ -199,19 +227,34 @@ class Trainer:
                 f"{files.ckpt}: a checkpoint is already there; pass --resume to continue it, "
                 "or remove it to start over"
             )
-        self.model.load_state(init_params(self.model.layout, self.exp.seed))
-        self._start_history(fresh=True)
-        self.event("start", step=0)
         if args.resume:
+            # Resume before the first checkpoint: start over, keeping the history (later lines win).
             self.log(f"resume: no checkpoint at {files.ckpt} yet; starting from step 0")
+        elif files.loss.exists():
+            old = files.loss.with_name(files.loss.name + ".old")
+            files.loss.replace(old)
+            self.log(f"moved the loss history of a run that left no checkpoint to {old}")
+        if args.init_from:
+            step, params, m, v = self._read_verified(Path(args.init_from))
+            self.model.load_state(params, m, v)
+            self.event("init_from", step=step, checkpoint=str(args.init_from))
+            return step
+        self.model.load_state(init_params(self.model.layout, self.exp.seed))
+        self.event("start", step=0)
         return 0
 
-    def _start_history(self, fresh: bool) -> None:
-        if fresh and self.files.loss.exists():
-            # A loss history without a checkpoint is from a run that never saved: keep it aside.
-            old = self.files.loss.with_name(self.files.loss.name + ".old")
-            self.files.loss.replace(old)
-            self.log(f"moved the previous loss history (no checkpoint) to {old}")
+    def _read_verified(self, path: Path):
+        """Read a checkpoint; if a .state.json lies beside it, its sha256 must be one it recorded."""
+        state_path = RunFiles(path).state
+        if state_path.is_file():
+            recorded = json.loads(state_path.read_text()).get("checkpoints", [])
+            digest = sha256_file(path)
+            if recorded and digest not in {c["sha256"] for c in recorded}:
+                raise AndreaError(
+                    f"{path}: sha256 {digest[:16]}… matches none recorded in {state_path} "
+                    f"(steps {', '.join(str(c['step']) for c in recorded)}); the checkpoint was modified or damaged"
+                )
+        return read_checkpoint(path, self.model.layout.n_params, f"experiment {self.exp.name}")
 
     def _resume(self) -> int:
         files = self.files
@@ -221,8 +264,7 @@ class Trainer:
                 f"use --init-from {files.ckpt} to start from its weights anyway"
             )
         state = json.loads(files.state.read_text())
-        ours = self.exp.trajectory_hash()
-        if state.get("trajectory_hash") != ours:
+        if state.get("trajectory_hash") != self.exp.trajectory_hash():
             theirs = state.get("experiment", {})
             differing = [k for k in ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
                          if theirs.get(k) != self.exp.raw[k]]
@@ -231,15 +273,12 @@ class Trainer:
                 f"(sections differing: {', '.join(differing) or 'unknown'}); "
                 f"use --init-from {files.ckpt} to start a new run from its weights"
             )
-        expected = state.get("ckpt_sha256")
-        if expected and sha256_file(files.ckpt) != expected:
-            raise AndreaError(
-                f"{files.ckpt}: sha256 does not match the one recorded in {files.state}; "
-                "the checkpoint was modified or damaged"
-            )
-        step, params, m, v = read_checkpoint(files.ckpt, self.model.layout.n_params, f"experiment {self.exp.name}")
+        step, params, m, v = self._read_verified(files.ckpt)
         self.model.load_state(params, m, v)
-        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self.recent_checkpoints = [c for c in state.get("checkpoints", []) if c["step"] <= step]
+        matched = [c for c in self.recent_checkpoints if c["step"] == step]
+        self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
+        self.skipped_steps = [s for s in state.get("skipped_steps", []) if s <= step]
         self.event("resume", step=step)
         self.log(f"resumed {files.ckpt} at step {step}")
         return step
@@ -249,9 +288,29 @@ class Trainer:
         append_jsonl(self.files.loss, {"event": name, "wall": time.time(), **fields})
 
     def checkpoint(self, step: int, elapsed: float, reason: str) -> None:
+        """Write checkpoint + state so that a kill at any instant leaves a pair that resumes:
+        the state is written first and vouches for both the new and the previous checkpoint."""
+        from andrea.checkpoint import checkpoint_digest
+
         params, m, v = self.model.host_state()
-        digest = write_checkpoint(self.files.ckpt, step, params, m, v)
-        write_json_atomic(self.files.state, {
+        digest = checkpoint_digest(step, params, m, v)
+        entry = {"step": step, "sha256": digest, "elapsed_s": elapsed}
+        self.recent_checkpoints = [c for c in self.recent_checkpoints if c["step"] != step][-(STATE_CHECKPOINT_HISTORY - 1):] + [entry]
+        try:
+            write_json_atomic(self.files.state, self._state(step, elapsed))
+            write_checkpoint(self.files.ckpt, step, params, m, v)
+        except OSError as err:
+            previous = f"the previous checkpoint (step {self.recent_checkpoints[-2]['step']}) is intact" \
+                if len(self.recent_checkpoints) > 1 else "no earlier checkpoint exists"
+            raise AndreaError(
+                f"{err.filename or self.files.ckpt}: could not write the step-{step} checkpoint "
+                f"({err.strerror or err}); {previous}; free space or fix the disk, then rerun with --resume"
+            ) from None
+        self.event("checkpoint", step=step, reason=reason)
+        self.log(f"checkpoint: step {step} -> {self.files.ckpt} ({reason})")
+
+    def _state(self, step: int, elapsed: float) -> dict:
+        return {
             "format": STATE_FORMAT,
             "andrea_version": __version__,
             "experiment_path": self.exp.path,
@@ -265,12 +324,12 @@ class Trainer:
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
             "engine": self.engine.name,
             "n_params": self.model.layout.n_params,
-            "ckpt_sha256": digest,
+            "checkpoints": self.recent_checkpoints,
+            "skipped_steps": self.skipped_steps,
+            "restarts": int(os.environ.get(RESTARTS_ENV, "0")),
             "elapsed_s": elapsed,
             "written_at": datetime.now(timezone.utc).isoformat(),
-        })
-        self.event("checkpoint", step=step, reason=reason)
-        self.log(f"checkpoint: step {step} -> {self.files.ckpt} ({reason})")
+        }
 
     def write_samples(self, step: int) -> None:
         from andrea.sample import training_samples
@@ -285,7 +344,7 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
         from andrea.evaluate import validation_loss
-        from andrea.model import lr_at
+        from andrea.model import NonFiniteStep, lr_at
 
         exp, model = self.exp, self.model
         step = self.start_step()
@@ -299,7 +358,21 @@ class Trainer:
                 t0 = time.time()
                 micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches)
                 lr = lr_at(exp, step, self.total_steps)
-                loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
+                try:
+                    loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
+                except NonFiniteStep as fault:
+                    if self.args.on_nonfinite == "stop":
+                        last = self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
+                        self.event("nonfinite", step=step + 1, detail=str(fault), action="stop")
+                        self.log(f"step {step + 1}: {fault}; nothing was updated; the last good checkpoint is "
+                                 f"{'step ' + str(last) if last is not None else 'none'}; rerun with --resume, "
+                                 "or with --on-nonfinite skip to skip such steps")
+                        return EXIT_NONFINITE
+                    self.skipped_steps.append(step + 1)
+                    self.event("nonfinite", step=step + 1, detail=str(fault), action="skip")
+                    self.log(f"step {step + 1}: {fault}; step skipped (no update)")
+                    step += 1
+                    continue
                 step += 1
                 dt = time.time() - t0
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
@@ -316,13 +389,14 @@ class Trainer:
                 if signals.terminate:
                     self.checkpoint(step, elapsed, "SIGTERM")
                     self.log(f"SIGTERM: stopped at step {step}; resume with --resume")
-                    return 0
+                    return self.args.sigterm_exit_code
                 if signals.snapshot:
                     signals.snapshot = False
                     self.checkpoint(step, elapsed, "SIGUSR1")
                 elif iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
                     self.checkpoint(step, elapsed, "interval")
-            self.checkpoint(step, self.elapsed_before + time.time() - t_start, "end" if step == self.total_steps else "max-steps")
+            self.checkpoint(step, self.elapsed_before + time.time() - t_start,
+                            "end" if step == self.total_steps else "max-steps")
         self.log(f"done: step {step} of {self.total_steps}")
         return 0
 
@@ -365,5 +439,9 @@ class Progress:
 def main(args) -> int:
     from rich.console import Console
 
+    if args.supervise:
+        from andrea.supervise import supervise
+
+        return supervise(args)
     console = Console(stderr=True)
     return Trainer(args, console).run()

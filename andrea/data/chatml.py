@@ -4,12 +4,20 @@
 
 The structural tokens are inserted by id. Content is encoded with special tokens treated as
 literal text, so a conversation that contains the string "<|im_start|>" cannot forge a turn.
-Prep, tokenize, sampling and eval all go through this module.
+Prep, train-tokenizer, tokenize, sampling and eval all go through this module.
+
+Encoding is byte-level BPE on pre-split words. The split pattern is GPT-2's with its character
+classes spelled out, so Python's `re` and the tokenizers library (Oniguruma) split alike: we
+split here and look each word up in a cache, asking the tokenizer only for words not seen yet.
+That gives the ids `tokenizer.json` gives, at several times its speed per core.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from itertools import chain
 from typing import Iterable, Mapping, Sequence
 
 from andrea.errors import AndreaError
@@ -19,6 +27,20 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 
+# Unicode White_Space, and ASCII punctuation as ranges; everything else counts as a letter
+_WHITESPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
+               "\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+_PUNCTUATION = r"!-/:-@\[-`{-~"
+SPLIT_PATTERN = (
+    r"'(?:s|t|re|ve|m|ll|d)"
+    rf"| ?[^{_WHITESPACE}0-9{_PUNCTUATION}]+"
+    r"| ?[0-9]{1,3}"
+    rf"| ?[{_PUNCTUATION}]+"
+    rf"|[{_WHITESPACE}]+(?![^{_WHITESPACE}])"
+    rf"|[{_WHITESPACE}]+"
+)
+WORD_CACHE_LIMIT = 1 << 20  # words; cleared when full, which bounds memory on large corpora
+
 Turns = Sequence[Mapping[str, str]]  # [{"role": ..., "content": ...}, ...]
 
 
@@ -27,18 +49,40 @@ def render(turns: Turns) -> str:
     return "".join(f"{IM_START}{t['role']}\n{t['content']}{IM_END}\n" for t in turns)
 
 
-class ChatTokenizer:
-    """A byte-level BPE tokenizer with ChatML structure on top."""
+def pre_tokenizer():
+    """The tokenizers pre-tokenizer every ANDREA tokenizer is trained with."""
+    from tokenizers import Regex, pre_tokenizers
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        # match special tokens only when we insert them by id, never inside content
-        self.tokenizer.encode_special_tokens = True
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _pre_tokenizer_json(tokenizer) -> dict:
+    return json.loads(tokenizer.to_str())["pre_tokenizer"]
+
+
+class ChatTokenizer:
+    """A byte-level BPE tokenizer made by `andrea train-tokenizer`, with ChatML structure on top."""
+
+    def __init__(self, tokenizer, name: str = "tokenizer"):
+        from tokenizers import Tokenizer, models
+
+        reference = Tokenizer(models.BPE())
+        reference.pre_tokenizer = pre_tokenizer()
+        if _pre_tokenizer_json(tokenizer) != _pre_tokenizer_json(reference):
+            raise AndreaError(f"{name}: its pre-tokenizer is not ANDREA's; retrain it with `andrea train-tokenizer`")
         ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
         if None in ids:
             missing = ", ".join(t for t, i in zip(SPECIAL_TOKENS, ids) if i is None)
-            raise AndreaError(f"tokenizer lacks the special token(s) {missing}; train it with `andrea train-tokenizer`")
+            raise AndreaError(f"{name}: lacks the special token(s) {missing}; retrain it with `andrea train-tokenizer`")
+        self.tokenizer = tokenizer
+        # match special tokens only where we insert them by id, never inside content
+        self.tokenizer.encode_special_tokens = True
         self.endoftext_id, self.im_start_id, self.im_end_id = ids
+        self._split = re.compile(SPLIT_PATTERN).findall
+        self._word_ids: dict[str, list[int]] = {}
         self._newline_ids = self.encode_text("\n")
 
     @classmethod
@@ -51,7 +95,7 @@ class ChatTokenizer:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable files
             raise AndreaError(f"{path}: not a tokenizers JSON file ({err}); retrain it with `andrea train-tokenizer`") from None
-        return cls(tokenizer)
+        return cls(tokenizer, str(path))
 
     @property
     def vocab_size(self) -> int:
@@ -61,22 +105,32 @@ class ChatTokenizer:
     def special_ids(self) -> dict[str, int]:
         return dict(zip(SPECIAL_TOKENS, (self.endoftext_id, self.im_start_id, self.im_end_id)))
 
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        words = [self._split(text) for text in texts]
+        unseen = list(set(chain.from_iterable(words)).difference(self._word_ids))
+        if unseen:
+            if len(self._word_ids) + len(unseen) > WORD_CACHE_LIMIT:
+                self._word_ids.clear()
+            encoded = self.tokenizer.encode_batch_fast(unseen, add_special_tokens=False)
+            self._word_ids.update(zip(unseen, (e.ids for e in encoded)))
+        lookup = self._word_ids.__getitem__
+        return [list(chain.from_iterable(map(lookup, text_words))) for text_words in words]
+
     def encode_text(self, text: str) -> list[int]:
         """Plain text to ids; special-token strings in it stay literal text."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode_texts([text])[0]
 
     def encode_conversations(self, conversations: Iterable[Turns]) -> list[list[int]]:
-        """Ids of many conversations (no <|endoftext|>); one batched, multi-threaded encode call."""
+        """Ids of many conversations (without <|endoftext|>), encoded as one batch."""
         conversations = list(conversations)
-        pieces = [f"{t['role']}\n{t['content']}" for turns in conversations for t in turns]
-        encoded = iter(self.tokenizer.encode_batch_fast(pieces, add_special_tokens=False))
+        pieces = iter(self._encode_texts([f"{t['role']}\n{t['content']}" for turns in conversations for t in turns]))
         start, end, newline = [self.im_start_id], [self.im_end_id], self._newline_ids
         result = []
         for turns in conversations:
             ids: list[int] = []
             for _ in turns:
                 ids += start
-                ids += next(encoded).ids
+                ids += next(pieces)
                 ids += end
                 ids += newline
             result.append(ids)

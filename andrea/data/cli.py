@@ -1,5 +1,119 @@
-"""Subcommands of the data stages."""
+"""Subcommands of the data stages: pull-hermes3 -> prep-megachat -> train-tokenizer -> tokenize,
+and lineage. Stage modules are imported inside the commands so `andrea --help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from andrea.data import HERMES3_DATASET
+
+
+def _pull(args) -> int:
+    from andrea.data.pull_hermes3 import pull_hermes3
+
+    pull_hermes3(args.source, args.out, revision=args.revision, hub_id=args.hub_id)
+    return 0
+
+
+def _prep(args) -> int:
+    from andrea.data.prep_megachat import prep_megachat
+
+    prep_megachat(args.input, args.out_dir, val_fraction=args.val_fraction)
+    return 0
+
+
+def _train_tokenizer(args) -> int:
+    from andrea.data.train_tokenizer import train_tokenizer
+
+    train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency)
+    return 0
+
+
+def _tokenize(args) -> int:
+    from andrea.data.tokenize_shards import tokenize
+
+    tokenize(args.tokenizer, args.in_dir, args.out_dir, threads=args.threads)
+    return 0
+
+
+def _lineage(args) -> int:
+    import json
+    from dataclasses import asdict
+
+    from andrea.manifest import format_lineage, lineage, lineage_ok
+
+    root = lineage(args.file)
+    print(json.dumps(asdict(root), indent=2) if args.json else "\n".join(format_lineage(root)))
+    return 0 if lineage_ok(root) else 1
 
 
 def register(subparsers) -> None:
-    pass
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = subparsers.add_parser(
+        "pull-hermes3", formatter_class=fmt,
+        help="pull raw chats into one Hermes-3 parquet (Hub, embedded corpus or local file)",
+        description="Pull raw chat data into a parquet file in the Hermes-3 schema "
+        "(conversations: [{from, value}], plus a source column). --source embedded (the default) "
+        "needs no network: a corpus of Python's own documentation shipped in the package.",
+    )
+    p.add_argument("--source", default="embedded", metavar="hub|embedded|PATH",
+                   help="`hub`: NousResearch/Hermes-3-Dataset through datasets (HF_TOKEN, HF_HUB_OFFLINE "
+                   "are honoured); `embedded`: the packaged corpus; PATH: a local .json, .jsonl[.gz] or "
+                   ".parquet file in the Hermes-3 or OpenAI (messages: [{role, content}]) schema")
+    p.add_argument("--out", default="results/data/hermes3.parquet", help="output parquet")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit) for --source hub; default: main")
+    p.add_argument("--hub-id", default=HERMES3_DATASET,
+                   help="Hub dataset id for --source hub, or a local clone of a Hub dataset repo")
+    p.set_defaults(func=_pull)
+
+    p = subparsers.add_parser(
+        "prep-megachat", formatter_class=fmt,
+        help="clean, deduplicate and split chats into MegaChat train/val parquet",
+        description="Turn pulled chats (Hermes-3 or OpenAI schema, mixed rows allowed) into MegaChat: "
+        "ChatML roles, NFC and whitespace normalisation, malformed rows dropped and counted by reason, "
+        "duplicates dropped by content hash, a train/val split by hash. Writes OUT_DIR/train.parquet and "
+        "OUT_DIR/val.parquet with columns id, source, n_turns, text (ChatML), turns.",
+    )
+    p.add_argument("--in", dest="input", default="results/data/hermes3.parquet", help="pulled parquet")
+    p.add_argument("--out-dir", default="results/data/megachat", help="folder for train.parquet and val.parquet")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="share of conversations put in val, in [0, 1)")
+    p.set_defaults(func=_prep)
+
+    p = subparsers.add_parser(
+        "train-tokenizer", formatter_class=fmt,
+        help="train a byte-level BPE tokenizer with the ChatML special tokens",
+        description="Train a byte-level BPE tokenizer (tokenizers) on MegaChat train text. Special tokens "
+        "<|endoftext|>, <|im_start|>, <|im_end|> get ids 0, 1, 2. Deterministic for the same input. "
+        "Put it in the folder tokenize writes to: training reads tokenizer.json next to the shards.",
+    )
+    p.add_argument("--in", dest="input", default="results/data/megachat/train.parquet", help="MegaChat train parquet")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokens including the 3 special ones; at most 65536")
+    p.add_argument("--min-frequency", type=int, default=2, help="fewest occurrences for a pair to be merged")
+    p.add_argument("--out", default="results/data/tokens-V4096/tokenizer.json", help="output tokenizer.json")
+    p.set_defaults(func=_train_tokenizer)
+
+    p = subparsers.add_parser(
+        "tokenize", formatter_class=fmt,
+        help="encode MegaChat train/val into llm.c token shards",
+        description="Encode every MegaChat conversation as ChatML token ids, each followed by <|endoftext|>, "
+        "into OUT_DIR/train.bin and OUT_DIR/val.bin (llm.c shards: 256 x int32 header, uint16 tokens). "
+        "The tokenizer must be OUT_DIR/tokenizer.json, so training finds all three together.",
+    )
+    p.add_argument("--tokenizer", default="results/data/tokens-V4096/tokenizer.json", help="tokenizer.json")
+    p.add_argument("--in-dir", default="results/data/megachat", help="folder with train.parquet and val.parquet")
+    p.add_argument("--out-dir", default="results/data/tokens-V4096", help="folder for train.bin and val.bin")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="encoder threads")
+    p.set_defaults(func=_tokenize)
+
+    p = subparsers.add_parser(
+        "lineage", formatter_class=fmt,
+        help="print an artifact's chain of manifests back to the raw pull",
+        description="Follow FILE's manifest and its inputs' manifests back to the raw pull, checking each "
+        "file's sha256: ok, modified (bytes differ from the manifest), stale (rebuilt after its consumer "
+        "read it) or missing. Exits 1 when any link is not ok.",
+    )
+    p.add_argument("file", help="an artifact with a FILE.manifest.json beside it")
+    p.add_argument("--json", action="store_true", help="print the tree as JSON")
+    p.set_defaults(func=_lineage)

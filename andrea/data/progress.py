@@ -1,7 +1,7 @@
 """Progress for the data stages: a rich bar on a terminal, a few plain lines in logs.
 
-Logs (Snakemake's `log:` files, CI) get a start line, one line per quarter done and an end
-line, never bar redraws.
+Logs (Snakemake's `log:` files, CI) get a start line, at most one line per quarter done and an
+end line, never bar redraws.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def log(stage: str, message: str) -> None:
 
 
 @contextmanager
-def progress(stage: str, description: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
-    """Yield `advance(n)`; `total` None shows work without a known end (a spinner)."""
+def progress(stage: str, description: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
+    """Yield `advance(n)`, to be called as each piece of the `total` units is done."""
     start = time.perf_counter()
     if sys.stderr.isatty():
         from rich.console import Console
@@ -31,16 +31,16 @@ def progress(stage: str, description: str, total: int | None, unit: str) -> Iter
             yield lambda n=1: bar.advance(task, n)
         return
 
-    log(stage, f"{description} ({total:,} {unit})" if total else f"{description} ...")
+    log(stage, f"{description} ({total:,} {unit})")
     done = 0
-    next_quarter = 1
+    quarters_logged = 0
 
     def advance(n: int = 1) -> None:
-        nonlocal done, next_quarter
+        nonlocal done, quarters_logged
         done += n
-        while total and next_quarter < 4 and done * 4 >= total * next_quarter:
-            log(stage, f"{description}: {25 * next_quarter}% ({done:,}/{total:,} {unit})")
-            next_quarter += 1
+        if total and done < total and done * 4 // total > quarters_logged:
+            quarters_logged = done * 4 // total
+            log(stage, f"{description}: {100 * done // total}% ({done:,}/{total:,} {unit})")
 
     yield advance
     log(stage, f"{description}: done, {done:,} {unit} in {time.perf_counter() - start:.1f} s")

@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 
 import pyarrow as pa
 
+from andrea.data import HERMES3_DATASET
 from andrea.data.conversations import SCHEMAS, Dropped, read_turns, to_hermes
 from andrea.data.progress import log, progress
 from andrea.data.tables import BATCH_ROWS, parquet_output
@@ -26,7 +27,6 @@ from andrea.errors import AndreaError
 from andrea.manifest import sha256_file, write_manifest
 
 STAGE = "pull-hermes3"
-HERMES3_DATASET = "NousResearch/Hermes-3-Dataset"
 EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
 EMBEDDED_CORPUS = EMBEDDED_DIR / "hermes3-embedded.jsonl.gz"
 EMBEDDED_INFO = EMBEDDED_DIR / "hermes3-embedded.json"

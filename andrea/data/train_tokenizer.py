@@ -1,8 +1,8 @@
 """Stage train-tokenizer: MegaChat train split -> byte-level BPE `tokenizer.json`.
 
-Trained on exactly the pieces tokenize encodes ("{role}\\n{content}" per turn), with the ChatML
-special tokens at ids 0, 1, 2 and all 256 bytes in the base alphabet, so any text encodes.
-No normalizer: decoding gives back the bytes that were encoded.
+Trained on exactly the pieces tokenize encodes ("{role}\\n{content}" per turn), split into words
+by `chatml.pre_tokenizer`, with the ChatML special tokens at ids 0, 1, 2 and all 256 bytes in the
+base alphabet, so any text encodes. No normalizer: decoding gives back the bytes encoded.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from andrea.data.chatml import SPECIAL_TOKENS
+from andrea.data.chatml import SPECIAL_TOKENS, pre_tokenizer
 from andrea.data.progress import log, progress
 from andrea.data.tables import iter_rows, open_parquet
 from andrea.errors import AndreaError
@@ -42,29 +42,29 @@ def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.P
     check_vocab_size(vocab_size, "--vocab-size")
     table = open_parquet(in_path, required=("turns",), made_by="prep-megachat")
     n_rows = table.metadata.num_rows
-    counts = {"rows": 0, "turns": 0, "text_bytes": 0}
+    counts = {"rows": 0, "turns": 0, "content_bytes": 0}
 
     def pieces() -> Iterator[str]:
         with progress(STAGE, "reading text", n_rows, "conversations") as advance:
             for batch in iter_rows(table, ["turns"]):
                 for row in batch:
                     for turn in row["turns"]:
-                        piece = f"{turn['role']}\n{turn['content']}"
                         counts["turns"] += 1
-                        counts["text_bytes"] += len(piece.encode())
-                        yield piece
+                        counts["content_bytes"] += len(turn["content"].encode())
+                        yield f"{turn['role']}\n{turn['content']}"
                 counts["rows"] += len(batch)
                 advance(len(batch))
+        log(STAGE, f"learning merges up to {vocab_size:,} tokens")
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,  # its bar writes to stdout; ours reports reading, then merging
+        show_progress=False,  # its bar writes to stdout and redraws in logs
     )
     tokenizer.train_from_iterator(pieces(), trainer)
     actual = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -78,5 +78,5 @@ def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.P
                 "special_tokens": list(SPECIAL_TOKENS)},
         counts={**counts, "vocab_size": actual}, wall_time_s=time.perf_counter() - start,
     )
-    log(STAGE, f"wrote {out} ({actual:,} tokens, trained on {counts['text_bytes'] / 1e6:.1f} MB)")
+    log(STAGE, f"wrote {out} ({actual:,} tokens, trained on {counts['content_bytes'] / 1e6:.1f} MB of text)")
     return manifest

@@ -1,0 +1,249 @@
+"""The dashboard server: the page and the run files under a results folder, read-only.
+
+Routes (GET and HEAD only; every other method gets 405):
+    /                  the page (static/index.html); other paths are files of static/
+    /api/runs          every NAME.loss.json under the results folder, with size, age and state summary
+    /results/REL       a .json or .log file under the results folder; `Range: bytes=N-` returns only
+                       what was appended since byte N, so a poll of a long run sends kilobytes, not megabytes
+
+Safe by default: binds loopback unless --allow-remote; a path with `..`, an absolute path or a symlink
+that resolves outside the served folder gets 403; a Host header other than a loopback name gets 403
+(so a web page cannot reach the server by DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import mimetypes
+import os
+import socket
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+from andrea.errors import AndreaError
+
+STATIC = Path(__file__).resolve().parent / "static"
+LOSS_SUFFIX = ".loss.json"
+STATE_SUFFIX = ".state.json"
+RESULT_SUFFIXES = (".json", ".log")
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
+CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml",
+                 ".json": "application/json", ".log": "text/plain"}
+
+
+class Refused(Exception):
+    def __init__(self, status: HTTPStatus, reason: str, headers: dict | None = None):
+        super().__init__(reason)
+        self.status = status
+        self.headers = headers or {}
+
+
+def resolve_under(root: str, rel: str) -> str:
+    """The real path of the file `rel` (URL-encoded, relative) under the real folder `root`."""
+    rel = unquote(rel)
+    if "\x00" in rel or "\\" in rel or rel.startswith("/") or ".." in rel.split("/"):
+        raise Refused(HTTPStatus.FORBIDDEN, "path escapes the served folder")
+    full = os.path.realpath(os.path.join(root, rel))
+    if os.path.commonpath([root, full]) != root:
+        raise Refused(HTTPStatus.FORBIDDEN, "path resolves outside the served folder")
+    if not os.path.isfile(full):
+        raise Refused(HTTPStatus.NOT_FOUND, "no such file")
+    return full
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(first, last) byte of a single `bytes=N-` or `bytes=N-M` range; None means send everything."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes="):].partition("-")
+    if not first.isdigit() or (last and not last.isdigit()):
+        return None
+    first_i = int(first)
+    if first_i >= size:
+        raise Refused(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, "nothing past this offset yet",
+                      {"Content-Range": f"bytes */{size}"})
+    return first_i, min(int(last), size - 1) if last else size - 1
+
+
+def run_summaries(root: str) -> list[dict]:
+    runs = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if not name.endswith(LOSS_SUFFIX):
+                continue
+            path = os.path.join(folder, name)
+            real = os.path.realpath(path)
+            if os.path.commonpath([root, real]) != root:
+                continue
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            st = os.stat(real)
+            runs.append({
+                "id": rel[: -len(LOSS_SUFFIX)],
+                "loss": rel,
+                "size": st.st_size,
+                "file_id": f"{st.st_dev}:{st.st_ino}",
+                "age_s": round(time.time() - st.st_mtime, 3),
+                "state": state_summary(real[: -len(LOSS_SUFFIX)] + STATE_SUFFIX, root),
+            })
+    return runs
+
+
+def state_summary(path: str, root: str) -> dict | None:
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or not os.path.isfile(real):
+        return None
+    try:
+        state = json.loads(Path(real).read_text())
+    except (OSError, ValueError):
+        return None
+    return {"step": state.get("step"), "total_steps": state.get("total_steps"),
+            "experiment": (state.get("experiment") or {}).get("name")}
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "andrea-dashboard"
+    server: DashboardServer
+
+    def do_GET(self) -> None:
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(send_body=False)
+
+    def _refuse_write(self) -> None:
+        self._error(Refused(HTTPStatus.METHOD_NOT_ALLOWED, "the dashboard is read-only", {"Allow": "GET, HEAD"}))
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_write
+
+    def _serve(self, send_body: bool) -> None:
+        try:
+            self._check_host()
+            path = self.path.split("?", 1)[0].split("#", 1)[0]
+            if not path.startswith("/"):
+                raise Refused(HTTPStatus.BAD_REQUEST, "expected a path")
+            rel = path[1:]
+            if rel == "api/runs":
+                body = json.dumps({"runs": run_summaries(self.server.results)}).encode()
+                self._send(HTTPStatus.OK, "application/json", len(body))
+                if send_body:
+                    self.wfile.write(body)
+            elif rel.startswith("results/"):
+                full = resolve_under(self.server.results, rel[len("results/"):])
+                if not full.endswith(RESULT_SUFFIXES):
+                    raise Refused(HTTPStatus.NOT_FOUND, "only .json and .log files are served from the results folder")
+                self._send_file(full, send_body)
+            else:
+                self._send_file(resolve_under(self.server.static, rel or "index.html"), send_body)
+        except Refused as refused:
+            self._error(refused)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _check_host(self) -> None:
+        if self.server.allow_remote:
+            return
+        host = self.headers.get("Host")
+        if host is None:
+            return
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        name = name.strip("[]").lower()
+        if name not in LOOPBACK_NAMES and not is_loopback_ip(name):
+            raise Refused(HTTPStatus.FORBIDDEN, "unexpected Host header; use http://127.0.0.1:PORT/")
+
+    def _send_file(self, full: str, send_body: bool) -> None:
+        with open(full, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            span = parse_range(self.headers.get("Range"), size)
+            first, last = span if span else (0, size - 1)
+            length = last - first + 1
+            if span:
+                self._send(HTTPStatus.PARTIAL_CONTENT, content_type(full), length,
+                           {"Content-Range": f"bytes {first}-{last}/{size}"})
+            else:
+                self._send(HTTPStatus.OK, content_type(full), size)
+            if send_body:
+                f.seek(first)
+                while length > 0:
+                    chunk = f.read(min(length, 1 << 16))
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    length -= len(chunk)
+
+    def _send(self, status: HTTPStatus, ctype: str, length: int, extra: dict | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(length))
+        self.send_header("Accept-Ranges", "bytes")
+        # Run files change every step; the page must always see the newest bytes.
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy",
+                         "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:")
+        for key, value in (extra or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+
+    def _error(self, refused: Refused) -> None:
+        body = (str(refused) + "\n").encode()
+        self._send(refused.status, "text/plain; charset=utf-8", len(body), refused.headers)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_request(self, code="-", size="-") -> None:
+        # The page polls every few seconds: log only what went wrong, not every poll.
+        if isinstance(code, int) and code >= 400 and code != HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE:
+            super().log_request(code, size)
+
+
+def content_type(path: str) -> str:
+    ctype = CONTENT_TYPES.get(os.path.splitext(path)[1]) or mimetypes.guess_type(path)[0] or "application/octet-stream"
+    return ctype + "; charset=utf-8" if ctype.startswith("text/") or ctype == "application/json" else ctype
+
+
+def is_loopback_ip(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_family(host: str, allow_remote: bool) -> socket.AddressFamily:
+    """The address family for `host`; refuses a non-loopback address unless `allow_remote`."""
+    try:
+        infos = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise AndreaError(f"--host {host}: cannot resolve it ({err.strerror})") from None
+    if not allow_remote and not all(is_loopback_ip(info[4][0]) for info in infos):
+        raise AndreaError(
+            f"--host {host or '(all interfaces)'} is reachable from other machines and the dashboard has no "
+            "login; pass --allow-remote to bind it anyway, or keep the default 127.0.0.1 and use an SSH tunnel"
+        )
+    return infos[0][0]
+
+
+class DashboardServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, results: str | Path, host: str = "127.0.0.1", port: int = 8765, allow_remote: bool = False):
+        self.address_family = bind_family(host, allow_remote)
+        results = Path(results)
+        if not results.is_dir():
+            raise AndreaError(f"{results}: no such folder; pass --results DIR, the folder andrea train writes to")
+        self.results = os.path.realpath(results)
+        self.static = os.path.realpath(STATIC)
+        self.allow_remote = allow_remote
+        try:
+            super().__init__((host, port), Handler)
+        except OSError as err:
+            raise AndreaError(f"cannot listen on {host}:{port} ({err.strerror}); pass another --port") from None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/"

@@ -1,0 +1,120 @@
+"""Stage tokenize: MegaChat train/val -> `train.bin` / `val.bin` token shards.
+
+Every conversation is encoded through `andrea.data.chatml` and followed by <|endoftext|>.
+Batches are encoded by `--threads` worker processes (encoding holds the GIL) and written in
+input order, so the shards do not depend on the number of workers. The shards sit beside the
+tokenizer that made them: training reads DIR/train.bin, DIR/val.bin and DIR/tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections import deque
+from concurrent.futures import Executor, ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from andrea.data.chatml import ChatTokenizer
+from andrea.data.prep_megachat import SPLITS
+from andrea.data.progress import log, progress
+from andrea.data.tables import open_parquet
+from andrea.data.train_tokenizer import check_vocab_size
+from andrea.errors import AndreaError
+from andrea.manifest import write_manifest
+from andrea.shards import write_shard
+
+STAGE = "tokenize"
+TOKENIZER_NAME = "tokenizer.json"
+ENCODE_BATCH_ROWS = 1024
+
+_worker_chat: ChatTokenizer | None = None
+
+
+def _start_worker(tokenizer_path: str) -> None:
+    global _worker_chat
+    os.environ["RAYON_NUM_THREADS"] = "1"  # parallelism comes from the processes
+    _worker_chat = ChatTokenizer.load(tokenizer_path)
+
+
+def encode_batch(batch: pa.RecordBatch, chat: ChatTokenizer | None = None) -> tuple[int, bytes]:
+    """(rows, uint16 tokens) of a batch of MegaChat rows, each conversation followed by <|endoftext|>."""
+    chat = chat or _worker_chat
+    tokens = array("H")
+    for ids in chat.encode_conversations(batch.column("turns").to_pylist()):
+        tokens.extend(ids)
+        tokens.append(chat.endoftext_id)
+    return batch.num_rows, tokens.tobytes()
+
+
+def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) -> Iterator[tuple[int, bytes]]:
+    """pool.map with at most `window` batches in flight (map would read the whole file first)."""
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.submit(encode_batch, batch))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def tokenize_split(chat: ChatTokenizer, parquet: Path, pool: Executor | None, threads: int) -> tuple[np.ndarray, dict]:
+    """All conversations of one split as one token array; encoded in `pool` when there is one."""
+    table = open_parquet(parquet, required=("turns",), made_by="prep-megachat")
+    counts = {"conversations": 0, "content_bytes": 0}
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for batch in table.iter_batches(batch_size=ENCODE_BATCH_ROWS, columns=["turns"]):
+            counts["conversations"] += batch.num_rows
+            counts["content_bytes"] += pc.sum(pc.binary_length(batch.column("turns").flatten().field("content"))).as_py() or 0
+            yield batch
+
+    parts = []
+    with progress(STAGE, f"encoding {parquet.name}", table.metadata.num_rows, "conversations") as advance:
+        encoded = _in_order(pool, batches(), 2 * threads) if pool else (encode_batch(b, chat) for b in batches())
+        for rows, part in encoded:
+            parts.append(np.frombuffer(part, dtype=np.uint16))
+            advance(rows)
+    return (np.concatenate(parts) if parts else np.zeros(0, np.uint16)), counts
+
+
+def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_dir: str | os.PathLike,
+             threads: int = os.cpu_count() or 1) -> dict[str, dict]:
+    """Run the stage; returns the manifests of train.bin and val.bin."""
+    tokenizer_path, in_dir, out_dir = Path(tokenizer_path), Path(in_dir), Path(out_dir)
+    if tokenizer_path.resolve() != (out_dir / TOKENIZER_NAME).resolve():
+        raise AndreaError(
+            f"--tokenizer {tokenizer_path} must be {out_dir / TOKENIZER_NAME}, so that training finds the shards "
+            f"and their tokenizer in one folder; train it with `--out {out_dir / TOKENIZER_NAME}`"
+        )
+    if threads < 1:
+        raise AndreaError(f"--threads {threads} must be at least 1")
+    chat = ChatTokenizer.load(tokenizer_path)
+    check_vocab_size(chat.vocab_size, f"{tokenizer_path}: vocabulary size")
+    # spawn, not fork: the parent's tokenizer may already run a thread pool, which fork would break
+    pool = (ProcessPoolExecutor(threads, mp_context=get_context("spawn"), initializer=_start_worker,
+                                initargs=(str(tokenizer_path),)) if threads > 1 else None)
+    manifests = {}
+    try:
+        for split in SPLITS:
+            start = time.perf_counter()
+            parquet, shard = in_dir / f"{split}.parquet", out_dir / f"{split}.bin"
+            tokens, counts = tokenize_split(chat, parquet, pool, threads)
+            write_shard(shard, tokens)
+            counts["tokens"] = int(tokens.size)
+            manifests[split] = write_manifest(
+                shard, stage=STAGE, inputs=[tokenizer_path, parquet],
+                config={"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"},
+                counts=counts, wall_time_s=time.perf_counter() - start,
+            )
+            log(STAGE, f"wrote {shard} ({tokens.size:,} tokens, {counts['conversations']:,} conversations)")
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
+    return manifests

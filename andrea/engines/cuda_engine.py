@@ -1,0 +1,378 @@
+"""CUDA engine: the NumPy engine's API on CuPy, with the kernels of kernels/*.cu and cuBLAS.
+
+Arrays are CuPy views into buffers allocated once from the memory plan (contiguous, row-major, the
+shapes of numpy_engine.py). Backward ops ADD into their grad buffers (weight-gradient products run
+with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits) are overwritten. d_att holds dS, the
+gradient at the scaled scores, on return (the NumPy engine leaves dP there).
+
+Nothing is allocated on the device after construction and `allocate`: kernels write into the
+caller's buffers, cuBLAS runs on the engine's own handle with a preallocated workspace, and host
+reads copy into host memory. Every reduction runs in a fixed order: the same inputs give the same
+bits on every run.
+
+Precision: "fp32" (the reference) or "tf32" (the matrix products on tensor cores with TF32 inputs and
+FP32 accumulation); kernels run in FP32 either way, and weights, m and v stay FP32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import cupy
+import numpy as np
+
+from andrea.errors import AndreaError
+from andrea.kernels_build import NVRTC_OPTIONS, kernel_dir, kernel_source
+
+PRECISIONS = ("fp32", "tf32")
+KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLAS products only)
+    "embed": ("k_embed_fwd", "k_embed_bwd"),
+    "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd"),
+    "attn": ("k_attn_fwd", "k_attn_bwd"),
+    "mlp": ("k_mlp_fwd", "k_mlp_bwd"),
+    "residual_add": ("k_residual_add", "k_residual_add_bwd"),
+    "loss": ("k_loss_fwd", "k_loss_bwd"),
+    "grad_norm": ("k_grad_norm_partial", "k_grad_norm_final", "k_grad_scale"),
+    "adamw": ("k_adamw",),
+}
+# Launch shapes the kernels are written for (the #defines of the same names in kernels/*.cu).
+EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
+LN_THREADS, LN_COLS = 1024, 8
+LOSS_THREADS = 1024
+ROW_THREADS = 256  # one warp per row: attention softmax
+ELEMENTWISE_THREADS = 256
+NORM_THREADS = 512
+
+ALIGN = 256  # bytes: every plan buffer starts on this boundary inside the one device allocation
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # cuBLAS's recommended workspace on Hopper
+MAX_DECAY_RANGES = 1024
+
+_modules: dict[tuple[str, str], cupy.RawModule] = {}
+
+
+def _load_kernels() -> dict:
+    """Every kernel, compiled once per process (and cached on disk by CuPy, keyed by source)."""
+    folder = kernel_dir()
+    functions = {}
+    for op, names in KERNELS.items():
+        key = (str(folder), op)
+        if key not in _modules:
+            _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=NVRTC_OPTIONS, backend="nvrtc")
+        functions.update({name: _modules[key].get_function(name) for name in names})
+    return functions
+
+
+class _Cublas:
+    """The two cuBLAS products the engine needs, through ctypes on an own handle.
+
+    CuPy's cuBLAS wrappers call cublasSetStream before every product, and that call resets the
+    handle's workspace to cuBLAS's internal pool; this handle keeps the engine's preallocated one."""
+
+    OP_N, OP_T = 0, 1
+    R_32F = 0
+    COMPUTE = {"fp32": 68, "tf32": 77}  # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
+    GEMM_DEFAULT = -1
+
+    def __init__(self, precision: str, workspace):
+        from cuda import pathfinder
+
+        lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
+        lib.cublasSetStream_v2.argtypes = [p, p]
+        lib.cublasSetWorkspace_v2.argtypes = [p, p, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+        lib.cublasGemmStridedBatchedEx.argtypes = [p, i, i, i, i, i, p, p, i, i, ll, p, i, i, ll, p, p, i, i, ll, i, i, i]
+        self.lib = lib
+        self.compute = self.COMPUTE[precision]
+        self.workspace = workspace
+        handle = p()
+        self._check("cublasCreate_v2", lib.cublasCreate_v2(ctypes.byref(handle)))
+        self.handle = handle.value
+        self.stream = None
+        self._scalars = {}  # host scalars that alpha/beta point at, one per value
+        self._bind_stream()
+
+    @staticmethod
+    def _check(name: str, status: int) -> None:
+        if status:
+            raise RuntimeError(f"{name} failed with cuBLAS status {status}")
+
+    def _bind_stream(self) -> None:
+        """Follow CuPy's current stream; setting a stream drops the workspace, so set it again."""
+        stream = cupy.cuda.get_current_stream().ptr
+        if stream != self.stream:
+            self._check("cublasSetStream_v2", self.lib.cublasSetStream_v2(self.handle, stream))
+            self._check("cublasSetWorkspace_v2", self.lib.cublasSetWorkspace_v2(
+                self.handle, self.workspace.data.ptr, self.workspace.nbytes))
+            self.stream = stream
+
+    def _scalar(self, value: float) -> int:
+        s = self._scalars.get(value)
+        if s is None:
+            s = self._scalars[value] = ctypes.c_float(value)
+        return ctypes.addressof(s)
+
+    def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
+             alpha=1.0, beta=0.0, batch=1, stride_a=0, stride_b=0, stride_c=0):
+        """Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C, on raw device pointers.
+
+        cuBLAS is column-major, where a row-major matrix reads as its transpose: so it computes
+        C^T = op(B)^T op(A)^T, with the operands swapped and each transpose flag kept."""
+        lda = lda or (m if trans_a else k)
+        ldb = ldb or (k if trans_b else n)
+        ldc = ldc or n
+        op_a = self.OP_T if trans_a else self.OP_N
+        op_b = self.OP_T if trans_b else self.OP_N
+        self._bind_stream()
+        f32, compute = self.R_32F, self.compute
+        if batch == 1:
+            status = self.lib.cublasGemmEx(
+                self.handle, op_b, op_a, n, m, k, self._scalar(alpha), b, f32, ldb, a, f32, lda,
+                self._scalar(beta), c, f32, ldc, compute, self.GEMM_DEFAULT)
+            self._check("cublasGemmEx", status)
+        else:
+            status = self.lib.cublasGemmStridedBatchedEx(
+                self.handle, op_b, op_a, n, m, k, self._scalar(alpha), b, f32, ldb, stride_b, a, f32, lda, stride_a,
+                self._scalar(beta), c, f32, ldc, stride_c, batch, compute, self.GEMM_DEFAULT)
+            self._check("cublasGemmStridedBatchedEx", status)
+
+
+def _ptr(a) -> int:
+    return a.data.ptr
+
+
+def _blocks(n: int, threads: int) -> int:
+    return max(1, -(-n // threads))
+
+
+class CudaEngine:
+    name = "cuda"
+    xp = cupy
+
+    def __init__(self, dtype: str = "float32", precision: str = "fp32"):
+        if dtype != "float32":
+            raise AndreaError(f"dtype '{dtype}': the CUDA engine runs float32 (float64 is the NumPy engine's, for gradient checks)")
+        if precision not in PRECISIONS:
+            if precision in ("bf16", "fp16"):
+                raise AndreaError(f"precision '{precision}' is not in the CUDA engine yet; set the experiment's "
+                                  "'precision' to fp32 or tf32")
+            raise AndreaError(f"unknown precision '{precision}'; the CUDA engine runs fp32 or tf32")
+        self.dtype = np.dtype(dtype)
+        self.precision = precision
+        self.k = _load_kernels()
+        # The engine's own device memory, beside the plan's buffers: cuBLAS's workspace and the
+        # AdamW decay-range table. Both are allocated here, once.
+        self.cublas_workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=np.uint8)
+        self.decay_table = cupy.zeros(2 * MAX_DECAY_RANGES, dtype=np.int64)
+        self._decay_ranges: tuple = ()
+        self.blas = _Cublas(precision, self.cublas_workspace)
+
+    @property
+    def own_bytes(self) -> int:
+        """Device bytes the engine holds outside the memory plan."""
+        return self.cublas_workspace.nbytes + self.decay_table.nbytes
+
+    def _launch(self, name: str, blocks: int, threads: int, *args) -> None:
+        self.k[name]((blocks,), (threads,), args)
+
+    # ---- buffers -------------------------------------------------------------------------
+    def allocate(self, plan):
+        """Every plan buffer, carved from one device allocation (each 256-byte aligned), zero-filled."""
+        offsets, total = [], 0
+        for b in plan.buffers:
+            offsets.append(total)
+            total += -(-b.nbytes // ALIGN) * ALIGN
+        arena = cupy.cuda.alloc(total)
+        cupy.cuda.runtime.memsetAsync(arena.ptr, 0, total, cupy.cuda.get_current_stream().ptr)
+        return {b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=arena + off)
+                for b, off in zip(plan.buffers, offsets)}
+
+    def to_host(self, a) -> np.ndarray:
+        return cupy.asnumpy(a)
+
+    def upload(self, dst, src) -> None:
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
+
+    def synchronize(self) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    def zero(self, buf) -> None:
+        cupy.cuda.runtime.memsetAsync(_ptr(buf), 0, buf.nbytes, cupy.cuda.get_current_stream().ptr)
+
+    zero_grads = zero
+
+    # ---- embed -----------------------------------------------------------------------------
+    def embed_fwd(self, out, tokens, wte, wpe):
+        B, T = tokens.shape
+        C = wte.shape[1]
+        n_pos = B * T
+        self._launch("k_embed_fwd", _blocks(n_pos * C, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     out, tokens, wte, wpe, np.int64(n_pos), np.int32(T), np.int32(C))
+
+    def embed_bwd(self, dwte, dwpe, dout, tokens):
+        B, T = tokens.shape
+        C = dwte.shape[1]
+        if C > EMBED_BWD_THREADS * EMBED_BWD_COLS:
+            raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's "
+                              f"{EMBED_BWD_THREADS * EMBED_BWD_COLS} columns")
+        self._launch("k_embed_bwd", B * T + T, EMBED_BWD_THREADS,
+                     dwte, dwpe, dout, tokens, np.int64(B * T), np.int32(T), np.int32(C))
+
+    # ---- layernorm -------------------------------------------------------------------------
+    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta):
+        C = inp.shape[-1]
+        rows = inp.size // C
+        self._launch("k_layernorm_fwd", _blocks(rows, LN_THREADS // 32), LN_THREADS,
+                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C))
+
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        C = inp.shape[-1]
+        rows = inp.size // C
+        row_blocks = _blocks(rows, LN_THREADS // 32)
+        self._launch("k_layernorm_bwd", row_blocks + _blocks(C, LN_COLS), LN_THREADS,
+                     dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                     np.int32(row_blocks))
+
+    # ---- attn_qkv: Q, K, V projections ----------------------------------------------------
+    def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
+        C = inp.shape[-1]
+        N = inp.size // C
+        for i, W in enumerate((W_Q, W_K, W_V)):
+            self.blas.gemm(_ptr(qkv[i]), _ptr(inp), _ptr(W), N, C, C)
+
+    def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V):
+        C = inp.shape[-1]
+        N = inp.size // C
+        for i, (W, dW) in enumerate(((W_Q, dW_Q), (W_K, dW_K), (W_V, dW_V))):
+            self.blas.gemm(_ptr(dW), _ptr(inp), _ptr(dqkv[i]), C, C, N, trans_a=True, beta=1.0)
+            self.blas.gemm(_ptr(dinp), _ptr(dqkv[i]), _ptr(W), N, C, C, trans_b=True, beta=1.0)
+
+    # ---- attn: causal scaled dot-product attention ----------------------------------------
+    def _per_head(self, B, H, c, a, b, m, n, k, **kw):
+        """One product per (b, h): a loop over whichever of B and H is smaller, strided-batched over
+        the other. c, a, b are (array, stride over b, stride over h), strides in elements."""
+        by_head = H <= B
+        for o in range(H if by_head else B):
+            ptrs, strides = [], []
+            for arr, sb, sh in (c, a, b):
+                ptrs.append(_ptr(arr) + 4 * o * (sh if by_head else sb))
+                strides.append(sb if by_head else sh)
+            self.blas.gemm(*ptrs, m, n, k, batch=B if by_head else H,
+                           stride_c=strides[0], stride_a=strides[1], stride_b=strides[2], **kw)
+
+    def attn_fwd(self, out, att, qkv, n_head):
+        _, B, T, C = qkv.shape
+        H = n_head
+        hd = C // H
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        seq, heads = (T * C, hd), (H * T * T, T * T)  # (stride over b, stride over h) in [B,T,C], [B,H,T,T]
+        self._per_head(B, H, (att, *heads), (q, *seq), (k, *seq), T, T, hd, trans_b=True,
+                       lda=C, ldb=C, ldc=T, alpha=1.0 / math.sqrt(hd))
+        rows = B * H * T
+        self._launch("k_attn_fwd", _blocks(rows, ROW_THREADS // 32), ROW_THREADS, att, np.int64(rows), np.int32(T))
+        self._per_head(B, H, (out, *seq), (att, *heads), (v, *seq), T, hd, T, lda=T, ldb=C, ldc=C)
+
+    def attn_bwd(self, dqkv, datt, dout, qkv, att, n_head):
+        _, B, T, C = qkv.shape
+        H = n_head
+        hd = C // H
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        dq, dk, dv = dqkv[0], dqkv[1], dqkv[2]
+        seq, heads = (T * C, hd), (H * T * T, T * T)
+        # dP = dY V^T, then dS in place
+        self._per_head(B, H, (datt, *heads), (dout, *seq), (v, *seq), T, T, hd, trans_b=True, lda=C, ldb=C, ldc=T)
+        rows = B * H * T
+        self._launch("k_attn_bwd", _blocks(rows, ROW_THREADS // 32), ROW_THREADS,
+                     datt, att, np.int64(rows), np.int32(T), np.float32(1.0 / math.sqrt(hd)))
+        self._per_head(B, H, (dq, *seq), (datt, *heads), (k, *seq), T, hd, T, lda=T, ldb=C, ldc=C, beta=1.0)
+        self._per_head(B, H, (dk, *seq), (datt, *heads), (q, *seq), T, hd, T, trans_a=True,
+                       lda=T, ldb=C, ldc=C, beta=1.0)
+        self._per_head(B, H, (dv, *seq), (att, *heads), (dout, *seq), T, hd, T, trans_a=True,
+                       lda=T, ldb=C, ldc=C, beta=1.0)
+
+    # ---- attn_out: W_O projection ----------------------------------------------------------
+    def attn_out_fwd(self, out, inp, W_O):
+        C = inp.shape[-1]
+        self.blas.gemm(_ptr(out), _ptr(inp), _ptr(W_O), inp.size // C, C, C)
+
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O):
+        C = inp.shape[-1]
+        N = inp.size // C
+        self.blas.gemm(_ptr(dW_O), _ptr(inp), _ptr(dout), C, C, N, trans_a=True, beta=1.0)
+        self.blas.gemm(_ptr(dinp), _ptr(dout), _ptr(W_O), N, C, C, trans_b=True, beta=1.0)
+
+    # ---- mlp: W_1, GELU, W_2 ---------------------------------------------------------------
+    def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
+        C, F = W_1.shape
+        N = inp.size // C
+        self.blas.gemm(_ptr(pre), _ptr(inp), _ptr(W_1), N, F, C)
+        self._launch("k_mlp_fwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+        self.blas.gemm(_ptr(out), _ptr(act), _ptr(W_2), N, C, F)
+
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2):
+        C, F = W_1.shape
+        N = inp.size // C
+        self.blas.gemm(_ptr(dW_2), _ptr(act), _ptr(dout), F, C, N, trans_a=True, beta=1.0)
+        self.blas.gemm(_ptr(dpre), _ptr(dout), _ptr(W_2), N, F, C, trans_b=True)
+        self._launch("k_mlp_bwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
+        self.blas.gemm(_ptr(dW_1), _ptr(inp), _ptr(dpre), C, F, N, trans_a=True, beta=1.0)
+        self.blas.gemm(_ptr(dinp), _ptr(dpre), _ptr(W_1), N, C, F, trans_b=True, beta=1.0)
+
+    # ---- residual_add ----------------------------------------------------------------------
+    def residual_add(self, out, a, b):
+        self._launch("k_residual_add", _blocks(out.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     out, a, b, np.int64(out.size))
+
+    def residual_add_bwd(self, da, db, dout):
+        self._launch("k_residual_add_bwd", _blocks(dout.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     da, db, dout, np.int64(dout.size))
+
+    # ---- loss: tied projection + softmax cross-entropy ------------------------------------
+    def loss_fwd(self, losses, probs, inp, wte, targets):
+        V, C = wte.shape
+        N = inp.size // C
+        self.blas.gemm(_ptr(probs), _ptr(inp), _ptr(wte), N, V, C, trans_b=True)
+        self._launch("k_loss_fwd", N, LOSS_THREADS, losses, probs, targets, np.int64(N), np.int32(V))
+
+    def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale):
+        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient."""
+        V, C = wte.shape
+        N = inp.size // C
+        self._launch("k_loss_bwd", N, LOSS_THREADS, dlogits, probs, targets, np.int64(N), np.int32(V),
+                     np.float32(scale))
+        self.blas.gemm(_ptr(dwte), _ptr(dlogits), _ptr(inp), V, C, N, trans_a=True, beta=1.0)
+        self.blas.gemm(_ptr(dinp), _ptr(dlogits), _ptr(wte), N, C, V, beta=1.0)
+
+    def mean_loss(self, losses) -> float:
+        return float(cupy.asnumpy(losses).mean(dtype=np.float64))
+
+    # ---- global-norm clipping ---------------------------------------------------------------
+    def grad_norm_partial(self, partials, grads):
+        chunk = -(-grads.size // partials.size)
+        self._launch("k_grad_norm_partial", partials.size, NORM_THREADS,
+                     partials, grads, np.int64(grads.size), np.int64(chunk))
+
+    def grad_norm_final(self, norm, partials):
+        self._launch("k_grad_norm_final", 1, NORM_THREADS, norm, partials, np.int32(partials.size))
+
+    def grad_scale(self, grads, scale):
+        self._launch("k_grad_scale", _blocks(grads.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     grads, np.float32(scale), np.int64(grads.size))
+
+    # ---- AdamW ------------------------------------------------------------------------------
+    def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges):
+        """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges."""
+        ranges = tuple((int(s), int(e)) for s, e in decay_ranges)
+        if ranges != self._decay_ranges:
+            if len(ranges) > MAX_DECAY_RANGES:
+                raise AndreaError(f"{len(ranges)} weight-decay ranges; the CUDA engine takes at most {MAX_DECAY_RANGES}")
+            if ranges:
+                self.decay_table[:2 * len(ranges)].set(np.array(ranges, dtype=np.int64).reshape(-1))
+            self._decay_ranges = ranges
+        f32 = np.float32
+        self._launch("k_adamw", _blocks(params.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     params, grads, m, v, np.int64(params.size), self.decay_table, np.int32(len(ranges)),
+                     f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
+                     f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step))

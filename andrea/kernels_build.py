@@ -1,0 +1,82 @@
+"""Kernel sources and their NVRTC build: one `kernels/<op>.cu` per op pair plus `common.cuh`.
+
+The CUDA engine loads these sources through `cupy.RawModule`; `compile_kernels` builds them for any
+architecture with NVRTC alone (no GPU needed), which is how CI checks that every kernel compiles.
+The folder is the repository's `kernels/`, or the one named by the environment variable
+ANDREA_KERNELS.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from andrea.errors import AndreaError
+
+KERNEL_FILES = (
+    "embed", "layernorm", "attn_qkv", "attn", "attn_out", "mlp", "residual_add", "loss",
+    "grad_norm", "adamw",
+)
+COMMON_HEADER = "common.cuh"
+ARCHS = ("sm_80", "sm_89", "sm_90")
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def kernel_dir() -> Path:
+    env = os.environ.get("ANDREA_KERNELS")
+    path = Path(env) if env else Path(__file__).resolve().parent.parent / "kernels"
+    if not (path / COMMON_HEADER).is_file():
+        raise AndreaError(f"{path}: no CUDA kernel folder here (missing {COMMON_HEADER}); "
+                          "set ANDREA_KERNELS to the repository's kernels/ folder")
+    return path
+
+
+def kernel_source(op: str, folder: Path | None = None) -> str:
+    """The source of kernels/<op>.cu with common.cuh spliced in, so the text alone decides the build
+    (CuPy caches compiled modules by source text; an edit to the header must change it)."""
+    folder = folder or kernel_dir()
+    path = folder / f"{op}.cu"
+    if not path.is_file():
+        raise AndreaError(f"{path}: kernel file not found; expected one of {', '.join(KERNEL_FILES)}")
+    header = (folder / COMMON_HEADER).read_text()
+    include = f'#include "{COMMON_HEADER}"'
+    return path.read_text().replace(include, f"// ---- {COMMON_HEADER} ----\n{header}// ---- end {COMMON_HEADER} ----", 1)
+
+
+def cuda_include_dir() -> str:
+    """Folder with the CUDA runtime headers (cuda_bf16.h and friends), from the cudart wheel."""
+    from cuda import pathfinder
+
+    found = pathfinder.find_nvidia_header_directory("cudart")
+    if not found:
+        raise AndreaError("CUDA headers not found; install the kernels extra: pip install 'andrea[kernels]'")
+    return found
+
+
+@dataclass(frozen=True)
+class Compiled:
+    op: str
+    arch: str
+    cubin: bytes
+    log: str
+
+
+def compile_kernel(op: str, arch: str = "sm_90", folder: Path | None = None) -> Compiled:
+    """NVRTC-compile kernels/<op>.cu to a cubin for `arch`; raises AndreaError with the compiler log."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = (f"-arch={arch}", *NVRTC_OPTIONS, f"-I{cuda_include_dir()}")
+    prog = nvrtc.createProgram(kernel_source(op, folder), f"{op}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as err:
+            raise AndreaError(f"kernels/{op}.cu does not compile for {arch}: {err}\n{nvrtc.getProgramLog(prog)}") from None
+        return Compiled(op, arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_kernels(arch: str = "sm_90", folder: Path | None = None) -> dict[str, Compiled]:
+    return {op: compile_kernel(op, arch, folder) for op in KERNEL_FILES}

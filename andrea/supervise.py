@@ -1,0 +1,71 @@
+"""`andrea train --supervise`: the training proxy. Runs the trainer as a child process, forwards
+SIGTERM/SIGUSR1 to it, and restarts it from its last checkpoint when it dies without finishing
+(a crash, SIGKILL, the kernel's out-of-memory killer), up to --max-restarts times."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from andrea.train import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_jsonl
+
+# Exit statuses that a restart cannot fix: a usage/input error, or a numerical fault that would recur.
+FINAL_STATUSES = {2, EXIT_NONFINITE}
+
+
+def child_command(args) -> list[str]:
+    cmd = [sys.executable, "-m", "andrea.cli", "train", "--experiment", args.experiment, "--data", args.data,
+           "--out", args.out, "--engine", args.engine, "--on-nonfinite", args.on_nonfinite,
+           "--sigterm-exit-code", str(args.sigterm_exit_code)]
+    if args.max_steps is not None:
+        cmd += ["--max-steps", str(args.max_steps)]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    return cmd
+
+
+def describe(status: int) -> str:
+    if status < 0:
+        return f"killed by {signal.Signals(-status).name}"
+    return f"exited with status {status}"
+
+
+def supervise(args) -> int:
+    files = RunFiles(Path(args.out))
+    base = child_command(args)
+    first = base + (["--resume"] if args.resume else ["--init-from", args.init_from] if args.init_from else [])
+    forwarded: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        restarts = 0
+        cmd = first
+        while True:
+            child = subprocess.Popen(cmd, env={**os.environ, RESTARTS_ENV: str(restarts)})
+            status = child.wait()
+            if status == 0 or status in FINAL_STATUSES or signal.SIGTERM in forwarded:
+                return status if status >= 0 else 128 - status
+            if restarts >= args.max_restarts:
+                print(f"andrea train: the trainer {describe(status)}; gave up after {restarts} restarts",
+                      file=sys.stderr)
+                return 1
+            restarts += 1
+            append_jsonl(files.loss, {"event": "restart", "wall": time.time(), "attempt": restarts,
+                                      "cause": describe(status)})
+            print(f"andrea train: the trainer {describe(status)}; restart {restarts} of {args.max_restarts} "
+                  "from the last checkpoint", file=sys.stderr)
+            # A restart continues from the last checkpoint, or starts over if none was written yet.
+            cmd = base + (["--resume"] if files.ckpt.exists() or not args.init_from else ["--init-from", args.init_from])
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -1,0 +1,225 @@
+"""Fault injection: signals at random moments, kills during writes, NaN, full disk, I/O errors,
+a supervised child killed. Nothing may be lost or corrupted, and every resume is bit-exact."""
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea.checkpoint import read_checkpoint, sha256_file
+from andrea.cli import main as cli_main
+from andrea.engines.numpy_engine import NumpyEngine
+from andrea.shards import read_shard, write_shard
+from test_train_loop import history, run, train_cmd, wait_for
+
+STEPS = 400
+N_PARAMS = 135_808
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, ):
+    """A long tiny experiment (checkpoint every step, so signals often land during writes) and the
+    uninterrupted reference run everything is compared with."""
+    root = tmp_path_factory.mktemp("reliability")
+    raw = json.loads((Path(__file__).parents[1] / "config/experiments/ANDREA-tiny-TRAIN.json").read_text())
+    raw["train"] = {"steps": STEPS}
+    raw["intervals"] = {"checkpoint": 1, "sample": 0, "eval": 25, "eval_batches": 1}
+    experiment = root / "tiny.json"
+    experiment.write_text(json.dumps(raw))
+    rng = np.random.default_rng(0)
+    data = root / "tokens"
+    data.mkdir()
+    pattern = rng.integers(0, 512, 300)
+    write_shard(data / "train.bin", np.tile(pattern, 40))
+    write_shard(data / "val.bin", np.tile(pattern, 4))
+    ref = root / "ref" / "tiny.ckpt"
+    run(train_cmd(experiment, data, ref))
+    return experiment, data, ref, history(ref.with_name("tiny.loss.json"))
+
+
+def steps_logged(loss_path: Path) -> int:
+    if not loss_path.exists():
+        return 0
+    return sum(1 for line in open(loss_path) if '"loss"' in line)
+
+
+def assert_intact(out: Path):
+    """The checkpoint is whole and one that its .state.json vouches for."""
+    assert out.stat().st_size == 8 + 12 * N_PARAMS
+    recorded = {c["sha256"] for c in json.loads(out.with_name("tiny.state.json").read_text())["checkpoints"]}
+    assert sha256_file(out) in recorded
+    step, params, m, v = read_checkpoint(out, N_PARAMS)
+    assert np.isfinite(params).all()
+    return step
+
+
+def test_random_sigterms_and_sigkills_lose_nothing(tmp_path, setup):
+    experiment, data, ref, ref_history = setup
+    out = tmp_path / "tiny.ckpt"
+    loss_path = out.with_name("tiny.loss.json")
+    rnd = random.Random(1)
+    plan = ["TERM"] * 50 + ["KILL"] * 20
+    rnd.shuffle(plan)
+    kills_during_write = 0
+    last_step = 0
+    for kind in plan:
+        proc = subprocess.Popen(train_cmd(experiment, data, out, "--resume"), stderr=subprocess.PIPE, text=True)
+        seen = steps_logged(loss_path)
+        wait_for(lambda: steps_logged(loss_path) > seen, proc)
+        if kind == "TERM":
+            time.sleep(rnd.uniform(0, 0.08))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        else:
+            deadline = time.time() + 0.5
+            while time.time() < deadline and not list(tmp_path.glob(".tiny.ckpt.tmp*")):
+                pass
+            kills_during_write += bool(list(tmp_path.glob(".tiny.ckpt.tmp*")))
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        step = assert_intact(out)
+        assert step >= last_step
+        last_step = step
+    assert last_step < STEPS, "the interruptions must all land inside the run"
+    assert kills_during_write >= 5
+    run(train_cmd(experiment, data, out, "--resume"))
+    assert out.read_bytes() == ref.read_bytes()
+    assert history(loss_path) == ref_history
+    assert not list(tmp_path.glob(".*.tmp*"))
+
+
+def test_hundred_sigusr1_leave_history_unchanged(tmp_path, setup):
+    experiment, data, ref, ref_history = setup
+    out = tmp_path / "tiny.ckpt"
+    loss_path = out.with_name("tiny.loss.json")
+    proc = subprocess.Popen(train_cmd(experiment, data, out, "--max-steps", "200"), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: steps_logged(loss_path) > 0, proc)
+    rnd = random.Random(2)
+    for _ in range(100):
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(rnd.uniform(0.001, 0.03))
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    proc.stderr.close()
+    snapshots = [json.loads(line) for line in open(loss_path) if '"SIGUSR1"' in line]
+    assert len(snapshots) >= 10
+    assert history(loss_path) == ref_history[:200]
+
+
+def train_in_process(experiment, data, out, *extra):
+    return cli_main(["train", "--experiment", str(experiment), "--data", str(data), "--out", str(out),
+                     "--engine", "numpy", *extra])
+
+
+def inject_nan_at_step(monkeypatch, step: int):
+    """Make the embedding gradient NaN during optimizer step `step` (two micro-batches a step)."""
+    calls = {"n": 0}
+    original = NumpyEngine.embed_bwd
+
+    def embed_bwd(self, dwte, dwpe, dout, tokens):
+        original(self, dwte, dwpe, dout, tokens)
+        calls["n"] += 1
+        if calls["n"] == 2 * step:
+            dwte[3, 5] = np.nan
+
+    monkeypatch.setattr(NumpyEngine, "embed_bwd", embed_bwd)
+
+
+def test_nan_stops_before_the_update(tmp_path, setup, monkeypatch, capsys):
+    experiment, data, ref, ref_history = setup
+    out = tmp_path / "tiny.ckpt"
+    inject_nan_at_step(monkeypatch, 7)
+    assert train_in_process(experiment, data, out, "--max-steps", "12") == 3
+    err = capsys.readouterr().err
+    assert "step 7: non-finite gradient norm" in err and "wte" in err and "last good checkpoint is step 6" in err
+    assert assert_intact(out) == 6
+    assert history(out.with_name("tiny.loss.json")) == ref_history[:6]
+    monkeypatch.undo()
+    assert train_in_process(experiment, data, out, "--max-steps", "12", "--resume") == 0
+    assert history(out.with_name("tiny.loss.json")) == ref_history[:12]
+
+
+def test_nan_step_can_be_skipped(tmp_path, setup, monkeypatch):
+    experiment, data, ref, _ = setup
+    out = tmp_path / "tiny.ckpt"
+    inject_nan_at_step(monkeypatch, 4)
+    assert train_in_process(experiment, data, out, "--max-steps", "8", "--on-nonfinite", "skip") == 0
+    state = json.loads(out.with_name("tiny.state.json").read_text())
+    assert state["skipped_steps"] == [4] and state["step"] == 8
+    assert assert_intact(out) == 8
+    steps = [r["step"] for r in history(out.with_name("tiny.loss.json"))]
+    assert steps == [1, 2, 3, 5, 6, 7, 8]
+
+
+def failing_fsync(monkeypatch, fragment: str, code: int, after: int):
+    """os.fsync fails with `code` for files whose path contains `fragment`, after `after` successes."""
+    real = os.fsync
+    seen = {"n": 0}
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else ""
+        if fragment in path:
+            seen["n"] += 1
+            if seen["n"] > after:
+                raise OSError(code, os.strerror(code))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+def test_checkpoint_write_fault_keeps_previous(tmp_path, setup, monkeypatch, capsys, code):
+    experiment, data, ref, ref_history = setup
+    out = tmp_path / "tiny.ckpt"
+    failing_fsync(monkeypatch, ".tiny.ckpt.tmp", code, after=5)
+    assert train_in_process(experiment, data, out, "--max-steps", "10") == 2
+    err = capsys.readouterr().err
+    assert os.strerror(code) in err and "could not write the step-6 checkpoint" in err
+    assert "previous checkpoint (step 5) is intact" in err and "Traceback" not in err
+    assert assert_intact(out) == 5
+    assert not list(tmp_path.glob(".*.tmp*"))
+    monkeypatch.undo()
+    assert train_in_process(experiment, data, out, "--max-steps", "10", "--resume") == 0
+    assert history(out.with_name("tiny.loss.json")) == ref_history[:10]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+def test_shard_write_fault_keeps_previous(tmp_path, monkeypatch, code):
+    path = tmp_path / "train.bin"
+    write_shard(path, np.arange(100))
+    before = path.read_bytes()
+    failing_fsync(monkeypatch, ".train.bin.tmp", code, after=0)
+    with pytest.raises(OSError) as err:
+        write_shard(path, np.arange(5000))
+    assert err.value.errno == code
+    assert path.read_bytes() == before and read_shard(path).size == 100
+    assert not list(tmp_path.glob(".*.tmp*"))
+
+
+def test_supervisor_restarts_a_killed_child(tmp_path, setup):
+    experiment, data, ref, ref_history = setup
+    out = tmp_path / "tiny.ckpt"
+    loss_path = out.with_name("tiny.loss.json")
+    sup = subprocess.Popen(train_cmd(experiment, data, out, "--supervise", "--max-steps", "120"),
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: steps_logged(loss_path) >= 30, sup)
+    children = Path(f"/proc/{sup.pid}/task/{sup.pid}/children").read_text().split()
+    assert len(children) == 1
+    os.kill(int(children[0]), signal.SIGKILL)
+    assert sup.wait(timeout=180) == 0
+    assert "restart 1 of 3" in sup.stderr.read()
+    sup.stderr.close()
+    restarts = [json.loads(line) for line in open(loss_path) if '"restart"' in line]
+    assert restarts == [dict(restarts[0], attempt=1, cause="killed by SIGKILL")]
+    assert json.loads(out.with_name("tiny.state.json").read_text())["restarts"] == 1
+    assert history(loss_path) == ref_history[:120]
+    ref_120 = tmp_path / "ref120" / "tiny.ckpt"
+    run(train_cmd(experiment, data, ref_120, "--max-steps", "120"))
+    assert out.read_bytes() == ref_120.read_bytes()

@@ -1,0 +1,47 @@
+# Training: results/{experiment}.ckpt from config/experiments/{experiment}-TRAIN.json.
+
+
+rule train:
+    input:
+        experiment=experiment_file,
+        train=tokens_file("train.bin"),
+        val=tokens_file("val.bin"),
+        tokenizer=tokens_file("tokenizer.json"),
+    output:
+        ckpt="results/{experiment}.ckpt",
+        state="results/{experiment}.state.json",
+        loss="results/{experiment}.loss.json",
+        run_log="results/{experiment}.log",
+    log:
+        "results/logs/train/{experiment}.log",
+    threads: threads("train")
+    resources:
+        gpu=1,
+    params:
+        data=subpath(input.train, parent=True),
+        engine=config["engine"],
+        code=code_version("train"),
+    shell:
+        "andrea train --experiment {input.experiment} --data {params.data}"
+        " --out {output.ckpt} --engine {params.engine} > {log} 2>&1"
+
+
+# The report's loss curve; too small a job to be worth a queue slot.
+localrules:
+    plot_loss,
+
+
+rule plot_loss:
+    input:
+        loss=rules.train.output.loss,
+    output:
+        svg=report(
+            "results/report/{experiment}.loss.svg",
+            caption="../report/loss_curve.rst",
+            category="Training",
+            labels={"experiment": "{experiment}", "figure": "loss curve"},
+        ),
+    log:
+        "results/logs/plot_loss/{experiment}.log",
+    script:
+        "../scripts/plot_loss.py"

@@ -1,0 +1,57 @@
+"""One HTML table of the `andrea eval` reports (format andrea-eval/1), one row per experiment."""
+
+import json
+import sys
+from html import escape
+
+# (header, how to read it from an eval report, format)
+COLUMNS = [
+    ("experiment", lambda r: r["experiment"]["name"], "{}"),
+    ("step", lambda r: r["checkpoint"]["step"], "{:,}"),
+    ("parameters", lambda r: r["checkpoint"]["n_params"], "{:,}"),
+    ("val loss", lambda r: r["metrics"]["val_loss"], "{:.4f}"),
+    ("perplexity", lambda r: r["metrics"]["perplexity"], "{:.2f}"),
+    ("bits/byte", lambda r: r["metrics"]["bits_per_byte"], "{:.4f}"),
+    ("val tokens", lambda r: r["metrics"]["tokens"], "{:,}"),
+    ("engine", lambda r: r["engine"], "{}"),
+]
+
+STYLE = """
+body { font-family: sans-serif; margin: 1.5em; }
+table { border-collapse: collapse; }
+th, td { border-bottom: 1px solid #ddd; padding: 0.35em 0.9em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f4f4f4; }
+"""
+
+
+def cell(report: dict, read, fmt: str) -> str:
+    value = read(report)
+    return "n/a" if value is None else escape(fmt.format(value))
+
+
+def render(reports: list[dict]) -> str:
+    head = "".join(f"<th>{escape(name)}</th>" for name, _, _ in COLUMNS)
+    rows = "\n".join(
+        "<tr>" + "".join(f"<td>{cell(r, read, fmt)}</td>" for _, read, fmt in COLUMNS) + "</tr>" for r in reports
+    )
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>ANDREA evaluation</title>'
+        f"<style>{STYLE}</style></head><body>\n<h2>Evaluation on the validation split</h2>\n"
+        f"<table>\n<tr>{head}</tr>\n{rows}\n</table>\n</body></html>\n"
+    )
+
+
+def main(paths: list[str], out: str) -> None:
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    with open(out, "w") as f:
+        f.write(render(reports))
+    print(f"{out}: {len(reports)} experiments", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821 (set by Snakemake's script directive)
+    main(list(snakemake.input.metrics), snakemake.output.html)  # noqa: F821
