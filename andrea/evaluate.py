@@ -143,9 +143,11 @@ def main(args) -> int:
     report = evaluate_checkpoint(args.experiment, args.ckpt, args.data, tokenizer=args.tokenizer,
                                  engine=args.engine, n_batches=args.batches)
     write_json_atomic(args.out, report)
+    inputs = [args.ckpt, report["data"]["val"]["path"]]
+    if report["data"]["tokenizer"]:
+        inputs.append(report["data"]["tokenizer"]["path"])
     write_manifest(
-        args.out, stage="eval",
-        inputs=[p for p in (args.ckpt, report["data"]["val"]["path"], (report["data"]["tokenizer"] or {}).get("path")) if p],
+        args.out, stage="eval", inputs=inputs,
         config={"experiment": report["experiment"], "batches": report["metrics"]["batches"], "engine": report["engine"]},
         counts={"tokens": report["metrics"]["tokens"]}, wall_time_s=report["throughput"]["wall_s"],
     )

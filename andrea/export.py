@@ -85,17 +85,24 @@ def tokenizer_config(shape) -> dict:
     }
 
 
+def generation_config(chat) -> dict:
+    return {"bos_token_id": chat.endoftext_id, "eos_token_id": [chat.im_end_id, chat.endoftext_id],
+            "pad_token_id": chat.endoftext_id}
+
+
 def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     """Write the folder; returns the files written."""
-    from safetensors.numpy import save_file
-
+    from andrea.atomic import atomic_path, atomic_write, write_json_atomic
     from andrea.checkpoint import read_checkpoint
     from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
-    from andrea.atomic import atomic_path, write_json_atomic
     from andrea.manifest import write_manifest
     from andrea.sample import check_vocab, load_tokenizer, tokenizer_for
 
+    try:
+        from safetensors.numpy import save
+    except ImportError:
+        raise AndreaError("export-hf needs the safetensors package; install it with `pip install safetensors`") from None
     start = time.perf_counter()
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -109,24 +116,21 @@ def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "model.safetensors"
-    with atomic_path(weights) as tmp:
-        save_file(gpt2_tensors(layout, params), str(tmp),
-                  metadata={"format": "pt", "andrea_experiment": exp.name, "andrea_step": str(step)})
-    write_json_atomic(out_dir / "config.json", gpt2_config(shape, chat))
-    write_json_atomic(out_dir / "generation_config.json", {
-        "bos_token_id": chat.endoftext_id, "eos_token_id": [chat.im_end_id, chat.endoftext_id],
-        "pad_token_id": chat.endoftext_id,
-    })
+    with atomic_write(weights) as f:  # bytes through Python's open, so the file gets the usual permissions
+        f.write(save(gpt2_tensors(layout, params),
+                     metadata={"format": "pt", "andrea_experiment": exp.name, "andrea_step": str(step)}))
     with atomic_path(out_dir / "tokenizer.json") as tmp:
         shutil.copyfile(tokenizer_path, tmp)
-    write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(shape))
+    configs = {"config.json": gpt2_config(shape, chat), "generation_config.json": generation_config(chat),
+               "tokenizer_config.json": tokenizer_config(shape)}
+    for name, config in configs.items():
+        write_json_atomic(out_dir / name, config)
     write_manifest(
         weights, stage=STAGE, inputs=[ckpt, tokenizer_path],
         config={"experiment": exp.raw, "format": "transformers GPT2LMHeadModel, safetensors float32"},
         counts={"step": step, "n_params": layout.n_params}, wall_time_s=time.perf_counter() - start,
     )
-    return [out_dir / n for n in ("config.json", "generation_config.json", "model.safetensors",
-                                  "tokenizer.json", "tokenizer_config.json")]
+    return [weights, out_dir / "tokenizer.json", *(out_dir / name for name in configs)]
 
 
 def register(subparsers) -> None:

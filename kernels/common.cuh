@@ -1,7 +1,7 @@
 // Helpers shared by the ANDREA kernels.
 //
 // Every reduction here combines values in an order fixed by the launch shape alone, never by
-// timing, so the same inputs give the same bits on every run (DESIGN.md, "Determinism").
+// timing, so the same inputs give the same bits on every run (docs/REPRODUCIBILITY.md).
 #pragma once
 
 #define WARP_SIZE 32

@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--baseline .device/bench/torch_baseline.py]
 
 Sections, each reported even when another fails:
+  device       the GPU, its driver and runtime versions
   build        NVRTC compile of every kernel file for this device's architecture
   ceilings     fp32 / tf32 cuBLAS rate (8192^3) and device-to-device copy bandwidth, measured here
   ops          every op pair (forward and backward) against the float64 NumPy reference, on fresh
@@ -14,7 +15,8 @@ Sections, each reported even when another fails:
   resume       `andrea train --engine cuda` stopped by SIGTERM and resumed equals an unbroken run
   bench        train_step tokens/s at the 12M (B=32, T=512) and 120M (B=8, T=1024) shapes, fp32 and
                tf32, per-op times, and the PyTorch baseline's variants run in the same call
-Prints a table last; writes gpu_check.json (and the log lines) under --out (default: $OUT).
+Prints a table last; writes gpu_check.json and gpu_check.txt under --out (default: $OUT if set,
+else results/gpu_check).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ TRAIN_STEPS = 20
 TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2}  # max |loss - numpy loss| / numpy loss over the steps
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
+RESUME_ENGINE = "cuda"
 
 report: dict = {}
 
@@ -67,13 +70,11 @@ def section(name):
             log(f"\n== {name} ==")
             t0 = time.time()
             try:
-                report[name] = fn(*args)
+                report[name] = fn(*args) or {}
             except Exception:
                 report[name] = {"error": traceback.format_exc()}
                 log(report[name]["error"])
-            report.setdefault(name, {})
-            if isinstance(report[name], dict):
-                report[name]["seconds"] = round(time.time() - t0, 1)
+            report[name]["seconds"] = round(time.time() - t0, 1)
         return run
     return wrap
 
@@ -304,7 +305,7 @@ def resume():
 
     def cmd(out, *extra):
         return [sys.executable, "-m", "andrea.cli", "train", "--experiment", str(experiment), "--data", str(data),
-                "--out", str(out), "--engine", "cuda", "--max-steps", str(stop), *extra]
+                "--out", str(out), "--engine", RESUME_ENGINE, "--max-steps", str(stop), *extra]
 
     def steps_logged(loss_file):
         if not loss_file.is_file():
@@ -480,8 +481,8 @@ def table() -> str:
         add("ops vs float64 NumPy (worst output's ||got-ref||/||ref||, max abs over outputs); "
             f"limits fp32 {LIMITS['fp32']:.0e}, tf32 {LIMITS['tf32']:.0e}")
         shapes = {r["shape"]: f"{r['shape']} B={r['B']} T={r['T']}" for r in report["ops"]["rows"]}
-        add(f"{'op':14}" + "".join(f"| {label:^35}" for label in shapes.values()))
-        add(f"{'':14}" + "| fp32 rel  abs      tf32 rel  abs      " * len(shapes))
+        add(f"{'op':14}" + "".join(f"| {label:<37}" for label in shapes.values()))
+        add(f"{'':14}" + f"| {'fp32 rel':>8} {'abs':>7}  {'tf32 rel':>8} {'abs':>7}   " * len(shapes))
         for op in OPS:
             cells = []
             for shape_name in shapes:

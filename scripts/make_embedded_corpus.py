@@ -20,7 +20,6 @@ import argparse
 import ast
 import gzip
 import hashlib
-import inspect
 import io
 import json
 import platform
@@ -171,7 +170,8 @@ def class_conversations(module: str, node: ast.ClassDef, source: str):
     ]
     doc = docstring(node)
     if doc:
-        exchanges = [(pick(CLASS_QUESTIONS, name).format(name=name), f"`{name}` is a class of the `{module}` module.\n\n{doc}")]
+        answer = f"`{name}` is a class of the `{module}` module.\n\n{doc}"
+        exchanges = [(pick(CLASS_QUESTIONS, name).format(name=name), answer)]
         for method, answer in methods[:MAX_METHODS_PER_CLASS_CONVERSATION]:
             exchanges.append((pick(METHOD_FOLLOW_UPS, f"{name}.{method}").format(name=name, method=method), answer))
         yield conversation(name, exchanges, source)

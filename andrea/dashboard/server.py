@@ -3,7 +3,7 @@
 Routes (GET and HEAD only; every other method gets 405):
     /                  the page (static/index.html); other paths are files of static/
     /api/runs          every NAME.loss.json under the results folder, with size, age and state summary
-    /results/REL       a .json or .log file under the results folder; `Range: bytes=N-` returns only
+    /results/REL       a .json file under the results folder; `Range: bytes=N-` returns only
                        what was appended since byte N, so a poll of a long run sends kilobytes, not megabytes
 
 Safe by default: binds loopback unless --allow-remote; a path with `..`, an absolute path or a symlink
@@ -15,24 +15,26 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import mimetypes
 import os
+import re
 import socket
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from andrea.errors import AndreaError
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOSS_SUFFIX = ".loss.json"
 STATE_SUFFIX = ".state.json"
-RESULT_SUFFIXES = (".json", ".log")
+LOG_SUFFIX = ".log"
+# What `andrea train` logs each time it (re)starts (andrea/train.py, Trainer.run).
+PLAN_LINE = re.compile(rb"training \S+: steps (\d+) -> (\d+) of (\d+)")
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
-CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml",
-                 ".json": "application/json", ".log": "text/plain"}
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".json": "application/json; charset=utf-8"}
 
 
 class Refused(Exception):
@@ -42,13 +44,19 @@ class Refused(Exception):
         self.headers = headers or {}
 
 
+def inside(root: str, path: str) -> str | None:
+    """The real path of `path` if it resolves under the real folder `root`."""
+    real = os.path.realpath(path)
+    return real if os.path.commonpath([root, real]) == root else None
+
+
 def resolve_under(root: str, rel: str) -> str:
     """The real path of the file `rel` (URL-encoded, relative) under the real folder `root`."""
     rel = unquote(rel)
     if "\x00" in rel or "\\" in rel or rel.startswith("/") or ".." in rel.split("/"):
         raise Refused(HTTPStatus.FORBIDDEN, "path escapes the served folder")
-    full = os.path.realpath(os.path.join(root, rel))
-    if os.path.commonpath([root, full]) != root:
+    full = inside(root, os.path.join(root, rel))
+    if full is None:
         raise Refused(HTTPStatus.FORBIDDEN, "path resolves outside the served folder")
     if not os.path.isfile(full):
         raise Refused(HTTPStatus.NOT_FOUND, "no such file")
@@ -69,7 +77,41 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return first_i, min(int(last), size - 1) if last else size - 1
 
 
-def run_summaries(root: str) -> list[dict]:
+def read_state(path: str) -> dict | None:
+    try:
+        state = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return {"step": state.get("step"), "total_steps": state.get("total_steps"),
+            "experiment": (state.get("experiment") or {}).get("name")}
+
+
+class RunPlans:
+    """The newest plan line of each NAME.log, re-read only when the log changes. The state file has
+    total_steps only from the first checkpoint on, and never the --max-steps stop; the log has both
+    from the first step."""
+
+    def __init__(self):
+        self._cache: dict[str, tuple[tuple[int, int], dict | None]] = {}
+
+    def get(self, path: str) -> dict | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        stamp = (st.st_ino, st.st_size)
+        cached = self._cache.get(path)
+        if cached and cached[0] == stamp:
+            return cached[1]
+        with open(path, "rb") as f:
+            found = PLAN_LINE.findall(f.read())
+        plan = {"stop": int(found[-1][1]), "total_steps": int(found[-1][2])} if found else None
+        self._cache[path] = (stamp, plan)
+        return plan
+
+
+def run_summaries(root: str, plans: RunPlans) -> list[dict]:
+    """Every NAME.loss.json under `root` that resolves inside it, with what the page's header needs."""
     runs = []
     for folder, dirs, files in os.walk(root):
         dirs.sort()
@@ -77,9 +119,11 @@ def run_summaries(root: str) -> list[dict]:
             if not name.endswith(LOSS_SUFFIX):
                 continue
             path = os.path.join(folder, name)
-            real = os.path.realpath(path)
-            if os.path.commonpath([root, real]) != root:
+            real = inside(root, path)
+            if real is None:
                 continue
+            stem = path[: -len(LOSS_SUFFIX)]
+            state, log = inside(root, stem + STATE_SUFFIX), inside(root, stem + LOG_SUFFIX)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             st = os.stat(real)
             runs.append({
@@ -88,25 +132,15 @@ def run_summaries(root: str) -> list[dict]:
                 "size": st.st_size,
                 "file_id": f"{st.st_dev}:{st.st_ino}",
                 "age_s": round(time.time() - st.st_mtime, 3),
-                "state": state_summary(real[: -len(LOSS_SUFFIX)] + STATE_SUFFIX, root),
+                "state": read_state(state) if state else None,
+                "plan": plans.get(log) if log else None,
             })
     return runs
 
 
-def state_summary(path: str, root: str) -> dict | None:
-    real = os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root or not os.path.isfile(real):
-        return None
-    try:
-        state = json.loads(Path(real).read_text())
-    except (OSError, ValueError):
-        return None
-    return {"step": state.get("step"), "total_steps": state.get("total_steps"),
-            "experiment": (state.get("experiment") or {}).get("name")}
-
-
 class Handler(BaseHTTPRequestHandler):
     server_version = "andrea-dashboard"
+    protocol_version = "HTTP/1.1"  # keep-alive: the page polls the same host every few seconds
     server: DashboardServer
 
     def do_GET(self) -> None:
@@ -116,6 +150,7 @@ class Handler(BaseHTTPRequestHandler):
         self._serve(send_body=False)
 
     def _refuse_write(self) -> None:
+        self.close_connection = True  # its body is left unread, so the connection cannot carry another request
         self._error(Refused(HTTPStatus.METHOD_NOT_ALLOWED, "the dashboard is read-only", {"Allow": "GET, HEAD"}))
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_write
@@ -128,14 +163,15 @@ class Handler(BaseHTTPRequestHandler):
                 raise Refused(HTTPStatus.BAD_REQUEST, "expected a path")
             rel = path[1:]
             if rel == "api/runs":
-                body = json.dumps({"runs": run_summaries(self.server.results)}).encode()
-                self._send(HTTPStatus.OK, "application/json", len(body))
+                listing = {"results": self.server.results_label, "runs": run_summaries(self.server.results, self.server.plans)}
+                body = json.dumps(listing).encode()
+                self._send(HTTPStatus.OK, CONTENT_TYPES[".json"], len(body))
                 if send_body:
                     self.wfile.write(body)
             elif rel.startswith("results/"):
                 full = resolve_under(self.server.results, rel[len("results/"):])
-                if not full.endswith(RESULT_SUFFIXES):
-                    raise Refused(HTTPStatus.NOT_FOUND, "only .json and .log files are served from the results folder")
+                if not full.endswith(".json"):
+                    raise Refused(HTTPStatus.NOT_FOUND, "only .json files are served from the results folder")
                 self._send_file(full, send_body)
             else:
                 self._send_file(resolve_under(self.server.static, rel or "index.html"), send_body)
@@ -150,8 +186,7 @@ class Handler(BaseHTTPRequestHandler):
         host = self.headers.get("Host")
         if host is None:
             return
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        name = name.strip("[]").lower()
+        name = urlsplit("//" + host).hostname or ""
         if name not in LOOPBACK_NAMES and not is_loopback_ip(name):
             raise Refused(HTTPStatus.FORBIDDEN, "unexpected Host header; use http://127.0.0.1:PORT/")
 
@@ -202,8 +237,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def content_type(path: str) -> str:
-    ctype = CONTENT_TYPES.get(os.path.splitext(path)[1]) or mimetypes.guess_type(path)[0] or "application/octet-stream"
-    return ctype + "; charset=utf-8" if ctype.startswith("text/") or ctype == "application/json" else ctype
+    return CONTENT_TYPES.get(os.path.splitext(path)[1], "application/octet-stream")
 
 
 def is_loopback_ip(name: str) -> bool:
@@ -216,7 +250,7 @@ def is_loopback_ip(name: str) -> bool:
 def bind_family(host: str, allow_remote: bool) -> socket.AddressFamily:
     """The address family for `host`; refuses a non-loopback address unless `allow_remote`."""
     try:
-        infos = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise AndreaError(f"--host {host}: cannot resolve it ({err.strerror})") from None
     if not allow_remote and not all(is_loopback_ip(info[4][0]) for info in infos):
@@ -236,6 +270,8 @@ class DashboardServer(ThreadingHTTPServer):
         if not results.is_dir():
             raise AndreaError(f"{results}: no such folder; pass --results DIR, the folder andrea train writes to")
         self.results = os.path.realpath(results)
+        self.results_label = str(results)
+        self.plans = RunPlans()
         self.static = os.path.realpath(STATIC)
         self.allow_remote = allow_remote
         try:

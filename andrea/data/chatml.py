@@ -83,7 +83,7 @@ class ChatTokenizer:
         self.endoftext_id, self.im_start_id, self.im_end_id = ids
         self._split = re.compile(SPLIT_PATTERN).findall
         self._word_ids: dict[str, list[int]] = {}
-        self._newline_ids = self.encode_text("\n")
+        self._forget_words()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ChatTokenizer":
@@ -94,7 +94,9 @@ class ChatTokenizer:
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable files
-            raise AndreaError(f"{path}: not a tokenizers JSON file ({err}); retrain it with `andrea train-tokenizer`") from None
+            raise AndreaError(
+                f"{path}: not a tokenizers JSON file ({err}); retrain it with `andrea train-tokenizer`"
+            ) from None
         return cls(tokenizer, str(path))
 
     @property
@@ -105,39 +107,59 @@ class ChatTokenizer:
     def special_ids(self) -> dict[str, int]:
         return dict(zip(SPECIAL_TOKENS, (self.endoftext_id, self.im_start_id, self.im_end_id)))
 
-    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
-        words = [self._split(text) for text in texts]
-        unseen = list(set(chain.from_iterable(words)).difference(self._word_ids))
-        if unseen:
-            if len(self._word_ids) + len(unseen) > WORD_CACHE_LIMIT:
-                self._word_ids.clear()
-            encoded = self.tokenizer.encode_batch_fast(unseen, add_special_tokens=False)
-            self._word_ids.update(zip(unseen, (e.ids for e in encoded)))
-        lookup = self._word_ids.__getitem__
-        return [list(chain.from_iterable(map(lookup, text_words))) for text_words in words]
+    def _forget_words(self) -> None:
+        """Empty the word cache, keeping the structural tokens: they are cached under their own
+        strings, which no split word can equal (a word never mixes letters and punctuation)."""
+        self._word_ids.clear()
+        self._word_ids.update({token: [i] for token, i in self.special_ids.items()})
+
+    def _learn(self, words: Iterable[str]) -> None:
+        """Cache the ids of the words not seen yet, asking the tokenizer in one batch."""
+        words = set(words)
+        unseen = words.difference(self._word_ids)
+        if not unseen:
+            return
+        if len(self._word_ids) + len(unseen) > WORD_CACHE_LIMIT:
+            self._forget_words()
+            unseen = words.difference(self._word_ids)
+        unseen = list(unseen)
+        encoded = self.tokenizer.encode_batch_fast(unseen, add_special_tokens=False)
+        self._word_ids.update(zip(unseen, (e.ids for e in encoded)))
+
+    def _ids(self, words: list[str]) -> list[int]:
+        return list(chain.from_iterable(map(self._word_ids.__getitem__, words)))
+
+    def _conversation_words(self, turns: Turns) -> list[str]:
+        words = []
+        for turn in turns:
+            words.append(IM_START)
+            words += self._split(f"{turn['role']}\n{turn['content']}")
+            words += (IM_END, "\n")
+        return words
 
     def encode_text(self, text: str) -> list[int]:
         """Plain text to ids; special-token strings in it stay literal text."""
-        return self._encode_texts([text])[0]
+        words = self._split(text)
+        self._learn(words)
+        return self._ids(words)
 
     def encode_conversations(self, conversations: Iterable[Turns]) -> list[list[int]]:
-        """Ids of many conversations (without <|endoftext|>), encoded as one batch."""
-        conversations = list(conversations)
-        pieces = iter(self._encode_texts([f"{t['role']}\n{t['content']}" for turns in conversations for t in turns]))
-        start, end, newline = [self.im_start_id], [self.im_end_id], self._newline_ids
-        result = []
-        for turns in conversations:
-            ids: list[int] = []
-            for _ in turns:
-                ids += start
-                ids += next(pieces)
-                ids += end
-                ids += newline
-            result.append(ids)
-        return result
+        """Ids of each conversation (without <|endoftext|>), new words encoded as one batch."""
+        words = [self._conversation_words(turns) for turns in conversations]
+        self._learn(chain.from_iterable(words))
+        return [self._ids(w) for w in words]
 
     def encode_conversation(self, turns: Turns) -> list[int]:
         return self.encode_conversations([turns])[0]
+
+    def encode_documents(self, conversations: Iterable[Turns]) -> list[int]:
+        """The token stream training reads: each conversation followed by <|endoftext|>."""
+        words = []
+        for turns in conversations:
+            words += self._conversation_words(turns)
+            words.append(ENDOFTEXT)
+        self._learn(words)
+        return self._ids(words)
 
     def encode_prompt(self, turns: Turns) -> list[int]:
         """A conversation followed by an open assistant turn, for the model to complete."""

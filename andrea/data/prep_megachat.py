@@ -70,7 +70,8 @@ def megachat_records(rows: Iterable, val_fraction: float, dropped: Counter,
         }
 
 
-def prep_megachat(in_path: str | os.PathLike, out_dir: str | os.PathLike, val_fraction: float = 0.05) -> dict[str, dict]:
+def prep_megachat(in_path: str | os.PathLike, out_dir: str | os.PathLike,
+                  val_fraction: float = 0.05) -> dict[str, dict]:
     """Run the stage; returns the manifests of train.parquet and val.parquet."""
     start = time.perf_counter()
     in_path, out_dir = Path(in_path), Path(out_dir)
@@ -109,7 +110,9 @@ def prep_megachat(in_path: str | os.PathLike, out_dir: str | os.PathLike, val_fr
         for split in SPLITS:
             writers[split].write_table(pa.Table.from_pylist(pending[split], schema=MEGACHAT_SCHEMA))
         if kept["train"] == 0:
-            raise AndreaError(f"{in_path}: no usable conversation for train.parquet (dropped: {dict(dropped)}); nothing written")
+            raise AndreaError(
+                f"{in_path}: no usable conversation for train.parquet (dropped: {dict(dropped)}); nothing written"
+            )
 
     counts = {"rows_in": rows_in, "train_rows": kept["train"], "val_rows": kept["val"],
               "dropped_rows": sum(dropped.values())}

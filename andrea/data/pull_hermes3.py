@@ -8,6 +8,7 @@ dropping rows that cannot be put in it, counted by reason in the manifest.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -61,8 +62,6 @@ def embedded_rows() -> RawRows:
         )
 
     def batches() -> Iterator[list]:
-        import gzip
-
         with gzip.open(EMBEDDED_CORPUS, "rt", encoding="utf-8") as f:
             batch = []
             for line in f:
@@ -126,7 +125,9 @@ def resolve_hub_revision(dataset_id: str, revision: str | None) -> str:
             f"https://huggingface.co/datasets/{dataset_id} and set HF_TOKEN, or {ALTERNATIVES}"
         ) from None
     except RevisionNotFoundError:
-        raise AndreaError(f"{dataset_id} has no revision {revision!r} on the Hub; check --revision, or {ALTERNATIVES}") from None
+        raise AndreaError(
+            f"{dataset_id} has no revision {revision!r} on the Hub; check --revision, or {ALTERNATIVES}"
+        ) from None
     except RepositoryNotFoundError:
         raise AndreaError(
             f"{dataset_id} was not found on the Hugging Face Hub (a private dataset needs HF_TOKEN); "
@@ -158,9 +159,11 @@ def hub_rows(dataset_id: str, revision: str | None) -> RawRows:
                 f"{dataset_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it "
                 f"cannot be downloaded; unset HF_HUB_OFFLINE, or {ALTERNATIVES}"
             ) from None
-        raise AndreaError(f"datasets could not load {dataset_id} ({type(err).__name__}: {err}); {ALTERNATIVES}") from None
+        raise AndreaError(
+            f"datasets could not load {dataset_id} ({type(err).__name__}: {err}); {ALTERNATIVES}"
+        ) from None
     _check_schema(dataset, dataset_id)
-    inputs = [{"uri": f"hf://datasets/{dataset_id}", "revision": revision}]
+    inputs = [{"dataset": dataset_id, "revision": revision}]
     return _dataset_rows(dataset, dataset_id, inputs, {"source": "hub", "dataset": dataset_id, "revision": revision})
 
 
@@ -180,7 +183,9 @@ def local_rows(path: Path, cache_dir: str) -> RawRows:
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
     except Exception as err:  # datasets reports unreadable files through several exception types
         cause = err.__cause__ or err
-        raise AndreaError(f"{path}: datasets could not read it as {builder} ({type(cause).__name__}: {cause})") from None
+        raise AndreaError(
+            f"{path}: datasets could not read it as {builder} ({type(cause).__name__}: {cause})"
+        ) from None
     _check_schema(dataset, str(path))
     return _dataset_rows(dataset, path.name, [path], {"source": "path", "format": builder})
 
@@ -221,9 +226,10 @@ def pull_hermes3(source: str, out: str | os.PathLike, revision: str | None = Non
                 rows_in += len(batch)
                 rows_out += table.num_rows
                 advance(len(batch))
-    if rows_out == 0:
-        out.unlink()
-        raise AndreaError(f"{source}: none of its {rows_in:,} rows is a conversation ({dict(dropped)}); nothing written")
+            if rows_out == 0:
+                raise AndreaError(
+                    f"{source}: none of its {rows_in:,} rows is a conversation ({dict(dropped)}); nothing written"
+                )
     manifest = write_manifest(
         out, stage=STAGE, inputs=raw.inputs, config=raw.config,
         counts={"rows_in": rows_in, "rows_out": rows_out}, dropped=dropped,

@@ -46,11 +46,7 @@ def _start_worker(tokenizer_path: str) -> None:
 def encode_batch(batch: pa.RecordBatch, chat: ChatTokenizer | None = None) -> tuple[int, bytes]:
     """(rows, uint16 tokens) of a batch of MegaChat rows, each conversation followed by <|endoftext|>."""
     chat = chat or _worker_chat
-    tokens = array("H")
-    for ids in chat.encode_conversations(batch.column("turns").to_pylist()):
-        tokens.extend(ids)
-        tokens.append(chat.endoftext_id)
-    return batch.num_rows, tokens.tobytes()
+    return batch.num_rows, array("H", chat.encode_documents(batch.column("turns").to_pylist())).tobytes()
 
 
 def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) -> Iterator[tuple[int, bytes]]:
@@ -72,7 +68,8 @@ def tokenize_split(chat: ChatTokenizer, parquet: Path, pool: Executor | None, th
     def batches() -> Iterator[pa.RecordBatch]:
         for batch in table.iter_batches(batch_size=ENCODE_BATCH_ROWS, columns=["turns"]):
             counts["conversations"] += batch.num_rows
-            counts["content_bytes"] += pc.sum(pc.binary_length(batch.column("turns").flatten().field("content"))).as_py() or 0
+            contents = batch.column("turns").flatten().field("content")
+            counts["content_bytes"] += pc.sum(pc.binary_length(contents)).as_py() or 0
             yield batch
 
     parts = []

@@ -30,10 +30,13 @@ def check_vocab_size(vocab_size: int, what: str) -> None:
             f"use a vocabulary of at most {MAX_VOCAB:,}"
         )
     if vocab_size < MIN_VOCAB:
-        raise AndreaError(f"{what} {vocab_size:,} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise AndreaError(
+            f"{what} {vocab_size:,} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
 
 
-def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.PathLike, min_frequency: int = 2) -> dict:
+def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.PathLike,
+                    min_frequency: int = 2) -> dict:
     """Run the stage; returns the manifest of `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -70,7 +70,7 @@ rule tokenize:
         val_manifest="results/data/tokens-V{vocab}/val.bin.manifest.json",
     log:
         "results/logs/tokenize/V{vocab}.log",
-    threads: threads("tokenize")
+    threads: job_threads("tokenize")
     params:
         in_dir=subpath(input.train, parent=True),
         out_dir=subpath(output.train, parent=True),

@@ -18,7 +18,7 @@ rule eval:
         manifest="results/eval/{experiment}.json.manifest.json",
     log:
         "results/logs/eval/{experiment}.log",
-    threads: threads("eval")
+    threads: job_threads("eval")
     resources:
         gpu=1,
     params:

@@ -14,7 +14,7 @@ rule train:
         run_log="results/{experiment}.log",
     log:
         "results/logs/train/{experiment}.log",
-    threads: threads("train")
+    threads: job_threads("train")
     resources:
         gpu=1,
     params:

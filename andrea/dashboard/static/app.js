@@ -1,0 +1,637 @@
+"use strict";
+// ANDREA loss dashboard. It follows NAME.loss.json files (JSON Lines: one record per step plus event
+// lines; when a step repeats, the later line wins) and redraws without reloading. Data comes from:
+//   - `andrea dashboard`: api/runs lists the runs; each poll reads only the bytes appended since the
+//     last one (HTTP Range), so a long run costs kilobytes per poll;
+//   - any other static server (python -m http.server): the runs named by ?run=URL, re-read whole
+//     when they change;
+//   - files picked with "open file…" or dropped on the page: read once, works from file://.
+
+const params = new URLSearchParams(location.search);
+const POLL_MS = Math.max(200, Number(params.get("poll")) || 2000);
+const LIVE_AGE_S = 120;   // a loss file written this recently belongs to a run that is training
+const RATE_WINDOW = 50;   // steps over which tokens/s and the ETA are measured
+const COLORS = ["#2f6fde", "#e8743b", "#19a979", "#d64545", "#945ecf", "#13a4b4", "#c6a100", "#6c8893"];
+// Tick spacings: whole steps and tokens; round durations for wall time.
+const COUNT_INCRS = Array.from({length: 16}, (_, e) => [1, 2, 5].map((m) => m * 10 ** e)).flat();
+const TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+  172800, 604800];
+const decoder = new TextDecoder();
+
+const runs = new Map();   // id -> Run, in the order they appeared
+const view = readHash();  // what the address keeps: x axis, log scale, smoothing, selected runs
+let source = null;        // "server" | "static" | "files"
+let sourceNote = "";
+let charts = {};          // chart name -> uPlot
+let structure = "";       // what the charts were built for; a change rebuilds them
+let dataKey = "";         // what their data was built from; a change refreshes it
+let zoom = null;          // {min, max} of x chosen by dragging on a chart; double-click clears it
+let hovered = null;       // the uPlot under the mouse: only it shows the read-out
+
+class Run {
+  constructor(id, url) {
+    this.id = id;
+    this.url = url;       // null for a file opened from disk
+    this.color = COLORS[runs.size % COLORS.length];
+    this.state = null;    // NAME.state.json (or the server's summary of it): total_steps
+    this.plan = null;     // from NAME.log (server only): this invocation's stop and total_steps
+    this.ageS = null;     // seconds since the loss file changed (server only)
+    this.size = 0;
+    this.version = 0;
+    this.reset(null);
+  }
+
+  // fileId names the bytes read so far: inode from the server, Last-Modified + length elsewhere.
+  reset(fileId) {
+    this.fileId = fileId;
+    this.offset = 0;
+    this.tail = new Uint8Array(0);
+    this.records = [];
+    this.events = [];
+    this.version++;
+  }
+
+  ingest(bytes) {
+    const buf = new Uint8Array(this.tail.length + bytes.length);
+    buf.set(this.tail);
+    buf.set(bytes, this.tail.length);
+    this.offset += bytes.length;
+    const end = buf.lastIndexOf(10) + 1;  // whole lines only: the trainer may be mid-write
+    this.tail = buf.slice(end);
+    for (const line of decoder.decode(buf.subarray(0, end)).split("\n")) {
+      if (!line.trim()) continue;
+      let rec;
+      try { rec = JSON.parse(line); } catch { continue; }  // a line torn by a crash, then appended to
+      if (rec.event) this.events.push(rec);
+      else if (Number.isFinite(rec.step)) this.add(rec);
+    }
+    this.version++;
+  }
+
+  add(rec) {
+    const r = this.records;
+    if (!r.length || rec.step > r[r.length - 1].step) { r.push(rec); return; }
+    const i = lowerBound(r.length, (k) => r[k].step < rec.step);
+    if (r[i] && r[i].step === rec.step) r[i] = rec; else r.splice(i, 0, rec);
+  }
+
+  get last() { return this.records[this.records.length - 1]; }
+  get total() { return (this.plan && this.plan.total_steps) || (this.state && this.state.total_steps); }
+  get stop() { return (this.plan && this.plan.stop) || this.total; }  // --max-steps ends a run early
+}
+
+// ---- reading ------------------------------------------------------------------------------------
+
+async function detectSource() {
+  try {
+    const res = await fetch("api/runs", {cache: "no-store"});
+    if (res.ok && (res.headers.get("content-type") || "").startsWith("application/json")) return "server";
+  } catch { /* not served by andrea (or opened from file://) */ }
+  return location.protocol === "file:" ? "files" : "static";
+}
+
+function addRun(id, url) {
+  const run = new Run(id, url);
+  runs.set(id, run);
+  return run;
+}
+
+async function pollServer() {
+  const listing = await (await fetch("api/runs", {cache: "no-store"})).json();
+  sourceNote = listing.results;
+  const listed = new Set();
+  for (const info of listing.runs) {
+    listed.add(info.id);
+    const url = "results/" + info.loss.split("/").map(encodeURIComponent).join("/");
+    const run = runs.get(info.id) || addRun(info.id, url);
+    // A new file under the same name (a fresh start moves the old history aside): read it from byte 0.
+    if (info.file_id !== run.fileId || info.size < run.offset) run.reset(info.file_id);
+    run.size = info.size;
+    run.ageS = info.age_s;
+    run.state = info.state;
+    run.plan = info.plan;
+  }
+  for (const [id, run] of runs) if (run.url && !listed.has(id)) runs.delete(id);
+  selectDefault();
+  await Promise.all(selectedRuns().filter((r) => r.url && r.size > r.offset).map(readAppended));
+}
+
+// One read per run at a time: two overlapping reads from the same offset would ingest twice.
+function readAppended(run) {
+  if (!run.reading) run.reading = fetchAppended(run).finally(() => { run.reading = null; });
+  return run.reading;
+}
+
+async function fetchAppended(run) {
+  const {offset, fileId} = run;
+  const res = await fetch(run.url, {cache: "no-store", headers: offset ? {Range: `bytes=${offset}-`} : {}});
+  if (res.status === 416) return;  // nothing past our offset yet
+  if (!res.ok) throw new Error(`${run.url}: HTTP ${res.status}`);
+  const bytes = new Uint8Array(await res.arrayBuffer());
+  if (run.offset !== offset || run.fileId !== fileId) return;  // the file was replaced meanwhile
+  if (res.status === 200) run.reset(fileId);  // the whole file, not a range
+  run.ingest(bytes);
+}
+
+async function pollStatic() {
+  for (const url of params.getAll("run")) {
+    const id = runName(url);
+    if (!runs.has(id)) addRun(id, url);
+  }
+  selectDefault();
+  await Promise.all([...runs.values()].filter((r) => r.url).map(async (run) => {
+    const res = await fetch(run.url, {cache: "no-cache"});
+    if (!res.ok) throw new Error(`${run.url}: HTTP ${res.status}`);
+    const stamp = `${res.headers.get("last-modified")}|${res.headers.get("content-length")}`;
+    if (stamp === run.fileId) return;
+    run.reset(stamp);
+    run.ingest(new Uint8Array(await res.arrayBuffer()));
+    const state = await fetch(run.url.replace(/\.loss\.json$/, ".state.json"), {cache: "no-cache"}).catch(() => null);
+    if (state && state.ok) run.state = await state.json().catch(() => run.state);
+  }));
+}
+
+async function openFiles(fileList) {
+  const files = [...fileList];
+  for (const f of files.filter((f) => !f.name.endsWith(".state.json"))) {
+    const id = runName(f.name);
+    const run = runs.get(id) || addRun(id, null);
+    run.reset(null);
+    run.ingest(new Uint8Array(await f.arrayBuffer()));
+    view.selected.add(id);
+  }
+  for (const f of files.filter((f) => f.name.endsWith(".state.json"))) {
+    const run = runs.get(runName(f.name));
+    if (run) run.state = JSON.parse(await f.text());
+  }
+  render();
+}
+
+async function poll() {
+  try {
+    if (source === "server") await pollServer();
+    else await pollStatic();
+    setSourceLine(false);
+  } catch (err) {
+    setSourceLine(true, err.message);
+  }
+  render();
+  setTimeout(poll, POLL_MS);
+}
+
+function setSourceLine(failed, message) {
+  const el = document.getElementById("source");
+  const time = new Date().toLocaleTimeString();
+  el.classList.toggle("error", failed);
+  if (failed) el.textContent = `${message} · retrying every ${POLL_MS / 1000} s`;
+  else if (source === "server") el.textContent = `${sourceNote} · ${runs.size} run${runs.size === 1 ? "" : "s"} · updated ${time}`;
+  else if (source === "static") el.textContent = `static files · updated ${time}`;
+  else el.textContent = "files opened from disk";
+}
+
+// ---- selection and the address ------------------------------------------------------------------
+
+function readHash() {
+  const h = new URLSearchParams(location.hash.slice(1));
+  const x = ["step", "tokens", "time"].includes(h.get("x")) ? h.get("x") : "step";
+  const smooth = h.has("smooth") ? Math.min(0.999, Math.max(0, Number(h.get("smooth")) || 0)) : 0.8;
+  return {x, log: h.get("log") === "1", smooth, selected: new Set((h.get("runs") || "").split(",").filter(Boolean))};
+}
+
+function writeHash() {
+  const h = new URLSearchParams({x: view.x, log: view.log ? "1" : "0", smooth: String(view.smooth)});
+  if (view.selected.size) h.set("runs", [...view.selected].join(","));
+  history.replaceState(null, "", `#${h.toString().replace(/%2C/g, ",")}`);
+}
+
+// With nothing chosen, follow the newest run (server) or show every named one (elsewhere).
+function selectDefault() {
+  if ([...view.selected].some((id) => runs.has(id)) || !runs.size) return;
+  if (source === "server") {
+    const newest = [...runs.values()].reduce((a, b) => (b.ageS < a.ageS ? b : a));
+    view.selected.add(newest.id);
+  } else {
+    for (const id of runs.keys()) view.selected.add(id);
+  }
+  writeHash();
+}
+
+function selectedRuns() {
+  return [...runs.values()].filter((r) => view.selected.has(r.id));
+}
+
+// ---- numbers --------------------------------------------------------------------------------------
+
+function lowerBound(n, below) {
+  let lo = 0, hi = n;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (below(mid)) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Exponential moving average with the start-up bias removed (as TensorBoard does), so the first
+// points are not dragged toward zero.
+function ema(values, weight) {
+  const out = new Array(values.length);
+  let acc = 0, n = 0;
+  for (let i = 0; i < values.length; i++) {
+    const v = values[i];
+    if (v == null) { out[i] = null; continue; }
+    acc = acc * weight + (1 - weight) * v;
+    n++;
+    out[i] = weight ? acc / (1 - weight ** n) : v;
+  }
+  return out;
+}
+
+// Columns of one run for the current x axis and smoothing; rebuilt only when one of them changes.
+function columns(run) {
+  const c = run.columns;
+  if (c && c.version === run.version && c.x === view.x && c.smooth === view.smooth) return c;
+  const r = run.records;
+  const col = (field) => r.map((rec) => (Number.isFinite(rec[field]) ? rec[field] : null));
+  const loss = col("loss"), grad = col("grad_norm"), tps = col("tokens_per_s");
+  run.columns = {
+    version: run.version, x: view.x, smooth: view.smooth, run,
+    xs: col(view.x), loss, lossEma: ema(loss, view.smooth), val: col("val_loss"), lr: col("lr"),
+    grad, gradEma: ema(grad, view.smooth), tps, tpsEma: ema(tps, view.smooth),
+  };
+  return run.columns;
+}
+
+// Tokens/s and seconds per step over the last RATE_WINDOW steps: steadier than one step's figure.
+function rate(run) {
+  const r = run.records;
+  if (r.length < 2) return null;
+  const a = r[Math.max(0, r.length - 1 - RATE_WINDOW)], b = r[r.length - 1];
+  const dt = b.time - a.time;
+  if (!(dt > 0) || b.step <= a.step) return null;
+  return {tokensPerS: (b.tokens - a.tokens) / dt, sPerStep: dt / (b.step - a.step)};
+}
+
+function status(run) {
+  const step = run.last ? run.last.step : run.state && run.state.step;
+  if (run.stop && step >= run.stop) return "done";
+  if (run.ageS == null) return "";
+  return run.ageS < LIVE_AGE_S ? "live" : "stopped";
+}
+
+function lastMeasured(values, i) {
+  for (let k = i; k >= 0; k--) if (values[k] != null) return values[k];
+  return null;
+}
+
+const fmtLoss = (v) => (v == null ? "–" : v.toFixed(4));
+const fmtExp = (v) => (v == null ? "–" : v.toExponential(2));
+const fmtFixed = (d) => (v) => (v == null ? "–" : v.toFixed(d));
+const fmtTick = (v) => String(+v.toPrecision(3));  // 6, 5.5, 0.25, 0.001: no padding zeros
+const fmtInt = (v) => (v == null ? "–" : Math.round(v).toLocaleString("en-US"));
+
+function fmtSI(v) {
+  if (v == null) return "–";
+  const a = Math.abs(v);
+  for (const [d, s] of [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
+    if (a >= d) return `${+(v / d).toPrecision(3)}${s}`;
+  }
+  return `${+v.toPrecision(3)}`;
+}
+
+// "45s", "4m 05s", "2h", "1d 03h": two units at most, a zero second unit left out.
+function fmtDuration(s) {
+  if (s == null || !Number.isFinite(s)) return "–";
+  s = Math.round(s);
+  const two = (big, unit, small, smallUnit) => (small ? `${big}${unit} ${String(small).padStart(2, "0")}${smallUnit}` : `${big}${unit}`);
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return two(Math.floor(s / 60), "m", s % 60, "s");
+  if (s < 86400) return two(Math.floor(s / 3600), "h", Math.floor(s / 60) % 60, "m");
+  return two(Math.floor(s / 86400), "d", Math.floor(s / 3600) % 24, "h");
+}
+
+const X_FORMAT = {step: fmtSI, tokens: fmtSI, time: fmtDuration};
+
+function runName(path) {
+  const base = decodeURIComponent(path.split(/[?#]/)[0].split("/").pop());
+  return base.replace(/\.(loss|state)\.json$|\.jsonl?$/, "");
+}
+
+function fade(hex, alpha) {
+  const n = parseInt(hex.slice(1), 16);
+  return `rgba(${n >> 16}, ${(n >> 8) & 255}, ${n & 255}, ${alpha})`;
+}
+
+// ---- the runs table (the header's numbers) -------------------------------------------------------
+
+function renderTable() {
+  const body = document.querySelector("#runs tbody");
+  const rows = new Map([...body.rows].map((tr) => [tr.dataset.run, tr]));
+  for (const [id, tr] of rows) if (!runs.has(id)) tr.remove();
+  for (const run of runs.values()) {
+    const tr = rows.get(run.id) || body.appendChild(newRow(run));
+    const on = view.selected.has(run.id);
+    tr.classList.toggle("off", !on);
+    tr.querySelector("input").checked = on;
+    const c = on && run.records.length ? columns(run) : null;
+    const last = c && run.last, speed = c && rate(run), st = status(run);
+    const step = last ? last.step : run.state && run.state.step;
+    const remaining = run.stop && step != null ? run.stop - step : null;
+    const cells = {
+      status: st,
+      step: step == null ? "–" : `${fmtInt(step)}${run.total ? ` / ${fmtInt(run.total)}` : ""}`,
+      loss: c ? fmtLoss(lastMeasured(c.lossEma, c.lossEma.length - 1)) : "",
+      val: c ? fmtLoss(lastMeasured(c.val, c.val.length - 1)) : "",
+      lr: last ? fmtExp(last.lr) : "",
+      grad: last ? fmtFixed(3)(last.grad_norm) : "",
+      tps: speed ? fmtSI(speed.tokensPerS) : "",
+      tokens: last ? fmtSI(last.tokens) : "",
+      elapsed: last ? fmtDuration(last.time) : "",
+      eta: st === "done" ? "done" : st === "live" && speed && remaining != null ? fmtDuration(remaining * speed.sPerStep) : "–",
+    };
+    for (const [key, text] of Object.entries(cells)) tr.querySelector(`[data-cell=${key}]`).textContent = text;
+    tr.querySelector("[data-cell=status]").className = `status ${st}`;
+  }
+}
+
+function newRow(run) {
+  const tr = document.createElement("tr");
+  tr.dataset.run = run.id;
+  const cell = (key, cls = "num") => `<td class="${cls}"><span data-cell="${key}"></span></td>`;
+  tr.innerHTML = "<td><input type=\"checkbox\"></td>"
+    + `<td class="name"><span class="swatch" style="background:${run.color}"></span><span class="id"></span></td>`
+    + cell("status", "") + cell("step") + cell("loss", "num big") + cell("val") + cell("lr") + cell("grad")
+    + cell("tps") + cell("tokens") + cell("elapsed") + cell("eta");
+  tr.querySelector(".id").textContent = run.id;
+  tr.querySelector("input").ariaLabel = `show ${run.id}`;
+  tr.querySelector("input").addEventListener("change", (e) => {
+    if (e.target.checked) view.selected.add(run.id); else view.selected.delete(run.id);
+    refresh();
+    // A newly ticked run has not been read yet: fetch it now rather than at the next poll.
+    if (source === "server") pollServer().then(render, () => {});
+  });
+  return tr;
+}
+
+function renderEmpty() {
+  const el = document.getElementById("empty");
+  let html = "";
+  if (!runs.size && source === "server") {
+    html = `No runs under <code>${escapeHtml(sourceNote)}</code> yet. Start one with `
+      + "<code>andrea train … --out results/NAME.ckpt</code>; it appears here as soon as it logs a step.";
+  } else if (!runs.size && source === "static") {
+    html = "Name a run in the address, <code>?run=NAME.loss.json</code>, or open / drop a .loss.json file.";
+  } else if (!runs.size) {
+    html = "Drop a <code>NAME.loss.json</code> here or use <b>open file…</b>: a page opened from file:// "
+      + "cannot read files by itself. <code>andrea dashboard</code> follows runs live.";
+  } else if (!view.selected.size) {
+    html = "Tick a run to plot it.";
+  }
+  el.innerHTML = html;
+  el.hidden = !html;
+}
+
+function escapeHtml(s) {
+  return String(s).replace(/[&<>"]/g, (ch) => `&#${ch.charCodeAt(0)};`);
+}
+
+// ---- charts ---------------------------------------------------------------------------------------
+
+const CHARTS = [
+  {
+    name: "loss", el: "chart-loss", fmt: fmtTick, logScale: true,
+    table: (c) => [c.xs, c.loss, c.lossEma, c.val],
+    series: (run) => [
+      {label: `${run.id} loss`, stroke: fade(run.color, 0.35), width: 1},
+      {label: `${run.id} loss EMA`, stroke: run.color, width: 2},
+      {label: `${run.id} val loss`, stroke: run.color, width: 1.5, dash: [5, 4], spanGaps: true,
+        points: {show: true, size: 7, width: 2, fill: run.color}},
+    ],
+    readout: (c, i) => [["EMA", fmtLoss(c.lossEma[i])], ["raw", fmtLoss(c.loss[i])], ["val", fmtLoss(lastMeasured(c.val, i))]],
+  },
+  {
+    name: "lr", el: "chart-lr", fmt: (v) => (v ? v.toExponential(1) : "0"),
+    table: (c) => [c.xs, c.lr],
+    series: (run) => [{label: `${run.id} lr`, stroke: run.color, width: 1.5}],
+    readout: (c, i) => [["lr", fmtExp(c.lr[i])]],
+  },
+  {
+    name: "grad", el: "chart-grad", fmt: fmtTick,
+    table: (c) => [c.xs, c.grad, c.gradEma],
+    series: (run) => [
+      {label: `${run.id} grad norm`, stroke: fade(run.color, 0.35), width: 1},
+      {label: `${run.id} grad norm EMA`, stroke: run.color, width: 1.5},
+    ],
+    readout: (c, i) => [["EMA", fmtFixed(3)(c.gradEma[i])], ["raw", fmtFixed(3)(c.grad[i])]],
+  },
+  {
+    name: "tps", el: "chart-tps", fmt: fmtSI,
+    table: (c) => [c.xs, c.tps, c.tpsEma],
+    series: (run) => [
+      {label: `${run.id} tokens/s`, stroke: fade(run.color, 0.35), width: 1},
+      {label: `${run.id} tokens/s EMA`, stroke: run.color, width: 1.5},
+    ],
+    readout: (c, i) => [["EMA", fmtSI(c.tpsEma[i])], ["raw", fmtSI(c.tps[i])]],
+  },
+];
+
+function cssVar(name) {
+  return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+}
+
+function chartData(def, cols) {
+  return uPlot.join(cols.map(def.table));
+}
+
+function buildCharts(cols) {
+  for (const u of Object.values(charts)) u.destroy();
+  charts = {};
+  if (!cols.length) return;
+  const axis = {
+    stroke: cssVar("--axis"),
+    grid: {stroke: cssVar("--grid"), width: 1},
+    ticks: {stroke: cssVar("--grid"), width: 1, size: 4},
+    font: "11px system-ui, sans-serif",
+  };
+  for (const def of CHARTS) {
+    const el = document.getElementById(def.el);
+    const log = def.logScale && view.log;
+    const opts = {
+      width: el.clientWidth, height: el.clientHeight,
+      legend: {show: false},
+      cursor: {sync: {key: "andrea"}, drag: {x: true, y: false, setScale: false}, points: {size: 7}},
+      scales: {x: {time: false}, y: log ? {distr: 3, log: 10} : {}},
+      axes: [
+        {...axis, size: 32, space: view.x === "time" ? 70 : 50, values: (u, ticks) => ticks.map(X_FORMAT[view.x]),
+          incrs: view.x === "time" ? TIME_INCRS : COUNT_INCRS},
+        // A log axis hands over null for the ticks it leaves unlabelled.
+        {...axis, size: 56, values: (u, ticks) => ticks.map((v) => (v == null ? "" : def.fmt(v)))},
+      ],
+      series: [{label: view.x}, ...cols.flatMap((c) => def.series(c.run).map((s) => ({points: {show: false}, ...s})))],
+      hooks: {
+        setCursor: [(u) => showReadout(u, def)],
+        setSelect: [zoomTo],
+        ...(def.name === "loss" ? {draw: [drawResumes]} : {}),
+      },
+    };
+    const u = new uPlot(opts, chartData(def, cols), el);
+    u.over.addEventListener("mouseenter", () => { hovered = u; });
+    u.over.addEventListener("mouseleave", () => { hovered = null; document.getElementById("tip").hidden = true; });
+    u.over.addEventListener("dblclick", () => { zoom = null; refresh(true); });
+    charts[def.name] = u;
+  }
+  applyZoom();
+}
+
+function updateCharts(cols) {
+  for (const def of CHARTS) charts[def.name].setData(chartData(def, cols));
+  applyZoom();
+}
+
+function zoomTo(u) {
+  if (u.select.width < 2) return;
+  zoom = {min: u.posToVal(u.select.left, "x"), max: u.posToVal(u.select.left + u.select.width, "x")};
+  u.setSelect({left: 0, top: 0, width: 0, height: 0}, false);
+  applyZoom();
+}
+
+function applyZoom() {
+  if (zoom) for (const u of Object.values(charts)) u.setScale("x", zoom);
+}
+
+// Dashed vertical lines where a run resumed or started from another checkpoint.
+function drawResumes(u) {
+  const ctx = u.ctx, {left, top, width, height} = u.bbox;
+  ctx.save();
+  ctx.setLineDash([3 * devicePixelRatio, 3 * devicePixelRatio]);
+  ctx.lineWidth = devicePixelRatio;
+  ctx.font = `${10 * devicePixelRatio}px system-ui, sans-serif`;
+  for (const run of selectedRuns()) {
+    for (const ev of run.events) {
+      if (!(ev.event === "resume" || ev.event === "init_from") || !(ev.step > 0)) continue;
+      const rec = run.records[lowerBound(run.records.length, (k) => run.records[k].step < ev.step)];
+      if (!rec) continue;
+      const px = u.valToPos(view.x === "step" ? ev.step : rec[view.x], "x", true);
+      if (px < left || px > left + width) continue;
+      ctx.strokeStyle = ctx.fillStyle = run.color;
+      ctx.beginPath();
+      ctx.moveTo(px, top);
+      ctx.lineTo(px, top + height);
+      ctx.stroke();
+      ctx.fillText(ev.event === "resume" ? "resume" : "init", px + 4 * devicePixelRatio, top + 12 * devicePixelRatio);
+    }
+  }
+  ctx.restore();
+}
+
+// The hover read-out: the hovered x, then each run's values at its nearest point.
+function showReadout(u, def) {
+  const tip = document.getElementById("tip");
+  const {left, top, idx} = u.cursor;
+  if (u !== hovered || idx == null || left < 0) { tip.hidden = true; return; }
+  const x = u.data[0][idx];
+  let head = "";
+  const rows = [];
+  for (const run of selectedRuns()) {
+    if (!run.records.length) continue;
+    const c = columns(run);
+    const i = nearest(c.xs, x);
+    const rec = run.records[i];
+    if (!head) head = `step ${fmtInt(rec.step)} · ${fmtSI(rec.tokens)} tokens · ${fmtDuration(rec.time)}`;
+    const cells = def.readout(c, i).map(([k, v]) => `<td><span class="k">${k}</span> ${v}</td>`).join("");
+    rows.push(`<tr><td><span class="swatch" style="background:${run.color}"></span>${escapeHtml(run.id)}</td>${cells}</tr>`);
+  }
+  tip.innerHTML = `<div class="head">${head}</div><table>${rows.join("")}</table>`;
+  tip.hidden = false;
+  const box = u.over.getBoundingClientRect();
+  const flip = box.left + left + 16 + tip.offsetWidth > window.innerWidth;
+  tip.style.left = `${box.left + left + (flip ? -16 - tip.offsetWidth : 16)}px`;
+  tip.style.top = `${Math.max(8, box.top + top - tip.offsetHeight / 2)}px`;
+}
+
+function nearest(xs, x) {
+  const i = lowerBound(xs.length, (k) => xs[k] < x);
+  if (i >= xs.length) return xs.length - 1;
+  return i > 0 && x - xs[i - 1] < xs[i] - x ? i - 1 : i;
+}
+
+// ---- the page -------------------------------------------------------------------------------------
+
+function render() {
+  renderTable();
+  renderEmpty();
+  const cols = selectedRuns().filter((r) => r.records.length).map(columns);
+  document.querySelector(".charts").hidden = !cols.length;
+  const dark = matchMedia("(prefers-color-scheme: dark)").matches;
+  const shape = JSON.stringify([cols.map((c) => c.run.id), view.x, view.log, dark]);
+  const data = JSON.stringify([shape, cols.map((c) => c.version), view.smooth]);
+  if (shape !== structure) buildCharts(cols);
+  else if (data !== dataKey && cols.length) updateCharts(cols);
+  structure = shape;
+  dataKey = data;
+}
+
+function refresh(rebuild = false) {
+  if (rebuild) structure = "";
+  writeHash();
+  render();
+}
+
+function bindControls() {
+  for (const b of document.querySelectorAll("[data-x]")) {
+    b.addEventListener("click", () => {
+      view.x = b.dataset.x;
+      zoom = null;
+      syncControls();
+      refresh();
+    });
+  }
+  const log = document.getElementById("log");
+  log.addEventListener("change", () => { view.log = log.checked; refresh(); });
+  const smooth = document.getElementById("smooth");
+  smooth.addEventListener("input", () => {
+    view.smooth = Number(smooth.value);
+    syncControls();
+    refresh();
+  });
+  document.getElementById("pick").addEventListener("change", (e) => openFiles(e.target.files));
+
+  const drop = document.getElementById("drop");
+  let depth = 0;
+  const hasFiles = (e) => e.dataTransfer && [...e.dataTransfer.types].includes("Files");
+  window.addEventListener("dragenter", (e) => { if (hasFiles(e)) { depth++; drop.hidden = false; } });
+  window.addEventListener("dragleave", () => { if (--depth <= 0) { depth = 0; drop.hidden = true; } });
+  window.addEventListener("dragover", (e) => { if (hasFiles(e)) e.preventDefault(); });
+  window.addEventListener("drop", (e) => {
+    e.preventDefault();
+    depth = 0;
+    drop.hidden = true;
+    if (e.dataTransfer.files.length) openFiles(e.dataTransfer.files);
+  });
+
+  new ResizeObserver(() => {
+    for (const def of CHARTS) {
+      const el = document.getElementById(def.el);
+      if (charts[def.name]) charts[def.name].setSize({width: el.clientWidth, height: el.clientHeight});
+    }
+  }).observe(document.querySelector(".charts"));
+  matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => render());
+}
+
+function syncControls() {
+  for (const b of document.querySelectorAll("[data-x]")) b.setAttribute("aria-checked", String(b.dataset.x === view.x));
+  document.getElementById("log").checked = view.log;
+  document.getElementById("smooth").value = view.smooth;
+  document.getElementById("smooth-value").textContent = view.smooth.toFixed(view.smooth >= 0.99 ? 3 : 2);
+}
+
+// For the console and for tests: the runs as read, the view, the live uPlot instances.
+window.andreaDashboard = {runs, view, get charts() { return charts; }};
+
+(async function start() {
+  bindControls();
+  syncControls();
+  source = await detectSource();
+  setSourceLine(false);
+  if (source === "files") render();
+  else poll();
+})();

@@ -1,0 +1,194 @@
+"""The dashboard page in headless Chromium: it follows a run as it grows, and its controls work.
+
+Needs Debian's `chromium` and Playwright from PyPI (no browser download); skipped without them.
+The screenshot goes to tests/artifacts/ (or $ANDREA_TEST_ARTIFACTS).
+"""
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_dashboard import running
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright: pip install playwright")
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs a Chromium binary: apt-get install chromium")
+
+# Flags that keep a headless Chromium from reaching for the network (updates, sync, QUIC probes).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(os.environ.get("ANDREA_TEST_ARTIFACTS", Path(__file__).parent / "artifacts"))
+TOKENS_PER_STEP = 512
+TOTAL_STEPS = 200
+
+
+def record(step):
+    rec = {"step": step, "loss": 2.0 + 4.0 * math.exp(-step / 30) + 0.1 * math.sin(step), "lr": 3e-3,
+           "grad_norm": 1.0 / (1 + step / 50), "tokens": step * TOKENS_PER_STEP, "tokens_per_s": 1000.0 + step,
+           "time": 0.5 * step}
+    if step % 10 == 0:
+        rec["val_loss"] = rec["loss"] - 0.05
+    return rec
+
+
+def lines(steps):
+    return "".join(json.dumps(record(s)) + "\n" for s in steps)
+
+
+def append(path, text):
+    with open(path, "a") as f:
+        f.write(text)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    # The page's Content-Security-Policy forbids eval, which Playwright's string predicates use.
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, bypass_csp=True)
+    pg = context.new_page()
+    errors = []
+    pg.on("pageerror", lambda err: errors.append(str(err)))
+    yield pg
+    context.close()
+    assert not errors, errors
+
+
+def points(page, label):
+    """Non-empty points of the loss-chart series named `label`."""
+    return page.evaluate("""(label) => {
+        const u = window.andreaDashboard.charts.loss;
+        if (!u) return 0;
+        const i = u.series.findIndex((s) => s.label === label);
+        return i < 0 ? 0 : u.data[i].filter((v) => v != null).length;
+    }""", label)
+
+
+def wait_points(page, label, n):
+    page.wait_for_function("""([label, n]) => {
+        const u = window.andreaDashboard.charts.loss;
+        const i = u ? u.series.findIndex((s) => s.label === label) : -1;
+        return i >= 0 && u.data[i].filter((v) => v != null).length === n;
+    }""", arg=[label, n], timeout=10_000)
+
+
+def test_page_follows_a_growing_run_and_its_controls_work(tmp_path, page, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    live = results / "live.loss.json"
+    live.write_text(json.dumps({"event": "start", "wall": 0, "step": 0}) + "\n" + lines(range(1, 21)))
+    (results / "live.state.json").write_text(json.dumps({"step": 0, "total_steps": TOTAL_STEPS}))
+    (results / "other.loss.json").write_text(lines(range(1, 41)))
+
+    with running(results) as srv:
+        ranges = []
+        page.on("request", lambda r: ranges.append(r.headers.get("range")) if r.url.endswith("live.loss.json") else None)
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=live")
+
+        # The chart grows while the run appends, half-written lines included.
+        wait_points(page, "live loss", 20)
+        more = lines(range(21, 51))
+        append(live, more[:-40])
+        wait_points(page, "live loss", 49)
+        append(live, more[-40:])
+        wait_points(page, "live loss", 50)
+        assert any(r and r.startswith("bytes=") and r != "bytes=0-" for r in ranges), "polls should read only appended bytes"
+        steps = page.evaluate("window.andreaDashboard.runs.get('live').records.map((r) => r.step)")
+        assert steps == list(range(1, 51))
+
+        # The header: latest numbers, live status, an ETA from the state file's total_steps.
+        row = page.locator("tr[data-run=live]")
+        assert row.locator("[data-cell=step]").inner_text() == f"50 / {TOTAL_STEPS}"
+        assert row.locator("[data-cell=status]").inner_text() == "live"
+        assert row.locator("[data-cell=eta]").inner_text() == "1m 15s"  # 150 steps at 0.5 s
+        assert row.locator("[data-cell=val]").inner_text() == f"{record(50)['val_loss']:.4f}"
+
+        # A repeated step: the later line wins.
+        append(live, json.dumps(dict(record(50), loss=9.5)) + "\n")
+        page.wait_for_function("window.andreaDashboard.runs.get('live').last.loss === 9.5", timeout=10_000)
+        append(live, json.dumps(record(50)) + "\n")
+        page.wait_for_function("window.andreaDashboard.runs.get('live').last.loss < 9", timeout=10_000)
+
+        # Log scale.
+        page.click("#log")
+        page.wait_for_function("window.andreaDashboard.charts.loss.scales.y.distr === 3")
+        page.click("#log")
+        page.wait_for_function("window.andreaDashboard.charts.loss.scales.y.distr === 1")
+
+        # x axis: steps, tokens, wall time.
+        last_x = "(() => { const d = window.andreaDashboard.charts.loss.data[0]; return d[d.length - 1]; })()"
+        for mode, expected in (("tokens", 50 * TOKENS_PER_STEP), ("time", 25.0), ("step", 50)):
+            page.click(f"[data-x={mode}]")
+            page.wait_for_function(f"{last_x} === {expected}")
+            assert page.get_attribute(f"[data-x={mode}]", "aria-checked") == "true"
+
+        # Smoothing: 0 leaves the raw curve; more smoothing moves the EMA away from it.
+        def set_smoothing(value):
+            page.eval_on_selector("#smooth", "(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }", value)
+
+        series = "(label) => { const u = window.andreaDashboard.charts.loss; return u.data[u.series.findIndex((s) => s.label === label)]; }"
+        set_smoothing(0)
+        assert page.evaluate(f"({series})('live loss EMA')") == page.evaluate(f"({series})('live loss')")
+        set_smoothing(0.95)
+        assert page.inner_text("#smooth-value") == "0.95"
+        assert page.evaluate(f"({series})('live loss EMA')") != page.evaluate(f"({series})('live loss')")
+        assert "smooth=0.95" in page.evaluate("location.hash")
+
+        # Run selection: tick a second run to overlay it, untick it to remove it.
+        assert points(page, "other loss") == 0
+        page.check("tr[data-run=other] input")
+        wait_points(page, "other loss", 40)
+        assert points(page, "live loss") == 50
+        page.uncheck("tr[data-run=other] input")
+        page.wait_for_function("!window.andreaDashboard.charts.loss.series.some((s) => s.label === 'other loss')")
+        page.check("tr[data-run=other] input")
+        wait_points(page, "other loss", 40)
+
+        # Hover read-out.
+        box = page.locator("#chart-loss .u-over").bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.5)
+        assert page.locator("#tip").is_visible()
+        assert "step" in page.inner_text("#tip") and "other" in page.inner_text("#tip")
+
+        # Dragging across one chart zooms every chart to that x range; a double-click undoes it.
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.9, box["y"] + box["height"] * 0.5, steps=5)
+        page.mouse.up()
+        x_range = "['loss', 'lr'].map((n) => window.andreaDashboard.charts[n].scales.x).map((s) => [s.min, s.max])"
+        (loss_min, loss_max), (lr_min, lr_max) = page.evaluate(x_range)
+        assert 20 < loss_min < loss_max < 50 and (lr_min, lr_max) == (loss_min, loss_max)
+        page.mouse.dblclick(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
+        page.wait_for_function(f"{x_range}[0][0] < 2")
+
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        page.screenshot(path=str(shot))
+        with capsys.disabled():
+            print(f"\ndashboard screenshot: {shot}")
+
+        # A fresh start moves the old history aside and writes a new file: the page starts over.
+        live.rename(results / "live.loss.json.old")
+        live.write_text(lines(range(1, 6)))
+        wait_points(page, "live loss", 5)
+
+
+def test_page_opens_from_file_and_reads_a_dropped_run(tmp_path, page):
+    """Without a server (file://) the page reads a .loss.json given through its file picker."""
+    static = Path(__file__).resolve().parents[1] / "andrea" / "dashboard" / "static"
+    run = tmp_path / "finished.loss.json"
+    run.write_text(lines(range(1, 31)))
+    page.goto(static.joinpath("index.html").as_uri())
+    assert "file://" in page.inner_text("#empty")
+    page.set_input_files("#pick", str(run))
+    wait_points(page, "finished loss", 30)
+    assert page.locator("tr[data-run=finished] [data-cell=step]").inner_text() == "30"

@@ -1,0 +1,151 @@
+"""Sampling: ChatML prompts, the stop at <|im_end|>, seeds, and where the CLI finds its inputs."""
+
+import gzip
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import andrea
+from andrea.checkpoint import write_checkpoint
+from andrea.cli import main as cli
+from andrea.config import load_experiment
+from andrea.data.chatml import ChatTokenizer
+from andrea.engines.numpy_engine import NumpyEngine
+from andrea.layout import ParameterLayout
+from andrea.model import init_params
+from andrea.sample import Sampler, pick_token, sample, validation_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "config" / "experiments" / "ANDREA-tiny-TRAIN.json"
+N_CONVERSATIONS = 600
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """The data stages, in-process, on the first conversations of the embedded corpus: a folder
+    with train.bin, val.bin and a 512-token tokenizer.json, as `andrea tokenize` leaves it."""
+    from andrea.data.prep_megachat import prep_megachat
+    from andrea.data.pull_hermes3 import pull_hermes3
+    from andrea.data.tokenize_shards import tokenize
+    from andrea.data.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("chat_data")
+    corpus = Path(andrea.__file__).parent / "data" / "embedded" / "hermes3-embedded.jsonl.gz"
+    with gzip.open(corpus, "rt") as f:
+        (root / "chats.jsonl").write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
+    pull_hermes3(str(root / "chats.jsonl"), root / "raw.parquet")
+    prep_megachat(root / "raw.parquet", root / "megachat", val_fraction=0.1)
+    tokens = root / "tokens"
+    train_tokenizer(root / "megachat" / "train.parquet", 512, tokens / "tokenizer.json")
+    tokenize(tokens / "tokenizer.json", root / "megachat", tokens, threads=1)
+    return tokens
+
+
+@pytest.fixture
+def chat(chat_data):
+    return ChatTokenizer.load(chat_data / "tokenizer.json")
+
+
+def favouring(layout, token_id: int) -> np.ndarray:
+    """Weights whose logits are 10 for token_id and 0 for every other token, at every position:
+    LNf outputs its beta (gamma = 0), and only token_id's embedding row has a component along it."""
+    params = np.zeros(layout.n_params, dtype=np.float32)
+    layout.view(params, "LNf.beta")[0] = 1.0
+    layout.view(params, "wte")[token_id, 0] = 10.0
+    return params
+
+
+def sampler_with(params, chat):
+    sampler = Sampler(NumpyEngine(), load_experiment(TINY).model, chat)
+    sampler.load_params(params)
+    return sampler
+
+
+def test_generation_stops_at_im_end(chat):
+    layout = ParameterLayout(load_experiment(TINY).model)
+    sampler = sampler_with(favouring(layout, chat.im_end_id), chat)
+    prompt = chat.encode_prompt([{"role": "user", "content": "Hello"}])
+    assert sampler.generate(prompt, max_new_tokens=20, temperature=0, top_k=0, rng=np.random.default_rng(0)) == []
+
+
+def test_generation_runs_to_max_new_tokens_and_slides_past_seq_len(chat):
+    layout = ParameterLayout(load_experiment(TINY).model)
+    word = chat.encode_text("a")[0]
+    sampler = sampler_with(favouring(layout, word), chat)
+    prompt = [word] * 60  # the 10 new tokens take the context past T = 64
+    out = sampler.generate(prompt, max_new_tokens=10, temperature=0, top_k=0, rng=np.random.default_rng(0))
+    assert out == [word] * 10
+
+
+def test_pick_token():
+    probs = np.array([0.1, 0.6, 0.3])
+    rng = np.random.default_rng(0)
+    assert pick_token(probs, 0.0, 0, rng) == 1
+    assert {pick_token(probs, 1.0, 1, rng) for _ in range(20)} == {1}
+    assert {pick_token(probs, 1.0, 2, rng) for _ in range(200)} == {1, 2}
+
+
+def test_validation_prompts_end_with_an_open_assistant_turn(chat, chat_data):
+    from andrea.shards import read_shard
+
+    prompts = validation_prompts(chat, read_shard(chat_data / "val.bin"), 3)
+    opener = [chat.im_start_id] + chat.encode_text("assistant\n")
+    assert len(prompts) == 3
+    for p in prompts:
+        assert p[0] == chat.im_start_id and p[-len(opener):] == opener and chat.endoftext_id not in p
+        assert chat.decode(p).endswith("<|im_start|>assistant\n")
+
+
+@pytest.fixture
+def checkpoint(tmp_path, chat_data, tiny_experiment_raw):
+    """A tiny checkpoint with a .state.json as `andrea train` writes it (experiment, data folder)."""
+    ckpt = tmp_path / "tiny.ckpt"
+    layout = ParameterLayout(load_experiment(TINY).model)
+    params = init_params(layout, 7)
+    zeros = np.zeros_like(params)
+    write_checkpoint(ckpt, 12, params, zeros, zeros)
+    (tmp_path / "tiny.state.json").write_text(json.dumps({"experiment": tiny_experiment_raw, "data": {"dir": str(chat_data)}}))
+    return ckpt
+
+
+def test_sample_finds_experiment_and_tokenizer_from_state_and_is_seeded(checkpoint):
+    kwargs = dict(temperature=1.0, top_k=0, max_new_tokens=12)
+    a = sample(checkpoint, "Explain the assert statement.", seed=1, **kwargs)
+    assert sample(checkpoint, "Explain the assert statement.", seed=1, **kwargs) == a
+    assert sample(checkpoint, "Explain the assert statement.", seed=2, **kwargs)["completion"] != a["completion"]
+    assert a["step"] == 12 and a["experiment"] == "ANDREA-tiny"
+    assert a["prompt"] == "<|im_start|>user\nExplain the assert statement.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sample_cli_prints_the_completion(checkpoint, capsys):
+    code = cli(["sample", "--ckpt", str(checkpoint), "--prompt", "Hi", "--system", "Be brief.", "--json",
+                "--max-new-tokens", "5", "--seed", "3"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert result["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi")
+    assert result["new_tokens"] <= 5
+
+
+@pytest.mark.parametrize("change, message", [
+    ("no_ckpt", "checkpoint not found"),
+    ("no_state", "pass --experiment"),
+    ("no_tokenizer", "pass --tokenizer"),
+    ("long_prompt", "shorten it"),
+])
+def test_sample_errors_are_one_sentence(checkpoint, capsys, change, message):
+    args = ["sample", "--ckpt", str(checkpoint), "--prompt", "Hi"]
+    state = checkpoint.with_name("tiny.state.json")
+    if change == "no_ckpt":
+        args[2] = str(checkpoint.with_name("missing.ckpt"))
+    elif change == "no_state":
+        state.unlink()
+    elif change == "no_tokenizer":
+        state.write_text(json.dumps({**json.loads(state.read_text()), "data": {"dir": str(checkpoint.parent)}}))
+    else:
+        args[-1] = "word " * 100
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,177 @@
+"""The Snakemake workflow through the real `snakemake` CLI, on ANDREA-tiny from the embedded corpus.
+
+Each test works in a temporary copy of the workflow, its config and the sources it hashes, so the
+repository's own results/ and .snakemake/ are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SNAKEMAKE = BIN / "snakemake"
+COPIED = ("Snakefile", "workflow", "config", "profiles", "andrea", "kernels")
+DATA_STAGES = {"pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize"}
+REPORT_RULES = {"plot_loss", "eval_table", "all"}
+
+pytestmark = pytest.mark.slow
+
+
+def copy_workflow(dest: Path, experiments=("ANDREA-tiny",)) -> Path:
+    for name in COPIED:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / name)
+    edit_config(dest, experiments=list(experiments))
+    return dest
+
+
+def edit_config(workdir: Path, **changes) -> None:
+    path = workdir / "config" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(
+        [str(SNAKEMAKE), "--cores", "2", *args],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=900,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def job_counts(output: str) -> Counter:
+    """Jobs by rule from Snakemake's 'Job stats' table; empty when nothing is to be done."""
+    if "Nothing to be done" in output:
+        return Counter()
+    table = output.split("Job stats:", 1)[1]
+    counts = Counter()
+    for line in table.splitlines()[3:]:
+        fields = line.split()
+        if not fields or fields[0] == "total":
+            break
+        counts[fields[0]] = int(fields[1])
+    return counts
+
+
+def planned(workdir: Path, *args: str) -> set[str]:
+    proc = snakemake(workdir, "--dry-run", *args)
+    return set(job_counts(proc.stdout + proc.stderr))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """A workflow copy where `snakemake` (rule all) has run once for ANDREA-tiny."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("workflow"))
+    proc = snakemake(workdir)
+    ran = job_counts(proc.stdout + proc.stderr)
+    assert set(ran) == DATA_STAGES | {"train", "eval"} | REPORT_RULES
+    return workdir
+
+
+def test_end_to_end_on_tiny(built):
+    results = built / "results"
+    for name in ("ANDREA-tiny.ckpt", "ANDREA-tiny.loss.json", "ANDREA-tiny.state.json",
+                 "eval/ANDREA-tiny.json", "report/ANDREA-tiny.loss.svg", "report/evaluation.html",
+                 "data/tokens-V512/train.bin.manifest.json"):
+        assert (results / name).is_file(), name
+    train_log = (results / "logs/train/ANDREA-tiny.log").read_text()
+    assert len(re.findall(r"engine: numpy", train_log)) == 1, "the NumPy engine is named once"
+    assert "ANDREA-tiny" in (results / "report/evaluation.html").read_text()
+    assert "<polyline" in (results / "report/ANDREA-tiny.loss.svg").read_text()
+
+
+def test_unchanged_rerun_plans_nothing(built):
+    assert planned(built) == set()
+    summary = snakemake(built, "--summary").stdout
+    plans = {line.split("\t")[-1] for line in summary.splitlines()[1:] if "\t" in line}
+    assert plans == {"no update"}, summary
+
+
+def test_tokenizer_parameter_reruns_tokenizer_and_downstream_only(built):
+    edit_config(built, tokenizer={"min_frequency": 3})
+    try:
+        assert planned(built, "results/eval/ANDREA-tiny.json") == {"train_tokenizer", "tokenize", "train", "eval"}
+        assert planned(built) == {"train_tokenizer", "tokenize", "train", "eval"} | REPORT_RULES
+    finally:
+        edit_config(built, tokenizer={"min_frequency": 2})
+    assert planned(built) == set()
+
+
+def test_code_change_reruns_what_runs_it(built):
+    kernel = built / "kernels" / "common.cuh"
+    prep = built / "andrea" / "data" / "prep_megachat.py"
+    for path, expected in ((kernel, {"train", "eval"}),
+                           (prep, {"prep_megachat", "train_tokenizer", "tokenize", "train", "eval"})):
+        original = path.read_text()
+        path.write_text(original + "\n// changed\n" if path.suffix == ".cuh" else original + "\n# changed\n")
+        try:
+            assert planned(built) == expected | REPORT_RULES
+        finally:
+            path.write_text(original)
+    assert planned(built) == set(), "restored sources (new mtimes, same text) rerun nothing"
+
+
+def test_forcerun_prep_megachat(built):
+    proc = snakemake(built, "--forcerun", "prep_megachat")
+    ran = set(job_counts(proc.stdout + proc.stderr))
+    assert ran == DATA_STAGES - {"pull_hermes3"} | {"train", "eval"} | REPORT_RULES
+    assert planned(built) == set()
+
+
+def test_report_has_loss_curve_and_eval_table(built):
+    snakemake(built, "--report", "report.html")
+    html = (built / "report.html").read_text()
+    assert "ANDREA-tiny.loss.svg" in html and "evaluation.html" in html
+
+
+def test_dry_run_of_12m_lists_all_stages(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    assert planned(workdir, "results/ANDREA-12M.ckpt") == DATA_STAGES | {"train"}
+    out = snakemake(workdir, "--dry-run", "--printshellcmds", "results/ANDREA-12M.ckpt").stdout
+    assert "--vocab-size 4096" in out and "tokens-V4096" in out
+
+
+def test_bad_config_and_unknown_experiment_fail_clearly(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    proc = snakemake(workdir, "--dry-run", "--config", "data={val_fraction: 1.5}", check=False)
+    assert proc.returncode != 0 and "val_fraction" in proc.stderr
+    proc = snakemake(workdir, "--dry-run", "results/ANDREA-nope.ckpt", check=False)
+    assert proc.returncode != 0 and "config/experiments/ANDREA-nope-TRAIN.json" in proc.stderr
+
+
+def test_lint_leaves_only_the_documented_warning(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    proc = snakemake(workdir, "--lint", check=False)
+    lints = {line.strip() for line in proc.stderr.splitlines() if line.startswith("    * ")}
+    # The one accepted lint: rules run the venv's `andrea`, not a per-rule conda env (docs/WORKFLOW.md).
+    assert lints <= {"* Specify a conda environment or container for each rule.:"}, proc.stderr
+
+
+def test_snakefmt_formatted():
+    snakefmt = BIN / "snakefmt"
+    if not snakefmt.exists():
+        pytest.skip("snakefmt is not installed (pip install snakefmt; scripts/setup.sh --test installs it)")
+    proc = subprocess.run([str(snakefmt), "--check", "--diff", "Snakefile", "workflow/"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
