@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import read_checkpoint, read_header
+from andrea.checkpoint import read_checkpoint, read_header, sha256_file
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
 from andrea.layout import ParameterLayout
@@ -51,14 +51,14 @@ def experiment_for(ckpt, explicit=None) -> Experiment:
     """The experiment a checkpoint belongs to, after checking that its shape fits the checkpoint."""
     ckpt = Path(ckpt)
     _, n_params = read_header(ckpt)
-    state = read_state(ckpt)
+    state = read_state(ckpt) or {}
     state_path = RunFiles(ckpt).state
     if explicit:
         exp = load_experiment(explicit)
-    elif state is not None:
+    elif "experiment" in state:
         exp = validate(state["experiment"], f"{state_path} (field 'experiment')")
     else:
-        raise AndreaError(f"{ckpt}: no {state_path.name} beside it to say which experiment it belongs to; pass --experiment")
+        raise AndreaError(f"{ckpt}: no {state_path.name} beside it names its experiment; pass --experiment")
     expected = ParameterLayout(exp.model).n_params
     if n_params != expected:
         owners = ", ".join(e.path for e in matching_experiments(n_params)) or "no file in " + DEFAULT_EXPERIMENTS_DIR
@@ -66,7 +66,7 @@ def experiment_for(ckpt, explicit=None) -> Experiment:
             f"{ckpt}: holds {n_params:,} parameters but experiment {exp.name} ({exp.path}) has {expected:,}; "
             f"it is a checkpoint of another model (matching: {owners})"
         )
-    trained = (state or {}).get("experiment", {}).get("model")
+    trained = state.get("experiment", {}).get("model")
     if trained is not None and trained != exp.raw["model"]:
         raise AndreaError(
             f"{ckpt}: trained with model {json.dumps(trained, sort_keys=True)} (per {state_path}), but {exp.path} "
@@ -106,8 +106,6 @@ def _layout_experiment(ckpt, explicit, state, matches, notes: list[str]) -> Expe
 
 def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_DIR) -> dict:
     """Everything `andrea inspect` reports, as one JSON-ready dict."""
-    from andrea.checkpoint import sha256_file
-
     ckpt = Path(ckpt)
     step, *vectors = read_checkpoint(ckpt)
     n_params = vectors[0].size
@@ -126,7 +124,7 @@ def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_
                     for e in matches],
     }
     if state is not None:
-        report["state"] = {"path": str(RunFiles(ckpt).state), "experiment": state["experiment"]["name"],
+        report["state"] = {"path": str(RunFiles(ckpt).state), "experiment": state.get("experiment", {}).get("name"),
                            "step": state.get("step"), "vouches_for_this_file": report["sha256"] in recorded_sha256s(state)}
     exp = _layout_experiment(ckpt, explicit, state, matches, notes)
     if exp is None:

@@ -25,10 +25,12 @@ def load_tokenizer(path) -> ChatTokenizer:
 
 
 def find_tokenizer(data_dir, explicit=None) -> Path | None:
-    """--tokenizer when given, else DATA/tokenizer.json when it exists (tokenize writes it there)."""
+    """--tokenizer when given, else DATA/tokenizer.json when it exists (the data stages keep it beside the shards)."""
+    from andrea.data.tokenize_shards import TOKENIZER_NAME
+
     if explicit:
         return Path(explicit)
-    candidate = Path(data_dir) / "tokenizer.json"
+    candidate = Path(data_dir) / TOKENIZER_NAME
     return candidate if candidate.is_file() else None
 
 
@@ -42,8 +44,6 @@ def tokenizer_for(ckpt, explicit=None) -> Path:
     if path is None:
         where = f"in {data_dir}, the data folder its .state.json records" if data_dir else "recorded for it"
         raise AndreaError(f"{ckpt}: no tokenizer.json {where}; pass --tokenizer")
-    if not path.is_file():
-        raise AndreaError(f"{path}: tokenizer not found; run `andrea train-tokenizer` or pass --tokenizer")
     return path
 
 

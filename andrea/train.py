@@ -216,12 +216,12 @@ class Trainer:
         self.sampler = Sampler(self.engine, self.exp.model, tokenizer)
 
     # ---- start state -------------------------------------------------------------------------
-    def start_step(self) -> int:
+    def start_step(self, stop: int) -> int:
         from andrea.model import init_params
 
         files, args = self.files, self.args
         if args.resume and files.ckpt.exists():
-            return self._resume()
+            return self._resume(stop)
         if files.ckpt.exists():
             raise AndreaError(
                 f"{files.ckpt}: a checkpoint is already there; pass --resume to continue it, "
@@ -237,10 +237,10 @@ class Trainer:
         if args.init_from:
             step, params, m, v = self._read_verified(Path(args.init_from))
             self.model.load_state(params, m, v)
-            self.event("init_from", step=step, checkpoint=str(args.init_from))
+            self.event("init_from", step=step, checkpoint=str(args.init_from), stop=stop, total_steps=self.total_steps)
             return step
         self.model.load_state(init_params(self.model.layout, self.exp.seed))
-        self.event("start", step=0)
+        self.event("start", step=0, stop=stop, total_steps=self.total_steps)
         return 0
 
     def _read_verified(self, path: Path):
@@ -256,7 +256,7 @@ class Trainer:
                 )
         return read_checkpoint(path, self.model.layout.n_params, f"experiment {self.exp.name}")
 
-    def _resume(self) -> int:
+    def _resume(self, stop: int) -> int:
         files = self.files
         if not files.state.is_file():
             raise AndreaError(
@@ -279,7 +279,7 @@ class Trainer:
         matched = [c for c in self.recent_checkpoints if c["step"] == step]
         self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
         self.skipped_steps = [s for s in state.get("skipped_steps", []) if s <= step]
-        self.event("resume", step=step)
+        self.event("resume", step=step, stop=stop, total_steps=self.total_steps)
         self.log(f"resumed {files.ckpt} at step {step}")
         return step
 
@@ -347,8 +347,8 @@ class Trainer:
         from andrea.model import NonFiniteStep, lr_at
 
         exp, model = self.exp, self.model
-        step = self.start_step()
         stop = self.total_steps if self.args.max_steps is None else min(self.total_steps, self.args.max_steps)
+        step = self.start_step(stop)
         iv = exp.intervals
         self.log(f"training {exp.name}: steps {step} -> {stop} of {self.total_steps}, "
                  f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters")

@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 extras="gpu"
 if [[ "${1:-}" == "--test" ]]; then
   extras="test,kernels,slurm"
+  # Headless Chromium for the dashboard's browser tests: Playwright drives Debian's build.
+  if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+    apt-get update -q && apt-get install -y -q --no-install-recommends chromium
+  fi
 fi
 
 python3 -m venv .venv

@@ -157,7 +157,7 @@ def test_page_follows_a_growing_run_and_its_controls_work(tmp_path, page, capsys
         # Hover read-out.
         box = page.locator("#chart-loss .u-over").bounding_box()
         page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.5)
-        assert page.locator("#tip").is_visible()
+        page.wait_for_selector("#tip", state="visible")
         assert "step" in page.inner_text("#tip") and "other" in page.inner_text("#tip")
 
         # Dragging across one chart zooms every chart to that x range; a double-click undoes it.

@@ -8,15 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sample import chat_data  # noqa: F401  (the data stages, run once per session)
+from test_sample import chat_data  # noqa: F401  (the fixture that runs the data stages)
 
-from andrea.checkpoint import read_checkpoint
+from andrea.checkpoint import read_checkpoint, write_checkpoint
 from andrea.cli import main as cli
 from andrea.config import load_experiment
 from andrea.engines.numpy_engine import NumpyEngine
 from andrea.evaluate import evaluate_checkpoint, evaluated_targets
+from andrea.layout import ParameterLayout
 from andrea.loader import TokenWindows
 from andrea.manifest import manifest_path, read_manifest
+from andrea.model import init_params
 from andrea.sample import Sampler, load_tokenizer, training_samples, validation_prompts
 from andrea.shards import write_shard
 from andrea.train import N_SAMPLE_PROMPTS, read_loss_history
@@ -68,6 +70,16 @@ def test_bits_per_byte_counts_the_decoded_target_text(run, chat_data):  # noqa: 
 
     again = evaluate_checkpoint(None, run, chat_data, engine="numpy")
     assert {k: v for k, v in again.items() if k != "throughput"} == {k: v for k, v in report.items() if k != "throughput"}
+
+
+def test_without_a_tokenizer_bits_per_byte_is_null(tmp_path, repetitive_data):
+    layout = ParameterLayout(load_experiment(TINY).model)
+    params = init_params(layout, 0)
+    write_checkpoint(tmp_path / "tiny.ckpt", 0, params, params, params)
+    report = evaluate_checkpoint(TINY, tmp_path / "tiny.ckpt", repetitive_data, engine="numpy")
+    assert report["metrics"]["bits_per_byte"] is None and report["data"]["tokenizer"] is None
+    assert report["lineage"] is None and report["trained_on"] is None
+    assert report["metrics"]["val_loss"] == pytest.approx(math.log(512), rel=0.01)  # untrained: uniform
 
 
 def test_samples_json_is_what_the_sample_code_gives(run, chat_data):  # noqa: F811

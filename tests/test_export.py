@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sample import chat_data  # noqa: F401  (the data stages, run once per session)
+from test_sample import chat_data  # noqa: F401  (the fixture that runs the data stages)
 
 from andrea.checkpoint import write_checkpoint
 from andrea.cli import main as cli

@@ -97,14 +97,14 @@ class RunPlans:
     def get(self, path: str) -> dict | None:
         try:
             st = os.stat(path)
+            stamp = (st.st_ino, st.st_size)
+            cached = self._cache.get(path)
+            if cached and cached[0] == stamp:
+                return cached[1]
+            with open(path, "rb") as f:
+                found = PLAN_LINE.findall(f.read())
         except OSError:
             return None
-        stamp = (st.st_ino, st.st_size)
-        cached = self._cache.get(path)
-        if cached and cached[0] == stamp:
-            return cached[1]
-        with open(path, "rb") as f:
-            found = PLAN_LINE.findall(f.read())
         plan = {"stop": int(found[-1][1]), "total_steps": int(found[-1][2])} if found else None
         self._cache[path] = (stamp, plan)
         return plan
@@ -125,7 +125,10 @@ def run_summaries(root: str, plans: RunPlans) -> list[dict]:
             stem = path[: -len(LOSS_SUFFIX)]
             state, log = inside(root, stem + STATE_SUFFIX), inside(root, stem + LOG_SUFFIX)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
-            st = os.stat(real)
+            try:
+                st = os.stat(real)
+            except FileNotFoundError:  # moved aside (a fresh start) since the folder was listed
+                continue
             runs.append({
                 "id": rel[: -len(LOSS_SUFFIX)],
                 "loss": rel,

@@ -63,7 +63,8 @@ def register(subparsers) -> None:
                    "are honoured); `embedded`: the packaged corpus; PATH: a local .json, .jsonl[.gz] or "
                    ".parquet file in the Hermes-3 or OpenAI (messages: [{role, content}]) schema")
     p.add_argument("--out", default="results/data/hermes3.parquet", help="output parquet")
-    p.add_argument("--revision", help="Hub revision (branch, tag or commit) for --source hub; default: main")
+    p.add_argument("--revision", help="Hub branch, tag or commit for --source hub (None: main); "
+                   "the manifest records the commit it resolves to")
     p.add_argument("--hub-id", default=HERMES3_DATASET,
                    help="Hub dataset id for --source hub, or a local clone of a Hub dataset repo")
     p.set_defaults(func=_pull)
@@ -104,7 +105,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default="results/data/tokens-V4096/tokenizer.json", help="tokenizer.json")
     p.add_argument("--in-dir", default="results/data/megachat", help="folder with train.parquet and val.parquet")
     p.add_argument("--out-dir", default="results/data/tokens-V4096", help="folder for train.bin and val.bin")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="encoder threads")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="parallel encoders (worker processes: encoding holds the GIL); "
+                   "the output does not depend on it")
     p.set_defaults(func=_tokenize)
 
     p = subparsers.add_parser(

@@ -470,7 +470,7 @@ function buildCharts(cols) {
       hooks: {
         setCursor: [(u) => showReadout(u, def)],
         setSelect: [zoomTo],
-        ...(def.name === "loss" ? {draw: [drawResumes]} : {}),
+        ...(def.name === "loss" ? {draw: [drawMarks]} : {}),
       },
     };
     const u = new uPlot(opts, chartData(def, cols), el);
@@ -498,26 +498,30 @@ function applyZoom() {
   if (zoom) for (const u of Object.values(charts)) u.setScale("x", zoom);
 }
 
-// Dashed vertical lines where a run resumed or started from another checkpoint.
-function drawResumes(u) {
-  const ctx = u.ctx, {left, top, width, height} = u.bbox;
+// Dashed vertical lines at a run's events worth seeing on the curve.
+const MARKS = {resume: "resume", init_from: "init", nonfinite: "non-finite step"};
+
+function drawMarks(u) {
+  const ctx = u.ctx, {left, top, width, height} = u.bbox, px1 = devicePixelRatio;
   ctx.save();
-  ctx.setLineDash([3 * devicePixelRatio, 3 * devicePixelRatio]);
-  ctx.lineWidth = devicePixelRatio;
-  ctx.font = `${10 * devicePixelRatio}px system-ui, sans-serif`;
+  ctx.setLineDash([3 * px1, 3 * px1]);
+  ctx.lineWidth = px1;
+  ctx.font = `${10 * px1}px system-ui, sans-serif`;
+  ctx.textAlign = "left";  // uPlot leaves the alignment of its last axis label behind
+  ctx.textBaseline = "top";
   for (const run of selectedRuns()) {
     for (const ev of run.events) {
-      if (!(ev.event === "resume" || ev.event === "init_from") || !(ev.step > 0)) continue;
-      const rec = run.records[lowerBound(run.records.length, (k) => run.records[k].step < ev.step)];
+      if (!MARKS[ev.event] || !(ev.step > 0)) continue;
+      const r = run.records, rec = r[lowerBound(r.length, (k) => r[k].step < ev.step)];
       if (!rec) continue;
-      const px = u.valToPos(view.x === "step" ? ev.step : rec[view.x], "x", true);
-      if (px < left || px > left + width) continue;
-      ctx.strokeStyle = ctx.fillStyle = run.color;
+      const x = u.valToPos(view.x === "step" ? ev.step : rec[view.x], "x", true);
+      if (x < left || x > left + width) continue;
+      ctx.strokeStyle = ctx.fillStyle = ev.event === "nonfinite" ? cssVar("--bad") : run.color;
       ctx.beginPath();
-      ctx.moveTo(px, top);
-      ctx.lineTo(px, top + height);
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
       ctx.stroke();
-      ctx.fillText(ev.event === "resume" ? "resume" : "init", px + 4 * devicePixelRatio, top + 12 * devicePixelRatio);
+      ctx.fillText(MARKS[ev.event], x + 4 * px1, top + 2 * px1);
     }
   }
   ctx.restore();
