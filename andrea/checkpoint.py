@@ -84,3 +84,21 @@ def sha256_file(path, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+class RunFiles:
+    """The files of one training run, named after its checkpoint (results/NAME.ckpt)."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt = ckpt
+        stem = ckpt.with_suffix("")
+        self.state = stem.with_name(stem.name + ".state.json")
+        self.loss = stem.with_name(stem.name + ".loss.json")
+        self.samples = stem.with_name(stem.name + ".samples.json")
+        self.log = stem.with_name(stem.name + ".log")
+        self.lock = stem.with_name(stem.name + ".lock")
+
+    def stale_temp_files(self) -> list[Path]:
+        """Temp files of an atomic write that a killed process left behind."""
+        folder = self.ckpt.parent
+        return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]

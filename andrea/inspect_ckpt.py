@@ -17,7 +17,7 @@ from andrea.checkpoint import read_checkpoint, read_header, sha256_file
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
 from andrea.layout import ParameterLayout
-from andrea.train import RunFiles
+from andrea.checkpoint import RunFiles
 
 DEFAULT_EXPERIMENTS_DIR = "config/experiments"
 VECTORS = ("weights", "m", "v")

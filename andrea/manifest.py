@@ -13,12 +13,12 @@ import hashlib
 import json
 import os
 import subprocess
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from andrea import __version__
+from andrea.atomic import write_json_atomic
 from andrea.errors import AndreaError
 
 MANIFEST_SUFFIX = ".manifest.json"
@@ -45,25 +45,6 @@ def canonical_json(obj) -> bytes:
 
 def config_hash(config: Mapping) -> str:
     return hashlib.sha256(canonical_json(config)).hexdigest()
-
-
-@contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path in the target's folder; on success fsync it and rename it over `path`.
-
-    A crash or an exception leaves the previous artifact (or none), never a torn one.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def git_commit() -> str | None:
@@ -118,8 +99,7 @@ def write_manifest(
         "wall_time_s": round(wall_time_s, 3),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with atomic_output(manifest_path(artifact)) as tmp:
-        tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json_atomic(manifest_path(artifact), manifest)
     return manifest
 
 

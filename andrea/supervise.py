@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.train import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_jsonl
+from andrea.checkpoint import RunFiles
+from andrea.train import EXIT_NONFINITE, RESTARTS_ENV, append_jsonl
 
 # Exit statuses that a restart cannot fix: a usage/input error, or a numerical fault that would recur.
 FINAL_STATUSES = {2, EXIT_NONFINITE}

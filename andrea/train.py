@@ -23,7 +23,7 @@ from pathlib import Path
 
 from andrea import __version__
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import read_checkpoint, sha256_file, write_checkpoint
+from andrea.checkpoint import RunFiles, read_checkpoint, sha256_file, write_checkpoint
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
 
@@ -68,22 +68,6 @@ def register(subparsers) -> None:
                    "(crash, SIGKILL, out of memory); SIGTERM/SIGUSR1 are forwarded")
     p.add_argument("--max-restarts", type=int, default=3, help="with --supervise: restarts before giving up (default 3)")
     p.set_defaults(func=main)
-
-
-class RunFiles:
-    def __init__(self, ckpt: Path):
-        self.ckpt = ckpt
-        stem = ckpt.with_suffix("")
-        self.state = stem.with_name(stem.name + ".state.json")
-        self.loss = stem.with_name(stem.name + ".loss.json")
-        self.samples = stem.with_name(stem.name + ".samples.json")
-        self.log = stem.with_name(stem.name + ".log")
-        self.lock = stem.with_name(stem.name + ".lock")
-
-    def stale_temp_files(self) -> list[Path]:
-        """Temp files of an atomic write that a killed process left behind."""
-        folder = self.ckpt.parent
-        return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]
 
 
 class Log:
@@ -149,7 +133,7 @@ def data_fingerprint(data_dir: Path) -> dict:
         out[name] = {"bytes": path.stat().st_size}
         manifest = path.with_name(name + ".manifest.json")
         if manifest.is_file():
-            out[name]["sha256"] = json.loads(manifest.read_text()).get("output", {}).get("sha256")
+            out[name]["sha256"] = json.loads(manifest.read_text()).get("sha256")
     return out
 
 

@@ -16,4 +16,8 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[${extras}]"
+if [[ "${1:-}" == "--test" ]]; then
+  # The export test loads the Hugging Face folder with transformers (CPU torch).
+  .venv/bin/python -m pip install -q torch==2.13.0 transformers safetensors
+fi
 echo "andrea installed in .venv (extras: ${extras})"

@@ -31,7 +31,9 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
 fi
 
 BASE=$(mktemp -d /tmp/andrea-slurm.XXXXXX)
-export SLURM_CONF=$BASE/etc/slurm.conf # our cluster only; /etc/slurm stays untouched
+# Jobs' own srun calls read /etc/slurm (SLURM_CONF does not reach them): ours goes there for the
+# run, and what was there before comes back afterwards.
+ETC=/etc/slurm
 STARTED_MUNGED=""
 
 stop_cluster() {
@@ -46,6 +48,10 @@ stop_cluster() {
     fi
   done
   [[ -n $STARTED_MUNGED ]] && kill "$STARTED_MUNGED" 2>/dev/null
+  for conf in slurm.conf gres.conf; do
+    rm -f "$ETC/$conf"
+    if [[ -e $BASE/etc.orig/$conf ]]; then mv "$BASE/etc.orig/$conf" "$ETC/$conf"; fi
+  done
   if [[ $status -eq 0 && -z ${KEEP:-} ]]; then
     rm -rf "$BASE"
   else
@@ -59,10 +65,13 @@ trap 'exit 130' INT TERM
 H=$(hostname -s)
 N=$(nproc)
 MEM=$(($(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo) - 1024))
-mkdir -p "$BASE"/{etc,state,spool,log}
+mkdir -p "$BASE"/{etc.orig,state,spool,log} "$ETC"
+for conf in slurm.conf gres.conf; do
+  if [[ -e $ETC/$conf ]]; then mv "$ETC/$conf" "$BASE/etc.orig/$conf"; fi
+done
 # proctrack/linuxproc: the default cgroup tracking breaks every job launch without systemd.
 # A fresh StateSaveLocation: a drained node would otherwise stay drained across runs.
-cat >"$SLURM_CONF" <<EOF
+cat >"$ETC/slurm.conf" <<EOF
 ClusterName=andrea-check
 SlurmctldHost=$H
 ProctrackType=proctrack/linuxproc
@@ -83,7 +92,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 # A GPU for scheduling only: --gpus=1 jobs are accepted and run one at a time. Without File=
 # the node drains.
-echo "NodeName=$H Name=gpu File=/dev/null" >"$BASE/etc/gres.conf"
+echo "NodeName=$H Name=gpu File=/dev/null" >"$ETC/gres.conf"
 
 wait_for() { # SECONDS DESCRIPTION COMMAND...
   local deadline=$((SECONDS + $1)) what=$2

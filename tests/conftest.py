@@ -1,13 +1,17 @@
+import gzip
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import andrea
 from andrea.shards import write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "config" / "experiments"
+N_CONVERSATIONS = 600  # embedded conversations the chat_data fixture uses
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,3 +40,24 @@ def repetitive_data(tmp_path):
     write_shard(folder / "train.bin", np.tile(pattern, 60))
     write_shard(folder / "val.bin", np.tile(pattern, 10))
     return folder
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """The data stages, in-process, on the first conversations of the embedded corpus: a folder
+    with train.bin, val.bin and a 512-token tokenizer.json, as `andrea tokenize` leaves it."""
+    from andrea.data.prep_megachat import prep_megachat
+    from andrea.data.pull_hermes3 import pull_hermes3
+    from andrea.data.tokenize_shards import tokenize
+    from andrea.data.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("chat_data")
+    corpus = Path(andrea.__file__).parent / "data" / "embedded" / "hermes3-embedded.jsonl.gz"
+    with gzip.open(corpus, "rt") as f:
+        (root / "chats.jsonl").write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
+    pull_hermes3(str(root / "chats.jsonl"), root / "raw.parquet")
+    prep_megachat(root / "raw.parquet", root / "megachat", val_fraction=0.1)
+    tokens = root / "tokens"
+    train_tokenizer(root / "megachat" / "train.parquet", 512, tokens / "tokenizer.json")
+    tokenize(tokens / "tokenizer.json", root / "megachat", tokens, threads=1)
+    return tokens

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from andrea.cli import main
+from andrea.data import tokenize_shards
 from andrea.data.chatml import ChatTokenizer
 from andrea.manifest import manifest_path, read_manifest, sha256_file
 from andrea.shards import read_shard
@@ -24,6 +25,7 @@ def run_chain(root, threads):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(tokenize_shards, "ROWS_PER_WORKER", 1)  # use worker processes even on this small corpus
         for argv in (["pull-hermes3"], ["prep-megachat"], ["train-tokenizer"], ["tokenize", "--threads", str(threads)]):
             assert main(argv) == 0, argv
     return root / DATA

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sample import chat_data  # noqa: F401  (the fixture that runs the data stages)
 
 from andrea.checkpoint import read_checkpoint, write_checkpoint
 from andrea.cli import main as cli
@@ -29,7 +28,7 @@ STEPS = 20  # a multiple of ANDREA-tiny's eval and sample intervals: both are lo
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, chat_data):  # noqa: F811
+def run(tmp_path_factory, chat_data):
     out = tmp_path_factory.mktemp("run") / "tiny.ckpt"
     cmd = [sys.executable, "-m", "andrea.cli", "train", "--experiment", str(TINY), "--data", str(chat_data),
            "--out", str(out), "--engine", "numpy", "--max-steps", str(STEPS)]
@@ -38,7 +37,7 @@ def run(tmp_path_factory, chat_data):  # noqa: F811
     return out
 
 
-def test_eval_equals_the_val_loss_training_logged(run, chat_data, tmp_path):  # noqa: F811
+def test_eval_equals_the_val_loss_training_logged(run, chat_data, tmp_path):
     logged = read_loss_history(run.with_name("tiny.loss.json"))[-1]
     assert logged["step"] == STEPS and "val_loss" in logged
     out = tmp_path / "eval" / "tiny.json"
@@ -56,7 +55,7 @@ def test_eval_equals_the_val_loss_training_logged(run, chat_data, tmp_path):  # 
     assert read_manifest(out)["stage"] == "eval" and manifest_path(out).is_file()
 
 
-def test_bits_per_byte_counts_the_decoded_target_text(run, chat_data):  # noqa: F811
+def test_bits_per_byte_counts_the_decoded_target_text(run, chat_data):
     report = evaluate_checkpoint(None, run, chat_data, engine="numpy")
     metrics = report["metrics"]
     windows = TokenWindows(chat_data / "val.bin", 64)
@@ -82,7 +81,7 @@ def test_without_a_tokenizer_bits_per_byte_is_null(tmp_path, repetitive_data):
     assert report["metrics"]["val_loss"] == pytest.approx(math.log(512), rel=0.01)  # untrained: uniform
 
 
-def test_samples_json_is_what_the_sample_code_gives(run, chat_data):  # noqa: F811
+def test_samples_json_is_what_the_sample_code_gives(run, chat_data):
     exp = load_experiment(TINY)
     logged = json.loads(run.with_name("tiny.samples.json").read_text())[-1]
     step, params, _, _ = read_checkpoint(run)
@@ -103,7 +102,7 @@ def test_samples_json_is_what_the_sample_code_gives(run, chat_data):  # noqa: F8
     ("same size, other shape", "pass the experiment it was trained with"),
     ("missing experiment", "experiment file not found"),
 ])
-def test_bad_inputs_are_one_sentence(run, chat_data, tmp_path, capsys, case, message):  # noqa: F811
+def test_bad_inputs_are_one_sentence(run, chat_data, tmp_path, capsys, case, message):
     ckpt, data, experiment = run, chat_data, TINY
     if case == "missing checkpoint":
         ckpt = tmp_path / "none.ckpt"

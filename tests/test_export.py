@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sample import chat_data  # noqa: F401  (the fixture that runs the data stages)
 
 from andrea.checkpoint import write_checkpoint
 from andrea.cli import main as cli
@@ -32,7 +31,7 @@ def random_params(layout, seed=0) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, chat_data):  # noqa: F811
+def exported(tmp_path_factory, chat_data):
     root = tmp_path_factory.mktemp("export")
     layout = ParameterLayout(load_experiment(TINY).model)
     params = random_params(layout)
@@ -86,7 +85,7 @@ def test_transformers_gives_the_numpy_engines_logits(exported):
     assert np.abs(probs - model.buf["probs"]).max() <= 1e-5
 
 
-def test_auto_tokenizer_applies_our_chatml(exported, chat_data):  # noqa: F811
+def test_auto_tokenizer_applies_our_chatml(exported, chat_data):
     pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
     from transformers import AutoTokenizer
 
@@ -99,7 +98,7 @@ def test_auto_tokenizer_applies_our_chatml(exported, chat_data):  # noqa: F811
     assert tok.eos_token == "<|im_end|>"
 
 
-def test_transformers_greedy_generation_matches_the_sampler(exported, chat_data):  # noqa: F811
+def test_transformers_greedy_generation_matches_the_sampler(exported, chat_data):
     pytest.importorskip("torch", reason="needs torch (CPU): pip install torch==2.13.0")
     pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
     import torch

@@ -62,17 +62,6 @@ def test_git_commit_is_none_without_git(monkeypatch):
     assert m.git_commit() is None
 
 
-def test_atomic_output_keeps_the_old_file_when_writing_fails(tmp_path):
-    target = tmp_path / "a.bin"
-    target.write_text("old")
-    with pytest.raises(RuntimeError):
-        with m.atomic_output(target) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("crash mid-write")
-    assert target.read_text() == "old"
-    assert list(tmp_path.iterdir()) == [target]
-
-
 def test_read_manifest_errors_name_the_file(tmp_path):
     artifact = tmp_path / "x.parquet"
     with pytest.raises(AndreaError, match="no manifest"):

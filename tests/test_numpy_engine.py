@@ -1,6 +1,5 @@
 """Finite-difference gradient checks (float64) for every op pair, `+=` semantics, the whole model."""
 
-import dataclasses
 
 import numpy as np
 import pytest

@@ -147,17 +147,21 @@ def test_report_has_loss_curve_and_eval_table(built):
 
 def test_dry_run_of_12m_lists_all_stages(tmp_path):
     workdir = copy_workflow(tmp_path)
-    assert planned(workdir, "results/ANDREA-12M.ckpt") == DATA_STAGES | {"train"}
-    out = snakemake(workdir, "--dry-run", "--printshellcmds", "results/ANDREA-12M.ckpt").stdout
-    assert "--vocab-size 4096" in out and "tokens-V4096" in out
+    proc = snakemake(workdir, "--dry-run", "--printshellcmds", "results/ANDREA-12M.ckpt")
+    assert set(job_counts(proc.stdout)) == DATA_STAGES | {"train"}
+    assert "--vocab-size 4096" in proc.stdout and "--data results/data/tokens-V4096" in proc.stdout
 
 
 def test_bad_config_and_unknown_experiment_fail_clearly(tmp_path):
     workdir = copy_workflow(tmp_path)
-    proc = snakemake(workdir, "--dry-run", "--config", "data={val_fraction: 1.5}", check=False)
-    assert proc.returncode != 0 and "val_fraction" in proc.stderr
     proc = snakemake(workdir, "--dry-run", "results/ANDREA-nope.ckpt", check=False)
-    assert proc.returncode != 0 and "config/experiments/ANDREA-nope-TRAIN.json" in proc.stderr
+    assert proc.returncode != 0
+    assert "config/experiments/ANDREA-nope-TRAIN.json: no such experiment file" in proc.stdout + proc.stderr
+    edit_config(workdir, data={"val_fraction": 1.5})
+    proc = snakemake(workdir, "--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "Failed validating 'exclusiveMaximum'" in proc.stdout + proc.stderr
+    assert "['val_fraction']" in proc.stdout + proc.stderr
 
 
 def test_lint_leaves_only_the_documented_warning(tmp_path):

@@ -9,7 +9,7 @@ Prep, train-tokenizer, tokenize, sampling and eval all go through this module.
 Encoding is byte-level BPE on pre-split words. The split pattern is GPT-2's with its character
 classes spelled out, so Python's `re` and the tokenizers library (Oniguruma) split alike: we
 split here and look each word up in a cache, asking the tokenizer only for words not seen yet.
-That gives the ids `tokenizer.json` gives, at several times its speed per core.
+That gives the ids `tokenizer.json` gives, at about twice its speed per core.
 """
 
 from __future__ import annotations

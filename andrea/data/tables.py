@@ -10,8 +10,8 @@ from typing import Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from andrea.atomic import atomic_path
 from andrea.errors import AndreaError
-from andrea.manifest import atomic_output
 
 BATCH_ROWS = 2048
 
@@ -43,5 +43,5 @@ def iter_rows(table: pq.ParquetFile, columns: Sequence[str]) -> Iterator[list[di
 @contextmanager
 def parquet_output(path: str | os.PathLike, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
     """A ParquetWriter whose file appears at `path` only once it is complete."""
-    with atomic_output(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         yield writer

@@ -1,9 +1,10 @@
 """Stage tokenize: MegaChat train/val -> `train.bin` / `val.bin` token shards.
 
 Every conversation is encoded through `andrea.data.chatml` and followed by <|endoftext|>.
-Batches are encoded by `--threads` worker processes (encoding holds the GIL) and written in
-input order, so the shards do not depend on the number of workers. The shards sit beside the
-tokenizer that made them: training reads DIR/train.bin, DIR/val.bin and DIR/tokenizer.json.
+Batches are encoded by up to `--threads` worker processes (encoding holds the GIL; small inputs
+stay in this process) and written in input order, so the shards do not depend on the number of
+workers. The shards sit beside the tokenizer that made them: training reads DIR/train.bin,
+DIR/val.bin and DIR/tokenizer.json from one folder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from andrea.data.chatml import ChatTokenizer
 from andrea.data.prep_megachat import SPLITS
@@ -33,6 +35,8 @@ from andrea.shards import write_shard
 STAGE = "tokenize"
 TOKENIZER_NAME = "tokenizer.json"
 ENCODE_BATCH_ROWS = 1024
+# below this much work a worker process costs more to start (about a second of imports) than it saves
+ROWS_PER_WORKER = 16 * ENCODE_BATCH_ROWS
 
 _worker_chat: ChatTokenizer | None = None
 
@@ -60,9 +64,9 @@ def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) ->
         yield pending.popleft().result()
 
 
-def tokenize_split(chat: ChatTokenizer, parquet: Path, pool: Executor | None, threads: int) -> tuple[np.ndarray, dict]:
+def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str,
+                   pool: Executor | None, workers: int) -> tuple[np.ndarray, dict]:
     """All conversations of one split as one token array; encoded in `pool` when there is one."""
-    table = open_parquet(parquet, required=("turns",), made_by="prep-megachat")
     counts = {"conversations": 0, "content_bytes": 0}
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -73,8 +77,8 @@ def tokenize_split(chat: ChatTokenizer, parquet: Path, pool: Executor | None, th
             yield batch
 
     parts = []
-    with progress(STAGE, f"encoding {parquet.name}", table.metadata.num_rows, "conversations") as advance:
-        encoded = _in_order(pool, batches(), 2 * threads) if pool else (encode_batch(b, chat) for b in batches())
+    with progress(STAGE, f"encoding {name}", table.metadata.num_rows, "conversations") as advance:
+        encoded = _in_order(pool, batches(), 2 * workers) if pool else (encode_batch(b, chat) for b in batches())
         for rows, part in encoded:
             parts.append(np.frombuffer(part, dtype=np.uint16))
             advance(rows)
@@ -94,19 +98,25 @@ def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_d
         raise AndreaError(f"--threads {threads} must be at least 1")
     chat = ChatTokenizer.load(tokenizer_path)
     check_vocab_size(chat.vocab_size, f"{tokenizer_path}: vocabulary size")
+    parquets = {split: in_dir / f"{split}.parquet" for split in SPLITS}
+    tables = {split: open_parquet(path, required=("turns",), made_by="prep-megachat")
+              for split, path in parquets.items()}
+    rows = sum(table.metadata.num_rows for table in tables.values())
+    workers = max(1, min(threads, rows // ROWS_PER_WORKER))
+    log(STAGE, f"{rows:,} conversations, {workers} encoder process(es)")
     # spawn, not fork: the parent's tokenizer may already run a thread pool, which fork would break
-    pool = (ProcessPoolExecutor(threads, mp_context=get_context("spawn"), initializer=_start_worker,
-                                initargs=(str(tokenizer_path),)) if threads > 1 else None)
+    pool = (ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_start_worker,
+                                initargs=(str(tokenizer_path),)) if workers > 1 else None)
     manifests = {}
     try:
         for split in SPLITS:
             start = time.perf_counter()
-            parquet, shard = in_dir / f"{split}.parquet", out_dir / f"{split}.bin"
-            tokens, counts = tokenize_split(chat, parquet, pool, threads)
+            shard = out_dir / f"{split}.bin"
+            tokens, counts = tokenize_split(chat, tables[split], parquets[split].name, pool, workers)
             write_shard(shard, tokens)
             counts["tokens"] = int(tokens.size)
             manifests[split] = write_manifest(
-                shard, stage=STAGE, inputs=[tokenizer_path, parquet],
+                shard, stage=STAGE, inputs=[tokenizer_path, parquets[split]],
                 config={"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"},
                 counts=counts, wall_time_s=time.perf_counter() - start,
             )

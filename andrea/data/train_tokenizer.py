@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from andrea.atomic import atomic_path
 from andrea.data.chatml import SPECIAL_TOKENS, pre_tokenizer
 from andrea.data.progress import log, progress
 from andrea.data.tables import iter_rows, open_parquet
 from andrea.errors import AndreaError
-from andrea.manifest import atomic_output, write_manifest
+from andrea.manifest import write_manifest
 from andrea.shards import MAX_VOCAB
 
 STAGE = "train-tokenizer"
@@ -73,7 +74,7 @@ def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.P
     actual = tokenizer.get_vocab_size(with_added_tokens=True)
     if actual < vocab_size:
         log(STAGE, f"the text supports only {actual:,} tokens of the {vocab_size:,} asked for (no pair left to merge)")
-    with atomic_output(out) as tmp:
+    with atomic_path(out) as tmp:
         tokenizer.save(str(tmp))
     manifest = write_manifest(
         out, stage=STAGE, inputs=[in_path],
