@@ -15,6 +15,7 @@ import numpy as np
 
 from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
+from andrea.hashing import sha256_file  # noqa: F401  (re-exported)
 
 HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
 HEADER_BYTES = HEADER.itemsize
@@ -76,14 +77,6 @@ def read_checkpoint(path, expected_n_params: int | None = None, what: str = "thi
         )
     body = np.fromfile(path, dtype=FLOAT, offset=HEADER_BYTES, count=3 * n)
     return step, body[:n].copy(), body[n:2 * n].copy(), body[2 * n:].copy()
-
-
-def sha256_file(path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class RunFiles:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -14,20 +13,13 @@ from importlib import resources
 from pathlib import Path
 
 from andrea.errors import AndreaError
+from andrea.hashing import config_hash
 
 PRECISIONS_NEEDING_CUDA = ("tf32", "bf16", "fp16")
 
 
 def experiment_schema() -> dict:
     return json.loads(resources.files("andrea").joinpath("schemas/experiment.schema.json").read_text())
-
-
-def canonical_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-def config_hash(obj) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ class Experiment:
     def trajectory_hash(self) -> str:
         """Hash of everything that decides the weights at a given step (not intervals or name)."""
         keys = ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
-        return config_hash({k: self.raw[k] for k in keys})
+        return config_hash({k: self.raw[k] for k in keys})[:16]
 
     def with_overrides(self, **sections) -> "Experiment":
         raw = copy.deepcopy(self.raw)

@@ -9,7 +9,6 @@ moved as a whole still resolves; `lineage` follows them to their own manifests, 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from typing import Mapping, Sequence
 from andrea import __version__
 from andrea.atomic import write_json_atomic
 from andrea.errors import AndreaError
+from andrea.hashing import canonical_json, config_hash, sha256_file  # noqa: F401  (re-exported)
 
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = "andrea-manifest/1"
@@ -28,23 +28,6 @@ MANIFEST_FORMAT = "andrea-manifest/1"
 def manifest_path(artifact: str | os.PathLike) -> Path:
     artifact = Path(artifact)
     return artifact.with_name(artifact.name + MANIFEST_SUFFIX)
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def canonical_json(obj) -> bytes:
-    """One byte string per value, whatever the key order: what config hashes are taken over."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def config_hash(config: Mapping) -> str:
-    return hashlib.sha256(canonical_json(config)).hexdigest()
 
 
 def git_commit() -> str | None:

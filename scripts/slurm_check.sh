@@ -13,6 +13,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VENV_BIN=${VENV_BIN:-$REPO/.venv/bin}
 SKIP=77
+export PATH=$PATH:/usr/sbin:/sbin # the daemons live there
 TIMEOUT_S=${TIMEOUT_S:-900}
 
 say() { echo "slurm_check: $*" >&2; }
@@ -138,8 +139,10 @@ if ! HF_HUB_OFFLINE=1 timeout -s KILL "$TIMEOUT_S" "$VENV_BIN/snakemake" \
 fi
 
 "$VENV_BIN/python" - "$BASE/snakemake.out" "$BASE/log/slurmctld.log" <<'EOF'
-"""Every job Snakemake ran remotely has a SLURM job id, a SLURM log and a clean completion."""
+"""Every job Snakemake ran remotely has a SLURM job id, a SLURM log and a clean completion;
+the GPU rules were given the node's GPU."""
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -164,6 +167,10 @@ for jobid, (rule, local) in sorted(jobs.items(), key=lambda item: int(item[0])):
         problems.append(f"{rule}: no SLURM log .snakemake/slurm_logs/**/{slurm_id}.log")
     elif not re.search(rf"_job_complete: JobId={slurm_id} WEXITSTATUS 0", ctld):
         problems.append(f"{rule}: slurmctld does not report SLURM job {slurm_id} completed with status 0")
+    elif rule in ("train", "eval"):
+        job = subprocess.run(["scontrol", "-o", "show", "job", slurm_id], capture_output=True, text=True).stdout
+        if "gres/gpu=1" not in job:
+            problems.append(f"{rule}: SLURM job {slurm_id} was not given a GPU: {job.strip()}")
 remote = {rule for rule, local in jobs.values() if not local}
 expected = {"prep_megachat", "train_tokenizer", "tokenize", "train", "eval"}
 if remote != expected:

@@ -17,7 +17,7 @@ from andrea.shards import read_shard
 DATA = "results/data"
 ARTIFACTS = ["hermes3.parquet", "megachat/train.parquet", "megachat/val.parquet",
              "tokens-V4096/tokenizer.json", "tokens-V4096/train.bin", "tokens-V4096/val.bin"]
-VOLATILE = ("wall_time_s", "created_utc")
+VOLATILE = ("wall_time_s", "created_utc", "git_commit")  # a commit may land between the two runs
 
 
 def run_chain(root, threads):
