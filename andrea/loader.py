@@ -50,10 +50,12 @@ class TokenWindows:
         rows = np.stack([np.asarray(self.tokens[w * T: w * T + T + 1], dtype=np.int32) for w in windows])
         return rows[:, :-1].copy(), rows[:, 1:].copy()
 
-    def train_micro_batches(self, step: int, batch_size: int, micro_batches: int):
-        """The step's batch, split into micro_batches (tokens, targets) pairs."""
-        first = step * batch_size
-        x, y = self._gather([self._window(first + i) for i in range(batch_size)])
+    def train_micro_batches(self, step: int, batch_size: int, micro_batches: int, rank: int = 0, world: int = 1):
+        """The step's batch (rows [rank·B/world, (rank+1)·B/world) of it on a data-parallel rank),
+        split into micro_batches (tokens, targets) pairs."""
+        share = batch_size // world
+        first = step * batch_size + rank * share
+        x, y = self._gather([self._window(first + i) for i in range(share)])
         return list(zip(np.split(x, micro_batches), np.split(y, micro_batches)))
 
     def val_batch(self, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:

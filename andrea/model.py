@@ -55,8 +55,9 @@ def lr_at(exp: Experiment, step: int, total_steps: int) -> float:
 class Model:
     """Buffers from the memory plan plus the forward/backward schedule over one engine."""
 
-    def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True):
+    def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None):
         self.engine = engine
+        self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
@@ -152,7 +153,8 @@ class Model:
         return float(e.to_host(b["grad_norm"])[0])
 
     def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict) -> tuple[float, float]:
-        """Accumulate over micro-batches, scale by 1/n, clip the global norm, AdamW, zero.
+        """Accumulate over micro-batches (and data-parallel ranks), scale by 1/n, clip the global
+        norm, AdamW, zero.
 
         `step` counts optimizer steps already done; returns (mean loss, grad norm before clipping)."""
         e, b = self.engine, self.buf
@@ -160,10 +162,14 @@ class Model:
         for tokens, targets in micro_batches:
             losses.append(self.forward(tokens, targets))
             self.backward()
-        if len(micro_batches) > 1:
-            e.grad_scale(b["grads"], 1.0 / len(micro_batches))
-        norm = self.grad_norm()
         loss = float(np.mean(losses))
+        n = len(micro_batches)
+        if self.data_parallel is not None:
+            loss = self.data_parallel.reduce_gradients(b["grads"], loss)
+            n *= self.data_parallel.world
+        if n > 1:
+            e.grad_scale(b["grads"], 1.0 / n)
+        norm = self.grad_norm()
         if not (math.isfinite(loss) and math.isfinite(norm)):
             bad = self.nonfinite_grad_tensors()
             e.zero_grads(b["grads"])

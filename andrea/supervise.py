@@ -26,6 +26,8 @@ def child_command(args) -> list[str]:
         cmd += ["--max-steps", str(args.max_steps)]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
+    if args.gpus:
+        cmd += ["--gpus", str(args.gpus)]
     return cmd
 
 

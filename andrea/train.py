@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import signal
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,6 +27,7 @@ from andrea.atomic import write_json_atomic
 from andrea.checkpoint import RunFiles, read_checkpoint, sha256_file, write_checkpoint
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
+from andrea.parallel import rank_from_env
 
 STATE_FORMAT = 1
 N_SAMPLE_PROMPTS = 3
@@ -67,6 +69,9 @@ def register(subparsers) -> None:
                    help="run training as a child process and restart it from the last checkpoint when it dies "
                    "(crash, SIGKILL, out of memory); SIGTERM/SIGUSR1 are forwarded")
     p.add_argument("--max-restarts", type=int, default=3, help="with --supervise: restarts before giving up (default 3)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="data-parallel training on N GPUs of this host through NCCL (one process per GPU; "
+                   "under SLURM, srun starts one task per GPU instead); the experiment's batch_size is the global batch")
     p.set_defaults(func=main)
 
 
@@ -147,8 +152,11 @@ class Trainer:
         self.exp = load_experiment(args.experiment)
         self.files = RunFiles(Path(args.out))
         self.files.ckpt.parent.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
-        self.log = Log(self.files.log, console)
+        self.rank = rank_from_env() if args.gpus else None
+        self.is_main = self.rank is None or self.rank.is_main
+        if self.is_main:
+            self._take_lock()
+        self.log = Log(self.files.log, console) if self.is_main else (lambda msg: None)
         self.console = console
         data = Path(args.data)
         shape = self.exp.model
@@ -156,13 +164,34 @@ class Trainer:
         self.train_windows = TokenWindows(data / "train.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
         self.val_windows = TokenWindows(data / "val.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
         self.total_steps = self.exp.total_steps(self.train_windows.tokens.size)
-        self.engine = make_engine(args.engine, precision=self.exp.precision)
+        self.data_parallel = None
+        world = 1
+        if self.rank is not None:
+            world = self.rank.world
+            if self.exp.batch_size % (world * self.exp.micro_batches):
+                raise AndreaError(f"{self.exp.path}: field 'batch.batch_size' ({self.exp.batch_size}) must be divisible "
+                                  f"by GPUs x micro_batches ({world} x {self.exp.micro_batches})")
+            if args.engine == "numpy":
+                raise AndreaError("--gpus needs the CUDA engine; drop --engine numpy")
+            import cupy
+
+            cupy.cuda.Device(self.rank.local).use()
+        self.engine = make_engine("cuda" if self.rank is not None else args.engine, precision=self.exp.precision)
+        if self.rank is not None:
+            from andrea.parallel import DataParallel, unique_id
+
+            nccl_id_file = self.files.ckpt.with_name(self.files.ckpt.name + ".nccl-id")
+            self.data_parallel = DataParallel(self.rank, unique_id(self.rank, nccl_id_file))
+            self.log(f"data parallel: {world} ranks, {self.exp.batch_size // world} sequences per rank per step")
         if self.engine.name == "numpy" and args.engine == "auto" and not cuda_available():
             self.log("engine: numpy (no CUDA device found; the NumPy reference engine runs on the CPU)")
         else:
             self.log(f"engine: {self.engine.name}")
-        self.model = Model(self.engine, shape, self.exp.micro_batch_size)
-        console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {self.exp.micro_batch_size}"))
+        self.world = world
+        micro = self.exp.batch_size // (world * self.exp.micro_batches)
+        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel)
+        if self.is_main:
+            console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {micro}"))
         self.log(f"memory plan: {self.model.plan.total_bytes:,} bytes in {len(self.model.plan.buffers)} buffers")
         self.sampler = None
         self.prompts: list[list[int]] = []
@@ -184,7 +213,7 @@ class Trainer:
     def _setup_sampling(self, explicit_tokenizer) -> None:
         from andrea.sample import Sampler, find_tokenizer, load_tokenizer, validation_prompts
 
-        if self.exp.intervals["sample"] <= 0:
+        if self.exp.intervals["sample"] <= 0 or not self.is_main:
             return
         path = find_tokenizer(self.data_dir, explicit_tokenizer)
         if path is None:
@@ -269,6 +298,8 @@ class Trainer:
 
     # ---- outputs -----------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
+        if not self.is_main:
+            return
         append_jsonl(self.files.loss, {"event": name, "wall": time.time(), **fields})
 
     def checkpoint(self, step: int, elapsed: float, reason: str) -> None:
@@ -276,6 +307,8 @@ class Trainer:
         the state is written first and vouches for both the new and the previous checkpoint."""
         from andrea.checkpoint import checkpoint_digest
 
+        if not self.is_main:
+            return
         params, m, v = self.model.host_state()
         digest = checkpoint_digest(step, params, m, v)
         entry = {"step": step, "sha256": digest, "elapsed_s": elapsed}
@@ -337,10 +370,11 @@ class Trainer:
         self.log(f"training {exp.name}: steps {step} -> {stop} of {self.total_steps}, "
                  f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters")
         t_start = time.time()
-        with Signals() as signals, Progress(self.console, step, stop) as progress:
+        with Signals() as signals, Progress(self.console, step, stop, enabled=self.is_main) as progress:
             while step < stop:
                 t0 = time.time()
-                micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches)
+                micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches,
+                                                               *((self.rank.rank, self.world) if self.rank else ()))
                 lr = lr_at(exp, step, self.total_steps)
                 try:
                     loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
@@ -363,13 +397,16 @@ class Trainer:
                           "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt,
                           "time": self.elapsed_before + time.time() - t_start}
                 last = step == self.total_steps
-                if (iv["eval"] and step % iv["eval"] == 0) or last:
+                if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
                     record["val_loss"] = validation_loss(model, self.val_windows, iv["eval_batches"])
-                append_jsonl(self.files.loss, record)
+                if self.is_main:
+                    append_jsonl(self.files.loss, record)
                 progress.update(step, record)
                 if self.sampler and ((iv["sample"] and step % iv["sample"] == 0) or last):
                     self.write_samples(step)
                 elapsed = self.elapsed_before + time.time() - t_start
+                if self.data_parallel is not None:
+                    signals.terminate, signals.snapshot = self.data_parallel.agree(signals.terminate, signals.snapshot)
                 if signals.terminate:
                     self.checkpoint(step, elapsed, "SIGTERM")
                     self.log(f"SIGTERM: stopped at step {step}; resume with --resume")
@@ -388,9 +425,10 @@ class Trainer:
 class Progress:
     """A live bar with loss, tokens/s and ETA on a terminal; a few plain lines in logs."""
 
-    def __init__(self, console, start: int, stop: int):
+    def __init__(self, console, start: int, stop: int, enabled: bool = True):
         self.console, self.start, self.stop = console, start, stop
-        self.live = console.is_terminal
+        self.enabled = enabled
+        self.live = enabled and console.is_terminal
         self.every = max(1, (stop - start) // 20)
         self.t0 = time.time()
 
@@ -414,7 +452,7 @@ class Progress:
             info += f"  val {rec['val_loss']:.4f}"
         if self.live:
             self.bar.update(self.task, completed=step, info=info)
-        elif (step - self.start) % self.every == 0 or step == self.stop:
+        elif self.enabled and ((step - self.start) % self.every == 0 or step == self.stop):
             done = step - self.start
             eta = (time.time() - self.t0) / max(done, 1) * (self.stop - step)
             self.console.print(f"step {step}/{self.stop}  {info}  eta {eta:,.0f}s", highlight=False, soft_wrap=True)
@@ -427,5 +465,10 @@ def main(args) -> int:
         from andrea.supervise import supervise
 
         return supervise(args)
+    if args.gpus:
+        from andrea.parallel import launch, rank_from_env
+
+        if rank_from_env() is None:
+            return launch(sys.argv[1:], args.gpus)
     console = Console(stderr=True)
     return Trainer(args, console).run()

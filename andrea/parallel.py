@@ -1,0 +1,131 @@
+"""Data parallelism with NCCL: one process per GPU, gradients all-reduced over the flat buffer.
+
+Ranks: `andrea train --gpus N` starts N processes on one host (rank r uses GPU r); under SLURM,
+`srun` starts one task per GPU and the ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
+The experiment's batch_size is the global batch: rank r takes rows [r·B/N, (r+1)·B/N) of each
+step's batch (a pure function of seed, step and r), so a run on N GPUs follows the trajectory of
+one GPU up to float summation order, and resume stays bit-exact for a given N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from andrea.atomic import write_json_atomic
+from andrea.errors import AndreaError
+
+RANK_ENV, WORLD_ENV, LOCAL_ENV, NCCL_ID_ENV = "ANDREA_RANK", "ANDREA_WORLD_SIZE", "ANDREA_LOCAL_RANK", "ANDREA_NCCL_ID"
+ID_WAIT_S = 300
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    world: int
+    local: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_from_env() -> Rank | None:
+    """This process's rank when started by the launcher or by srun; None for a plain run."""
+    if RANK_ENV in os.environ:
+        return Rank(int(os.environ[RANK_ENV]), int(os.environ[WORLD_ENV]), int(os.environ[LOCAL_ENV]))
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return Rank(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
+                    int(os.environ.get("SLURM_LOCALID", "0")))
+    return None
+
+
+def unique_id(rank: Rank, id_file: Path) -> tuple:
+    """The NCCL id all ranks share: from the launcher's environment, or written by rank 0 under srun."""
+    from cupy.cuda import nccl
+
+    if NCCL_ID_ENV in os.environ:
+        return tuple(json.loads(os.environ[NCCL_ID_ENV]))
+    if rank.is_main:
+        uid = nccl.get_unique_id()
+        write_json_atomic(id_file, list(uid))
+        return uid
+    deadline = time.time() + ID_WAIT_S
+    while not id_file.exists():
+        if time.time() > deadline:
+            raise AndreaError(f"{id_file}: rank 0 did not publish the NCCL id within {ID_WAIT_S} s")
+        time.sleep(0.1)
+    return tuple(json.loads(id_file.read_text()))
+
+
+class DataParallel:
+    """The collectives of a data-parallel step, on the engine's current CUDA stream."""
+
+    def __init__(self, rank: Rank, uid: tuple):
+        import cupy
+        from cupy.cuda import nccl
+
+        self.rank = rank
+        self.world = rank.world
+        self._nccl = nccl
+        self._cupy = cupy
+        self.comm = nccl.NcclCommunicator(rank.world, uid, rank.rank)
+        # Small buffers for the loss and the signal flags, allocated once here.
+        self._loss = cupy.zeros(1, dtype=np.float64)
+        self._flags = cupy.zeros(2, dtype=np.int32)
+
+    def _all_reduce(self, buf, dtype, op) -> None:
+        stream = self._cupy.cuda.get_current_stream().ptr
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, dtype, op, stream)
+
+    def reduce_gradients(self, grads, local_loss: float) -> float:
+        """Sum the flat gradient over ranks (in place); return the mean of the ranks' losses."""
+        nccl = self._nccl
+        self._all_reduce(grads, nccl.NCCL_FLOAT32, nccl.NCCL_SUM)
+        self._loss[0] = local_loss
+        self._all_reduce(self._loss, nccl.NCCL_FLOAT64, nccl.NCCL_SUM)
+        return float(self._loss.get()[0]) / self.world
+
+    def agree(self, terminate: bool, snapshot: bool) -> tuple[bool, bool]:
+        """A signal seen by any rank is acted on by all, at the same step."""
+        nccl = self._nccl
+        self._flags[0], self._flags[1] = int(terminate), int(snapshot)
+        self._all_reduce(self._flags, nccl.NCCL_INT32, nccl.NCCL_MAX)
+        flags = self._flags.get()
+        return bool(flags[0]), bool(flags[1])
+
+
+def launch(argv: list[str], n_gpus: int) -> int:
+    """Start one `andrea train` process per GPU of this host; forward SIGTERM/SIGUSR1 to all."""
+    from cupy.cuda import nccl, runtime
+
+    available = runtime.getDeviceCount()
+    if n_gpus > available:
+        raise AndreaError(f"--gpus {n_gpus}: this host has {available} CUDA device(s)")
+    uid = json.dumps(list(nccl.get_unique_id()))
+    children = []
+    for r in range(n_gpus):
+        env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
+        children.append(subprocess.Popen([sys.executable, "-m", "andrea.cli", *argv], env=env))
+
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        statuses = [child.wait() for child in children]
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    failed = [s for s in statuses if s != 0]
+    return failed[0] if failed else 0
