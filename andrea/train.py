@@ -243,10 +243,13 @@ class Trainer:
         if args.resume:
             # Resume before the first checkpoint: start over, keeping the history (later lines win).
             self.log(f"resume: no checkpoint at {files.ckpt} yet; starting from step 0")
-        elif files.loss.exists():
-            old = files.loss.with_name(files.loss.name + ".old")
-            files.loss.replace(old)
-            self.log(f"moved the loss history of a run that left no checkpoint to {old}")
+        else:
+            # Outputs of a run that left no checkpoint: keep them aside, start clean.
+            for path in (files.loss, files.samples):
+                if path.exists():
+                    old = path.with_name(path.name + ".old")
+                    path.replace(old)
+                    self.log(f"moved {path.name} of a run that left no checkpoint to {old}")
         if args.init_from:
             step, params, m, v = self._read_verified(Path(args.init_from))
             self.model.load_state(params, m, v)

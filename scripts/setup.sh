@@ -11,6 +11,10 @@ if [[ "${1:-}" == "--test" ]]; then
   if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
     apt-get update -q && apt-get install -y -q --no-install-recommends chromium
   fi
+  # A local SLURM cluster for tests/test_slurm.py (scripts/slurm_check.sh).
+  if ! command -v slurmctld >/dev/null && command -v apt-get >/dev/null; then
+    apt-get update -q && apt-get install -y -q slurm-wlm munge
+  fi
 fi
 
 python3 -m venv .venv

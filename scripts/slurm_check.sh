@@ -2,8 +2,8 @@
 # Run the workflow on ANDREA-tiny through a real SLURM cluster: one node on localhost with a
 # scheduling-only GPU, started here without systemd (Debian's slurm-wlm + munge, installed when
 # missing). Then check that every non-local job went through sbatch: a SLURM job id in the plugin's
-# log, a SLURM log file, and a clean completion in slurmctld's log. Stops what it started, also on
-# failure. Needs root (apt-get, daemons).
+# log, a SLURM log file, a clean completion in slurmctld's log, and a GPU request for train and eval.
+# Stops what it started, also on failure. Needs root (apt-get, daemons).
 #
 #   scripts/slurm_check.sh            # exit 0: passed; 77: SLURM cannot be installed here
 #
@@ -169,7 +169,8 @@ for jobid, (rule, local) in sorted(jobs.items(), key=lambda item: int(item[0])):
         problems.append(f"{rule}: slurmctld does not report SLURM job {slurm_id} completed with status 0")
     elif rule in ("train", "eval"):
         job = subprocess.run(["scontrol", "-o", "show", "job", slurm_id], capture_output=True, text=True).stdout
-        if "gres/gpu=1" not in job:
+        # The node has one GPU, so a job that asked for one ran holding it.
+        if "TresPerJob=gres:gpu:1" not in job:
             problems.append(f"{rule}: SLURM job {slurm_id} was not given a GPU: {job.strip()}")
 remote = {rule for rule, local in jobs.values() if not local}
 expected = {"prep_megachat", "train_tokenizer", "tokenize", "train", "eval"}

@@ -50,7 +50,7 @@ def edit_config(workdir: Path, **changes) -> None:
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [str(SNAKEMAKE), "--cores", "2", *args],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=900,

@@ -211,6 +211,26 @@ def _stage_files(stage):
     return files
 
 
+def run_dir(wildcards, input):
+    """Where a training run keeps its checkpoint while it runs: one folder per (code, experiment,
+    data). Snakemake deletes a failed job's outputs, so the resumable run lives outside them; a
+    retry of the same job finds its folder and resumes, while any change starts a fresh one.
+    """
+    digest = hashlib.sha256(code_version("train").encode())
+    manifest = Path(f"{input.train}.manifest.json")
+    for path in (
+        Path(input.experiment),
+        manifest if manifest.is_file() else Path(input.train),
+    ):
+        digest.update(
+            path.read_bytes()
+            if path.suffix == ".json"
+            else str(path.stat().st_size).encode()
+        )
+    digest.update(config["engine"].encode())
+    return f"results/runs/{wildcards.experiment}/{digest.hexdigest()[:12]}"
+
+
 def code_version(stage):
     """sha256 of the source `stage` runs. As a param it reruns the stage when that source
     changes: by content, so a checkout that leaves the text alone reruns nothing."""

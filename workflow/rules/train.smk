@@ -14,6 +14,8 @@ rule train:
         run_log="results/{experiment}.log",
     log:
         "results/logs/train/{experiment}.log",
+    # A preempted job (SIGTERM: checkpoint, exit 75) fails, and its retry resumes.
+    retries: config["train"]["retries"]
     threads: job_threads("train")
     resources:
         gpu=1,
@@ -21,9 +23,13 @@ rule train:
         data=subpath(input.train, parent=True),
         engine=config["engine"],
         code=code_version("train"),
+        run=run_dir,
     shell:
         "andrea train --experiment {input.experiment} --data {params.data}"
-        " --out {output.ckpt} --engine {params.engine} > {log} 2>&1"
+        " --out {params.run}/{wildcards.experiment}.ckpt --resume --sigterm-exit-code 75"
+        " --engine {params.engine} > {log} 2>&1"
+        " && for f in ckpt state.json loss.json log; do"
+        " ln -f {params.run}/{wildcards.experiment}.$f results/{wildcards.experiment}.$f; done"
 
 
 # The report's loss curve; too small a job to be worth a queue slot.
