@@ -16,6 +16,7 @@ from andrea.layout import ParameterLayout
 # Grad-norm reduction: the flat gradient is cut into this many contiguous chunks; each chunk's
 # sum of squares is one partial, and the partials are summed in index order (deterministic).
 GRAD_NORM_PARTIALS = 1024
+ATTENTION_SAVES = ("probs", "lse")
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,20 @@ class MemoryPlan:
         return table
 
 
-def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True) -> MemoryPlan:
-    """All buffers for forward (and, when training, backward + AdamW) at one micro-batch size."""
+def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,
+               attention: str = "probs", engine_buffers: tuple[BufferSpec, ...] = ()) -> MemoryPlan:
+    """All buffers for forward (and, when training, backward + AdamW) at one micro-batch size.
+
+    `attention` is what the engine's attention saves for its backward pass, per layer in `att`:
+    "probs", the [B, H, T, T] probabilities (the NumPy engine), or "lse", the per-row logsumexp
+    [B, H, T] of a fused attention that recomputes the probabilities (its `d_att` scratch is [B, H, T]
+    too). `engine_buffers` are the engine's own device buffers, listed so the plan covers all of them."""
+    if attention not in ATTENTION_SAVES:
+        raise ValueError(f"attention {attention!r}: one of {ATTENTION_SAVES}")
     s = layout.shape
     B, T, C, H, V, L = micro_batch, s.seq_len, s.d_model, s.n_head, s.vocab_size, s.n_layer
     n = layout.n_params
+    scores = (B, H, T, T) if attention == "probs" else (B, H, T)
     specs: list[BufferSpec] = []
 
     def add(name, shape, role, dt=dtype):
@@ -90,7 +100,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     add("ln1_mean", (L, B, T), "activations")
     add("ln1_rstd", (L, B, T), "activations")
     add("qkv", (L, 3, B, T, C), "activations")
-    add("att", (L, B, H, T, T), "activations")
+    add("att", (L, *scores), "activations")
     add("atty", (L, B, T, C), "activations")
     add("ln2", (L, B, T, C), "activations")
     add("ln2_mean", (L, B, T), "activations")
@@ -111,9 +121,10 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
             ("d_ln", (B, T, C)),
             ("d_qkv", (3, B, T, C)),
             ("d_atty", (B, T, C)),
-            ("d_att", (B, H, T, T)),
+            ("d_att", scores),
             ("d_mlp_pre", (B, T, 4 * C)),
             ("d_logits", (B, T, V)),
         ):
             add(name, shape, "scratch")
+    specs.extend(engine_buffers)
     return MemoryPlan(tuple(specs), micro_batch, training)

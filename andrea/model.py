@@ -61,7 +61,9 @@ class Model:
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
-        self.plan = plan_model(self.layout, micro_batch, training=training)
+        self.plan = plan_model(self.layout, micro_batch, training=training,
+                               attention=getattr(engine, "attention", "probs"),
+                               engine_buffers=getattr(engine, "own_buffers", ()))
         self.buf = engine.allocate(self.plan)
         self.training = training
         self._views("params", "P")

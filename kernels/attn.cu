@@ -1,43 +1,423 @@
-// attn: causal scaled dot-product attention, per batch row b and head h (head width hd = C / H):
-//   forward:  S = Q K^T / sqrt(hd),  P = softmax(S) over keys j <= t (0 above the diagonal),  Y = P V
-//   backward: dP = dY V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(hd),
+// attn: causal scaled dot-product attention, per batch row b and head h (head width hd = C / H, at most 64):
+//   forward:  S = Q K^T / sqrt(hd),  P = softmax(S) over keys j <= i,  Y = P V;  saves lse_i = log sum_j exp(S_ij)
+//   backward: P = exp(S - lse),  dP = dY V^T,  D_i = rowsum(P * dP),  dS = P * (dP - D) / sqrt(hd),
 //             dQ += dS K,  dK += dS^T Q,  dV += P^T dY
-// cuBLAS computes the products (S arrives already scaled); these kernels do the softmax and its
-// backward in place, one warp per row of the [B, H, T, T] matrix.
+// Fused (flash-style): 64 x 64 tiles of S live in registers only, tiles above the diagonal are skipped,
+// and the backward recomputes P from the saved lse. Products run on the tensor cores (mma m16n8k8):
+// TF32 inputs with FP32 accumulation, or, for the fp32 engine, "3xTF32" (each operand split into a
+// TF32 high part and a TF32 remainder, three products), which keeps FP32-level accuracy.
+//
+// The backward is two kernels, neither with atomics: k_attn_bwd_dq, one block per query tile, loops
+// over key tiles to add dQ and writes D; then k_attn_bwd, one block per key tile, loops over query
+// tiles to add dK and dV. The first cannot read D (it needs Y, which the op does not take), so it
+// accumulates R = P * (dP - c) and P as two products and combines them at the end:
+//   dQ_i = (sum_j R_ij K_j - (sum_j R_ij) sum_j P_ij K_j) / sqrt(hd),   D_i = c_i + sum_j R_ij
+// (exact for any c_i since sum_j P_ij = 1); c_i, the P-weighted mean of dP over the diagonal tile
+// (visited first), keeps the difference from cancelling.
 #include "common.cuh"
 
-extern "C" __global__ void k_attn_fwd(float* att, long long n_rows, int T) {
-    const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    if (row >= n_rows) return;
-    const int t = (int)(row % T);  // the query position: keys 0..t are visible
-    float* s = att + row * T;
-    // One pass for max and sum: each lane keeps a running max and a sum rescaled to it.
-    float m = NEG_INF, sum = 0.0f;
-    for (int j = lane; j <= t; j += WARP_SIZE) {
-        const float x = s[j];
-        if (x > m) {
-            sum = sum * expf(m - x) + 1.0f;
-            m = x;
-        } else {
-            sum += expf(x - m);
-        }
+#define ATTN_THREADS 128  // 4 warps; warp w owns rows 16w .. 16w + 15 of the block's 64-row tile
+// Blocks per SM the register budget is set for: the forward's 3 tiles (52 KB of shared memory) fit 4
+// times, the backward's 4 tiles (70 KB) 3 times.
+#define ATTN_FWD_BLOCKS 4
+#define ATTN_BWD_BLOCKS 3
+#define ATTN_TILE 64      // rows of a query or key tile, and the widest head a tile holds
+#define ATTN_LD 68        // shared-memory row stride in floats: 68 = 4 (mod 32) keeps both fragment reads conflict-free
+#define ATTN_TILE_FLOATS (ATTN_TILE * ATTN_LD)
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define POS_INF __int_as_float(0x7f800000)
+
+// Starts copying rows [row0, row0 + 64) of one head's [T, hd] slice (row stride C) into a 64 x ATTN_LD
+// tile; rows at or past T and columns at or past hd read as zero. Asynchronous (cp.async, 16 bytes a
+// copy), so all of a tile's loads are in flight at once; tiles_arrived() waits for them.
+__device__ __forceinline__ void load_tile(float* tile, const float* __restrict__ src, int row0, int T, int C, int hd) {
+#pragma unroll
+    for (int i = threadIdx.x; i < ATTN_TILE * ATTN_TILE / 4; i += ATTN_THREADS) {
+        const int r = i / (ATTN_TILE / 4), c = (i % (ATTN_TILE / 4)) * 4;
+        const bool inside = row0 + r < T && c < hd;
+        const float* from = inside ? src + (long long)(row0 + r) * C + c : src;  // a valid address either way
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * ATTN_LD + c));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(from), "r"(inside ? 16 : 0) : "memory");
     }
-    const float row_max = warp_max(m);
-    const float row_sum = warp_sum(sum * expf(m - row_max));
-    for (int j = lane; j < T; j += WARP_SIZE) s[j] = j <= t ? expf(s[j] - row_max) / row_sum : 0.0f;
 }
 
-// datt holds dP on entry and dS on return.
-extern "C" __global__ void k_attn_bwd(float* datt, const float* att, long long n_rows, int T, float scale) {
-    const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    if (row >= n_rows) return;
-    const int t = (int)(row % T);
-    float* d = datt + row * T;
-    const float* p = att + row * T;
-    float dot = 0.0f;
-    for (int j = lane; j <= t; j += WARP_SIZE) dot += d[j] * p[j];
-    dot = warp_sum(dot);
-    for (int j = lane; j < T; j += WARP_SIZE) d[j] = j <= t ? p[j] * (d[j] - dot) * scale : 0.0f;
+// This thread's tile copies have landed; a __syncthreads() after it makes everyone's visible.
+__device__ __forceinline__ void tiles_arrived() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+template <bool SPLIT, int N>
+__device__ __forceinline__ void split_tf32(const float (&x)[N], unsigned (&hi)[N], unsigned (&lo)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        hi[i] = to_tf32(x[i]);
+        if (SPLIT) lo[i] = to_tf32(x[i] - __uint_as_float(hi[i]));
+    }
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c[16 x 8] += a[16 x 8] b[8 x 8]; small terms first (lo*lo is below FP32 rounding and left out).
+template <bool SPLIT>
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&ah)[4], const unsigned (&al)[4],
+                                    const unsigned (&bh)[2], const unsigned (&bl)[2]) {
+    if (SPLIT) {
+        mma_tf32(c, al, bh);
+        mma_tf32(c, ah, bl);
+    }
+    mma_tf32(c, ah, bh);
+}
+
+// A warp's 16 x 64 accumulator: acc[n][r] is row g + 8 (r / 2), column 8 n + 2 t + r % 2, where
+// g = lane / 4 and t = lane % 4 (the mma's C fragment).
+typedef float Acc[8][4];
+
+// acc += A B^T, A the warp's 16 rows of a row-major tile, B a row-major 64 x 64 tile.
+template <bool SPLIT>
+__device__ __forceinline__ void mma_abt(Acc& acc, const float* A, const float* B, int g, int t) {
+#pragma unroll
+    for (int kc = 0; kc < ATTN_TILE / 8; kc++) {
+        const float* a_row = A + g * ATTN_LD + kc * 8 + t;
+        const float a[4] = {a_row[0], a_row[8 * ATTN_LD], a_row[4], a_row[8 * ATTN_LD + 4]};
+        unsigned ah[4], al[4];
+        split_tf32<SPLIT>(a, ah, al);
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const float* b_row = B + (n * 8 + g) * ATTN_LD + kc * 8 + t;
+            const float b[2] = {b_row[0], b_row[4]};
+            unsigned bh[2], bl[2];
+            split_tf32<SPLIT>(b, bh, bl);
+            mma<SPLIT>(acc[n], ah, al, bh, bl);
+        }
+    }
+}
+
+// acc[i] += P[i] B for NP accumulators at once (B's fragments loaded and split once for all), each P a
+// warp's 16 x 64 accumulator in registers, B a row-major 64 x 64 tile. An accumulator serves as the A
+// fragment when each step's eight summation indices are taken in the order 2t, 2t + 1 (k-slots t and
+// t + 4); B's rows are read in the same order.
+template <bool SPLIT, int NP>
+__device__ __forceinline__ void mma_pb(Acc* const (&acc)[NP], const Acc* const (&P)[NP], const float* B, int g, int t) {
+#pragma unroll
+    for (int kc = 0; kc < ATTN_TILE / 8; kc++) {
+        unsigned ah[NP][4], al[NP][4];
+#pragma unroll
+        for (int i = 0; i < NP; i++) {
+            const float a[4] = {(*P[i])[kc][0], (*P[i])[kc][2], (*P[i])[kc][1], (*P[i])[kc][3]};
+            split_tf32<SPLIT>(a, ah[i], al[i]);
+        }
+        const float* b_row = B + (kc * 8 + 2 * t) * ATTN_LD + g;
+#pragma unroll
+        for (int n = 0; n < ATTN_TILE / 8; n++) {
+            const float b[2] = {b_row[n * 8], b_row[ATTN_LD + n * 8]};
+            unsigned bh[2], bl[2];
+            split_tf32<SPLIT>(b, bh, bl);
+#pragma unroll
+            for (int i = 0; i < NP; i++) mma<SPLIT>((*acc[i])[n], ah[i], al[i], bh, bl);
+        }
+    }
+}
+
+template <bool SPLIT>
+__device__ __forceinline__ void mma_pb(Acc& acc, const Acc& P, const float* B, int g, int t) {
+    Acc* const accs[1] = {&acc};
+    const Acc* const ps[1] = {&P};
+    mma_pb<SPLIT, 1>(accs, ps, B, g, t);
+}
+
+__device__ __forceinline__ void zero(Acc& acc) {
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[n][r] = 0.0f;
+}
+
+// Sum over the 4 lanes that share a row of the accumulator.
+__device__ __forceinline__ float row_sum4(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+
+__device__ __forceinline__ float row_max4(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+
+// dst[row, 8n + 2t .. +1] (+)= scale * acc for the warp's rows below T and columns below hd.
+template <bool ADD>
+__device__ __forceinline__ void store_rows(float* __restrict__ dst, const Acc& acc, const float (&scale)[2],
+                                           int row0, int T, int C, int hd, int t) {
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int row = row0 + 8 * half;
+        if (row >= T) continue;
+        float* d = dst + (long long)row * C;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const int col = n * 8 + 2 * t;
+            if (col >= hd) continue;
+            float2 v = make_float2(acc[n][2 * half] * scale[half], acc[n][2 * half + 1] * scale[half]);
+            float2* p = reinterpret_cast<float2*>(d + col);
+            if (ADD) {
+                const float2 old = *p;
+                v.x += old.x;
+                v.y += old.y;
+            }
+            *p = v;
+        }
+    }
+}
+
+struct Head {  // one (b, h): the head's column offset into the [B, T, C] activations and its lse row
+    long long seq;  // offset of element [b, 0, h * hd] in a [B, T, C] tensor
+    long long stat;  // offset of row [b, h, 0] in a [B, H, T] tensor
+    long long plane;  // B * T * C: Q, K, V (and dQ, dK, dV) are consecutive planes of qkv
+};
+
+__device__ __forceinline__ Head head_of(int bh, int B, int T, int C, int H) {
+    const int b = bh / H, h = bh % H;
+    return {(long long)b * T * C + (long long)h * (C / H), (long long)bh * T, (long long)B * T * C};
+}
+
+// ---- forward: one block per (b, h) and 64-query tile ---------------------------------------------------
+template <bool SPLIT>
+__device__ __forceinline__ void attn_fwd(float* out, float* lse, const float* qkv, int B, int T, int C, int H,
+                                         float scale, float* smem) {
+    float* Qs = smem;
+    float* Ks = Qs + ATTN_TILE_FLOATS;
+    float* Vs = Ks + ATTN_TILE_FLOATS;
+    const int hd = C / H, n_tiles = (T + ATTN_TILE - 1) / ATTN_TILE;
+    const int qt = n_tiles - 1 - blockIdx.y;  // the longest rows first
+    const Head hh = head_of(blockIdx.x, B, T, C, H);
+    const float* q = qkv + hh.seq;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    const int row0 = qt * ATTN_TILE + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+    const float s2 = scale * LOG2E;  // softmax in base 2: exp(x) = exp2(x log2 e)
+
+    load_tile(Qs, q, qt * ATTN_TILE, T, C, hd);
+    Acc o, s;
+    zero(o);
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // running max (base 2) and this lane's share of the sum
+    for (int kt = 0; kt <= qt; kt++) {
+        __syncthreads();  // every warp is done with the previous K and V
+        load_tile(Ks, q + hh.plane, kt * ATTN_TILE, T, C, hd);
+        load_tile(Vs, q + 2 * hh.plane, kt * ATTN_TILE, T, C, hd);
+        tiles_arrived();
+        __syncthreads();
+        zero(s);
+        mma_abt<SPLIT>(s, Qs + warp * 16 * ATTN_LD, Ks, g, t);
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int col = kt * ATTN_TILE + n * 8 + 2 * t + (r & 1);
+                const float x = col > row0 + 8 * (r >> 1) ? NEG_INF : s[n][r] * s2;
+                s[n][r] = x;
+                mx[r >> 1] = fmaxf(mx[r >> 1], x);
+            }
+        float corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = row_max4(mx[i]);  // finite: every row sees key kt * 64 <= its own position
+            corr[i] = exp2f(m[i] - mx[i]);
+            m[i] = mx[i];
+            l[i] *= corr[i];
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const float p = exp2f(s[n][r] - m[r >> 1]);
+                s[n][r] = p;
+                l[r >> 1] += p;
+                o[n][r] *= corr[r >> 1];
+            }
+        mma_pb<SPLIT>(o, s, Vs, g, t);
+    }
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] = row_sum4(l[i]);
+        inv[i] = 1.0f / l[i];
+        const int row = row0 + 8 * i;
+        if (t == 0 && row < T) lse[hh.stat + row] = (m[i] + log2f(l[i])) * LN2;
+    }
+    store_rows<false>(out + hh.seq, o, inv, row0, T, C, hd, t);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_FWD_BLOCKS)
+k_attn_fwd(float* out, float* lse, const float* qkv, int B, int T, int C, int H, float scale, int split) {
+    extern __shared__ float4 smem_fwd[];
+    if (split) attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
+    else attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
+}
+
+// ---- backward, first kernel: dQ and D, one block per (b, h) and 64-query tile -----------------------------------
+template <bool SPLIT>
+__device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const float* dout, const float* qkv,
+                                           const float* lse, int B, int T, int C, int H, float scale, float* smem) {
+    float* Qs = smem;
+    float* dYs = Qs + ATTN_TILE_FLOATS;
+    float* Ks = dYs + ATTN_TILE_FLOATS;
+    float* Vs = Ks + ATTN_TILE_FLOATS;
+    const int hd = C / H, n_tiles = (T + ATTN_TILE - 1) / ATTN_TILE;
+    const int qt = n_tiles - 1 - blockIdx.y;
+    const Head hh = head_of(blockIdx.x, B, T, C, H);
+    const float* q = qkv + hh.seq;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    const int row0 = qt * ATTN_TILE + warp * 16 + g;
+    const float s2 = scale * LOG2E;
+
+    load_tile(Qs, q, qt * ATTN_TILE, T, C, hd);
+    load_tile(dYs, dout + hh.seq, qt * ATTN_TILE, T, C, hd);
+    float lse2[2], c[2], d[2] = {0.0f, 0.0f};  // lse in base 2 (rows past T: +inf, so P = 0); shift; sum of R
+#pragma unroll
+    for (int i = 0; i < 2; i++) lse2[i] = row0 + 8 * i < T ? lse[hh.stat + row0 + 8 * i] * LOG2E : POS_INF;
+    Acc r_k, p_k, p, dp;  // sum R K, sum P K, and the current tile's P and dP (then R)
+    zero(r_k);
+    zero(p_k);
+    for (int step = 0; step <= qt; step++) {
+        const int kt = step == 0 ? qt : step - 1;  // the diagonal tile first: it sets the shift c
+        __syncthreads();
+        load_tile(Ks, q + hh.plane, kt * ATTN_TILE, T, C, hd);
+        load_tile(Vs, q + 2 * hh.plane, kt * ATTN_TILE, T, C, hd);
+        tiles_arrived();
+        __syncthreads();
+        zero(p);
+        mma_abt<SPLIT>(p, Qs + warp * 16 * ATTN_LD, Ks, g, t);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int col = kt * ATTN_TILE + n * 8 + 2 * t + (r & 1);
+                p[n][r] = col > row0 + 8 * (r >> 1) ? 0.0f : exp2f(p[n][r] * s2 - lse2[r >> 1]);
+            }
+        zero(dp);
+        mma_abt<SPLIT>(dp, dYs + warp * 16 * ATTN_LD, Vs, g, t);
+        if (step == 0) {
+            float pd[2] = {0.0f, 0.0f}, ps[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    pd[r >> 1] += p[n][r] * dp[n][r];
+                    ps[r >> 1] += p[n][r];
+                }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                ps[i] = row_sum4(ps[i]);
+                c[i] = ps[i] > 0.0f ? row_sum4(pd[i]) / ps[i] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const float rr = p[n][r] * (dp[n][r] - c[r >> 1]);
+                dp[n][r] = rr;
+                d[r >> 1] += rr;
+            }
+        Acc* const accs[2] = {&r_k, &p_k};
+        const Acc* const ps[2] = {&dp, &p};
+        mma_pb<SPLIT, 2>(accs, ps, Ks, g, t);
+    }
+    const float sc[2] = {scale, scale};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        d[i] = row_sum4(d[i]);
+        const int row = row0 + 8 * i;
+        if (t == 0 && row < T) delta[hh.stat + row] = c[i] + d[i];
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            r_k[n][2 * i] -= d[i] * p_k[n][2 * i];
+            r_k[n][2 * i + 1] -= d[i] * p_k[n][2 * i + 1];
+        }
+    }
+    store_rows<true>(dqkv + hh.seq, r_k, sc, row0, T, C, hd, t);
+}
+
+// ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile -----------------------------------
+template <bool SPLIT>
+__device__ __forceinline__ void attn_bwd_kv(float* dqkv, const float* delta, const float* dout, const float* qkv,
+                                            const float* lse, int B, int T, int C, int H, float scale, float* smem) {
+    float* Ks = smem;
+    float* Vs = Ks + ATTN_TILE_FLOATS;
+    float* Qs = Vs + ATTN_TILE_FLOATS;
+    float* dYs = Qs + ATTN_TILE_FLOATS;
+    float* lse_s = dYs + ATTN_TILE_FLOATS;  // the query tile's lse (base 2) and D
+    float* delta_s = lse_s + ATTN_TILE;
+    const int hd = C / H, n_tiles = (T + ATTN_TILE - 1) / ATTN_TILE;
+    const int kt = blockIdx.y;  // the longest columns first
+    const Head hh = head_of(blockIdx.x, B, T, C, H);
+    const float* q = qkv + hh.seq;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    const int key0 = kt * ATTN_TILE + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+    const float s2 = scale * LOG2E;
+
+    load_tile(Ks, q + hh.plane, kt * ATTN_TILE, T, C, hd);
+    load_tile(Vs, q + 2 * hh.plane, kt * ATTN_TILE, T, C, hd);
+    Acc dk, dv, p, ds;  // p: P^T for the warp's 16 keys x the tile's 64 queries; ds: dP^T, then dS^T
+    zero(dk);
+    zero(dv);
+    for (int qt = kt; qt < n_tiles; qt++) {
+        __syncthreads();
+        load_tile(Qs, q, qt * ATTN_TILE, T, C, hd);
+        load_tile(dYs, dout + hh.seq, qt * ATTN_TILE, T, C, hd);
+        if (threadIdx.x < ATTN_TILE) {
+            const int row = qt * ATTN_TILE + threadIdx.x;
+            lse_s[threadIdx.x] = row < T ? lse[hh.stat + row] * LOG2E : POS_INF;
+            delta_s[threadIdx.x] = row < T ? delta[hh.stat + row] : 0.0f;
+        }
+        tiles_arrived();
+        __syncthreads();
+        zero(p);
+        mma_abt<SPLIT>(p, Ks + warp * 16 * ATTN_LD, Qs, g, t);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int col = n * 8 + 2 * t + (r & 1);  // the query, within the tile
+                p[n][r] = qt * ATTN_TILE + col < key0 + 8 * (r >> 1) ? 0.0f : exp2f(p[n][r] * s2 - lse_s[col]);
+            }
+        mma_pb<SPLIT>(dv, p, dYs, g, t);
+        zero(ds);
+        mma_abt<SPLIT>(ds, Vs + warp * 16 * ATTN_LD, dYs, g, t);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) ds[n][r] = p[n][r] * (ds[n][r] - delta_s[n * 8 + 2 * t + (r & 1)]);
+        mma_pb<SPLIT>(dk, ds, Qs, g, t);
+    }
+    const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
+    store_rows<true>(dqkv + hh.plane + hh.seq, dk, sc, key0, T, C, hd, t);
+    store_rows<true>(dqkv + 2 * hh.plane + hh.seq, dv, one, key0, T, C, hd, t);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
+k_attn_bwd_dq(float* dqkv, float* delta, const float* dout, const float* qkv, const float* lse,
+              int B, int T, int C, int H, float scale, int split) {
+    extern __shared__ float4 smem_dq[];
+    float* smem = reinterpret_cast<float*>(smem_dq);
+    if (split) attn_bwd_q<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
+    else attn_bwd_q<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
+}
+
+// Runs after k_attn_bwd_dq, whose delta it reads.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
+k_attn_bwd(float* dqkv, const float* delta, const float* dout, const float* qkv, const float* lse,
+           int B, int T, int C, int H, float scale, int split) {
+    extern __shared__ float4 smem_dkv[];
+    float* smem = reinterpret_cast<float*>(smem_dkv);
+    if (split) attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
+    else attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
 }

@@ -10,9 +10,12 @@ Sections, each reported even when another fails:
                random inputs at the tiny, 12M and 120M shapes, for the fp32 and tf32 engines
   train        20 optimizer steps, NumPy fp32 against CUDA fp32 and tf32 from the same init
   determinism  the same run twice on the CUDA engine: identical params, m and v bytes
-  memory       memory plan bytes against CuPy's pool and the device's used memory; pool requests
-               during a train step (must be 0)
+  memory       memory plan bytes (the engine's own buffers included) against CuPy's pool and the
+               device's used memory; pool requests during a train step (must be 0); the PyTorch
+               baseline's peak beside them
   resume       `andrea train --engine cuda` stopped by SIGTERM and resumed equals an unbroken run
+  cross        a checkpoint written by `andrea train --engine cuda` resumes on `--engine numpy`, and
+               the other way round; both trajectories match the all-NumPy run
   bench        train_step tokens/s at the 12M (B=32, T=512) and 120M (B=8, T=1024) shapes, fp32 and
                tf32, per-op times, and the PyTorch baseline's variants run in the same call
 Prints a table last; writes gpu_check.json and gpu_check.txt under --out (default: $OUT if set,
@@ -56,6 +59,8 @@ TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2}  # max |loss - numpy loss| / numpy l
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
 RESUME_ENGINE = "cuda"
+CROSS_STEPS = 10
+CROSS_LIMIT = 1e-4  # max |loss - numpy loss| / numpy loss, fp32
 
 report: dict = {}
 
@@ -263,13 +268,13 @@ def memory():
         dev_grown = device_used() - dev0
         entry = {"micro_batch": micro, "plan_bytes": plan, "engine_own_bytes": engine.own_bytes,
                  "pool_bytes": pool_grown, "device_bytes": dev_grown,
-                 "pool_slack_bytes": pool_grown - plan - engine.own_bytes, "device_slack_bytes": dev_grown - plan,
+                 "pool_slack_bytes": pool_grown - plan, "device_slack_bytes": dev_grown - plan,
                  "step_pool_requests": counts["pool_requests"],
                  "step_used_delta": counts["used_after"] - counts["used_before"]}
         entry["ok"] = entry["step_pool_requests"] == 0 and entry["step_used_delta"] == 0
         out[shape_name] = entry
-        log(f"{shape_name} B={micro}: plan {plan / 2**20:,.1f} MiB; pool {pool_grown / 2**20:,.1f} MiB "
-            f"(plan + engine's own {engine.own_bytes / 2**20:.1f} MiB + {entry['pool_slack_bytes']:,} B); device "
+        log(f"{shape_name} B={micro}: plan {plan / 2**20:,.1f} MiB (engine's own {engine.own_bytes / 2**20:.1f} MiB "
+            f"included); pool {pool_grown / 2**20:,.1f} MiB (plan + {entry['pool_slack_bytes']:,} B); device "
             f"{dev_grown / 2**20:,.1f} MiB (slack {entry['device_slack_bytes'] / 2**20:,.1f} MiB); step: "
             f"{counts['pool_requests']} pool requests, used bytes {counts['used_before']:,} -> {counts['used_after']:,}")
         del model, engine
@@ -278,45 +283,57 @@ def memory():
     return out
 
 
+def tiny_run_setup(prefix: str, steps: int, intervals: dict) -> tuple[Path, Path, Path]:
+    """A work folder with the tiny experiment (`steps` optimizer steps) and a small repeating corpus."""
+    from andrea.shards import write_shard
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    raw = json.loads((EXPERIMENTS / "ANDREA-tiny-TRAIN.json").read_text())
+    raw["train"] = {"steps": steps}
+    raw["intervals"] = intervals
+    experiment = work / "tiny.json"
+    experiment.write_text(json.dumps(raw))
+    data = work / "data"
+    data.mkdir()
+    pattern = np.random.default_rng(0).integers(0, 512, 300)
+    write_shard(data / "train.bin", np.tile(pattern, 200))
+    write_shard(data / "val.bin", np.tile(pattern, 20))
+    return work, experiment, data
+
+
+def train_cmd(experiment: Path, data: Path, out: Path, engine: str, stop: int, *extra) -> list:
+    return [sys.executable, "-m", "andrea.cli", "train", "--experiment", str(experiment), "--data", str(data),
+            "--out", str(out), "--engine", engine, "--max-steps", str(stop), *extra]
+
+
+TRAIN_ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 @section("resume")
 def resume():
     """SIGTERM during a CUDA run, then --resume: the final checkpoint must equal an unbroken run's."""
     if not (REPO / "andrea" / "train.py").is_file():
         log("skipped: andrea/train.py does not exist yet")
         return {"skipped": "andrea/train.py missing"}
-    from andrea.shards import write_shard
-
-    work = Path(tempfile.mkdtemp(prefix="andrea-resume-"))
-    raw = json.loads((EXPERIMENTS / "ANDREA-tiny-TRAIN.json").read_text())
-    raw["train"] = {"steps": 400}
     # Validation every step slows the run enough for the signal to land mid-run; it does not touch
     # the weights, so the trajectory is the same.
-    raw["intervals"] = {"checkpoint": 1000, "sample": 0, "eval": 1, "eval_batches": 8}
-    experiment = work / "tiny.json"
-    experiment.write_text(json.dumps(raw))
-    data = work / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    pattern = rng.integers(0, 512, 300)
-    write_shard(data / "train.bin", np.tile(pattern, 200))
-    write_shard(data / "val.bin", np.tile(pattern, 20))
+    work, experiment, data = tiny_run_setup("andrea-resume-", 400,
+                                            {"checkpoint": 1000, "sample": 0, "eval": 1, "eval_batches": 8})
     stop = 60
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def cmd(out, *extra):
-        return [sys.executable, "-m", "andrea.cli", "train", "--experiment", str(experiment), "--data", str(data),
-                "--out", str(out), "--engine", RESUME_ENGINE, "--max-steps", str(stop), *extra]
+        return train_cmd(experiment, data, out, RESUME_ENGINE, stop, *extra)
 
     def steps_logged(loss_file):
         if not loss_file.is_file():
             return 0
         return sum(1 for line in loss_file.read_text().splitlines() if line.strip() and '"event"' not in line)
 
-    whole = subprocess.run(cmd(work / "whole.ckpt"), capture_output=True, text=True, timeout=300)
+    whole = subprocess.run(cmd(work / "whole.ckpt"), capture_output=True, text=True, timeout=300, env=TRAIN_ENV)
     if whole.returncode:
         return {"ok": False, "error": f"unbroken run failed ({whole.returncode}): {whole.stderr[-3000:]}"}
     broken_ckpt = work / "broken.ckpt"
-    proc = subprocess.Popen(cmd(broken_ckpt), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd(broken_ckpt), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=TRAIN_ENV)
     deadline = time.time() + 120
     while steps_logged(work / "broken.loss.json") < 5 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.005)
@@ -325,7 +342,7 @@ def resume():
     _, stderr = proc.communicate(timeout=120)
     stopped_rc = proc.returncode
     stopped_step = int(np.frombuffer(broken_ckpt.read_bytes()[:4], dtype="<i4")[0]) if broken_ckpt.is_file() else None
-    again = subprocess.run(cmd(broken_ckpt, "--resume"), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd(broken_ckpt, "--resume"), capture_output=True, text=True, timeout=300, env=TRAIN_ENV)
     same = (work / "whole.ckpt").read_bytes() == broken_ckpt.read_bytes() if broken_ckpt.is_file() else False
     out = {"signalled_after_steps": signalled_at, "sigterm_exit_code": stopped_rc, "stopped_at_step": stopped_step,
            "resume_exit_code": again.returncode, "final_step": stop, "identical_to_unbroken": same,
@@ -333,6 +350,44 @@ def resume():
     if not out["ok"]:
         out["stderr"] = (stderr[-2000:], again.stderr[-2000:])
     log(json.dumps({k: v for k, v in out.items() if k != "stderr"}))
+    return out
+
+
+@section("cross")
+def cross():
+    """Train 5 steps on one engine, resume to 10 on the other; compare each step's loss and the final
+    checkpoint's weights with 10 steps on the NumPy engine alone."""
+    from andrea.layout import ParameterLayout
+
+    work, experiment, data = tiny_run_setup("andrea-cross-", CROSS_STEPS,
+                                            {"checkpoint": 1000, "sample": 0, "eval": 0, "eval_batches": 2})
+
+    def run(name, engines):
+        """Train to CROSS_STEPS, one leg per engine (the first stops half-way, the second resumes)."""
+        ckpt = work / f"{name}.ckpt"
+        stops = [CROSS_STEPS // 2, CROSS_STEPS] if len(engines) == 2 else [CROSS_STEPS]
+        for i, (engine, stop) in enumerate(zip(engines, stops)):
+            r = subprocess.run(train_cmd(experiment, data, ckpt, engine, stop, *(["--resume"] if i else [])),
+                               capture_output=True, text=True, timeout=300, env=TRAIN_ENV)
+            if r.returncode:
+                raise RuntimeError(f"{name}: {engine} to step {stop} failed ({r.returncode}): {r.stderr[-2000:]}")
+        records = [json.loads(line) for line in ckpt.with_suffix(".loss.json").read_text().splitlines() if line.strip()]
+        losses = {rec["step"]: rec["loss"] for rec in records if "event" not in rec and "loss" in rec}
+        n = ParameterLayout(SHAPES["tiny"]).n_params
+        weights = np.frombuffer(ckpt.read_bytes()[8:8 + 4 * n], dtype="<f4").astype(np.float64)
+        return [losses[s] for s in range(1, CROSS_STEPS + 1)], weights
+
+    ref_losses, ref_w = run("numpy", ("numpy",))
+    out = {"steps": CROSS_STEPS, "switch_at": CROSS_STEPS // 2, "numpy_losses": ref_losses}
+    for first, second in (("cuda", "numpy"), ("numpy", "cuda")):
+        name = f"{first}_then_{second}"
+        losses, w = run(name, (first, second))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        w_rel = float(np.linalg.norm(w - ref_w) / np.linalg.norm(ref_w))
+        out[name] = {"losses": losses, "max_rel_loss_diff": rel, "final_weights_rel": w_rel, "ok": rel <= CROSS_LIMIT}
+        log(f"{first} to step {CROSS_STEPS // 2}, {second} to {CROSS_STEPS}: max rel loss diff vs numpy {rel:.1e}, "
+            f"final weights rel {w_rel:.1e}")
+    out["ok"] = all(out[k]["ok"] for k in ("cuda_then_numpy", "numpy_then_cuda"))
     return out
 
 
@@ -372,9 +427,10 @@ def op_calls(model) -> dict:
 
 def op_cost(op: str, shape: ModelShape, B: int, n_params: int) -> tuple[float, float]:
     """(FLOPs, fewest device bytes) of one call: each input read once, each output written once.
-    Attention products count the full T x T (cuBLAS computes the masked half too)."""
+    Attention counts what its fused kernels compute: products over the causal half of T x T (one such
+    product is B T^2 C FLOPs), 2 forward and 8 backward (see kernels/attn.cu), no T x T bytes."""
     T, C, V = shape.seq_len, shape.d_model, shape.vocab_size
-    N, F, A = B * T, 4 * shape.d_model, B * shape.n_head * T * T
+    N, F, A, S = B * T, 4 * shape.d_model, B * shape.n_head * T * T // 2, B * shape.n_head * T
     f = 4
     return {
         "embed_fwd": (N * C, f * 3 * N * C),
@@ -383,8 +439,8 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int) -> tuple[float, f
         "layernorm_bwd": (14 * N * C, f * 4 * N * C),
         "attn_qkv_fwd": (6 * N * C * C, f * (4 * N * C + 3 * C * C)),
         "attn_qkv_bwd": (12 * N * C * C, f * (6 * N * C + 9 * C * C)),
-        "attn_fwd": (4 * B * T * T * C + 5 * A, f * (4 * N * C + 2 * A)),
-        "attn_bwd": (8 * B * T * T * C + 4 * A, f * (9 * N * C + 3 * A)),
+        "attn_fwd": (2 * B * T * T * C + 5 * A, f * (4 * N * C + S)),
+        "attn_bwd": (8 * B * T * T * C + 8 * A, f * (10 * N * C + 3 * S)),
         "attn_out_fwd": (2 * N * C * C, f * (2 * N * C + C * C)),
         "attn_out_bwd": (4 * N * C * C, f * (4 * N * C + 3 * C * C)),
         "mlp_fwd": (4 * N * C * F + 20 * N * F, f * (2 * N * C + 2 * N * F + 2 * C * F)),
@@ -473,7 +529,7 @@ def table() -> str:
     if "copy_tb_s" in c:
         add(f"ceilings measured here: cuBLAS 8192^3 fp32 {c['fp32_tflops']} TFLOP/s, tf32 {c['tf32_tflops']} TFLOP/s; "
             f"device copy {c['copy_tb_s']} TB/s")
-    for name in ("build", "ops", "train", "determinism", "memory", "resume", "bench"):
+    for name in ("build", "ops", "train", "determinism", "memory", "resume", "cross", "bench"):
         if "error" in report.get(name, {}):
             add(f"{name}: ERROR (see log)")
     if "rows" in report.get("ops", {}):
@@ -506,13 +562,18 @@ def table() -> str:
         add("determinism: " + ", ".join(f"{k} {v['steps']} steps {'same bits' if v['same_bits'] else 'DIFFERENT'}"
                                         for k, v in d.items() if isinstance(v, dict)))
     m = report.get("memory", {})
+    baseline = report.get("bench", {}).get("baseline", {})
     for shape_name in BENCH:
         if shape_name in m:
             e = m[shape_name]
-            add(f"memory {shape_name} B={e['micro_batch']}: plan {fmt_bytes(e['plan_bytes'])}; CuPy pool "
-                f"{fmt_bytes(e['pool_bytes'])} (= plan + engine's own {fmt_bytes(e['engine_own_bytes'])} + "
+            peaks = {v: baseline.get(f"{shape_name}/{v}", {}).get("peak_mem_gib") for v in ("fp32", "tf32")}
+            peak = max((p for p in peaks.values() if p is not None), default=None)
+            versus = (f"; PyTorch peak allocated {peak:.2f} GiB -> pool {e['pool_bytes'] / 2**30:.2f} GiB is "
+                      f"{'within' if e['pool_bytes'] <= peak * 2**30 else 'OVER'}" if peak else "")
+            add(f"memory {shape_name} B={e['micro_batch']}: plan {fmt_bytes(e['plan_bytes'])} (engine's own "
+                f"{fmt_bytes(e['engine_own_bytes'])} included); CuPy pool {fmt_bytes(e['pool_bytes'])} (= plan + "
                 f"{e['pool_slack_bytes']:,} B padding); device used +{fmt_bytes(e['device_bytes'])} (slack "
-                f"{fmt_bytes(e['device_slack_bytes'])}); pool requests in a step: {e['step_pool_requests']}")
+                f"{fmt_bytes(e['device_slack_bytes'])}); pool requests in a step: {e['step_pool_requests']}{versus}")
     r = report.get("resume", {})
     if r:
         if "skipped" in r:
@@ -521,6 +582,12 @@ def table() -> str:
             add(f"resume: SIGTERM after {r['signalled_after_steps']} steps -> exit {r['sigterm_exit_code']} at step "
                 f"{r['stopped_at_step']}; --resume -> exit {r['resume_exit_code']}; final ckpt "
                 f"{'identical to' if r['identical_to_unbroken'] else 'DIFFERENT from'} the unbroken run's")
+    x = report.get("cross", {})
+    if "numpy_then_cuda" in x:
+        add(f"cross-engine resume (tiny, {x['steps']} steps, switch at {x['switch_at']}; vs all-NumPy, limit "
+            f"{CROSS_LIMIT:.0e}): " + "; ".join(
+                f"{k.replace('_', ' ')}: max rel loss diff {x[k]['max_rel_loss_diff']:.1e}, final weights rel "
+                f"{x[k]['final_weights_rel']:.1e}{'' if x[k]['ok'] else ' FAIL'}" for k in ("cuda_then_numpy", "numpy_then_cuda")))
     b = report.get("bench", {})
     if b.get("engine"):
         add("")
@@ -533,7 +600,7 @@ def table() -> str:
             add(f"{shape_name + ' B=' + str(e['micro_batch']):14}{precision:10}{e['ms_per_step']:>10.2f}"
                 f"{e['tokens_per_s']:>12,}{base.get('ms_per_step', float('nan')):>12.2f}"
                 f"{base.get('tokens_per_s', 0):>12,}{ratio:>8}")
-    verdicts = {name: report.get(name, {}).get("ok") for name in ("ops", "train", "determinism", "memory", "resume")}
+    verdicts = {name: report.get(name, {}).get("ok") for name in ("ops", "train", "determinism", "memory", "resume", "cross")}
     add("")
     add("verdict: " + ", ".join(f"{k} {'ok' if v else ('skipped' if v is None else 'FAIL')}" for k, v in verdicts.items()))
     return "\n".join(lines)
@@ -544,12 +611,12 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"))
     parser.add_argument("--baseline", default=str(REPO / ".device" / "bench" / "torch_baseline.py"),
                         help="the PyTorch peer baseline script (skipped if missing)")
-    parser.add_argument("--sections", default="device,build,ceilings,ops,train,determinism,memory,resume,bench")
+    parser.add_argument("--sections", default="device,build,ceilings,ops,train,determinism,memory,resume,cross,bench")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = {"device": device_info, "build": build, "ceilings": ceilings, "ops": ops, "train": train,
-             "determinism": determinism, "memory": memory, "resume": resume,
+             "determinism": determinism, "memory": memory, "resume": resume, "cross": cross,
              "bench": lambda: bench(args.baseline if Path(args.baseline).is_file() else None)}
     for name in args.sections.split(","):
         steps[name]()
@@ -557,7 +624,7 @@ def main() -> int:
     text = table()
     (out / "gpu_check.txt").write_text(text + "\n")
     log("\n" + text)
-    ok = all(report.get(n, {}).get("ok", True) for n in ("ops", "train", "determinism", "memory", "resume"))
+    ok = all(report.get(n, {}).get("ok", True) for n in ("ops", "train", "determinism", "memory", "resume", "cross"))
     return 0 if ok else 1
 
 

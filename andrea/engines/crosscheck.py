@@ -9,7 +9,7 @@ buffer an op overwrites starts as NaN, so an element it fails to write shows up 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -47,6 +47,10 @@ class OpCase:
     arrays: dict  # host inputs and starting outputs: float64, or int32 for token ids
     run: Callable  # run(engine, arrays) -> dict of scalars: the forward, then the backward
     checked: tuple  # arrays compared after run
+    # For an engine whose attention saves the logsumexp (attention = "lse"): its own starting arrays,
+    # and the references that replace the NumPy engine's for it, computed from the inputs.
+    lse_arrays: dict = field(default_factory=dict)
+    lse_reference: Callable | None = None
 
 
 def _randn(rng, *shape, scale=1.0):
@@ -107,7 +111,9 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.attn_fwd(x["out"], x["att"], x["qkv"], H)
             E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["att"], H)
 
-        return OpCase(a, run, ("out", "att", "dqkv"))  # datt is scratch: its contents are the engine's
+        # datt is scratch: its contents are the engine's
+        return OpCase(a, run, ("out", "att", "dqkv"), lse_arrays={"att": _nan(B, H, T), "datt": _nan(B, H, T)},
+                      lse_reference=lambda x: {"att": attention_lse(x["qkv"], H)})
     if op == "attn_out":
         a = {"inp": _randn(rng, B, T, C), "W_O": _randn(rng, C, C, scale=w), "out": _nan(B, T, C),
              "dinp": _randn(rng, B, T, C), "dW_O": _randn(rng, C, C), "dout": _randn(rng, B, T, C)}
@@ -170,6 +176,17 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
     raise ValueError(f"unknown op {op!r}; one of {OPS}")
 
 
+def attention_lse(qkv, n_head: int) -> np.ndarray:
+    """Per-row logsumexp of the causal scaled scores, [B, H, T], in float64: what a fused attention saves."""
+    _, B, T, C = qkv.shape
+    hd = C // n_head
+    q, k = (np.asarray(qkv[i], dtype=np.float64).reshape(B, T, n_head, hd).transpose(0, 2, 1, 3) for i in (0, 1))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    s[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    top = s.max(axis=-1, keepdims=True)
+    return (top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True)))[..., 0]
+
+
 def errors(got, want) -> dict:
     """max |got - want| and ||got - want|| / ||want||; an unwritten (NaN) element makes both inf."""
     got = np.asarray(got, dtype=np.float64)
@@ -191,10 +208,13 @@ def compare_op(engines: dict, op: str, s: OpShape, rng, reference=None) -> dict:
     ref_scalars = case.run(reference, ref) or {}
     results = {}
     for name, engine in engines.items():
-        dev = {k: engine.xp.asarray(v if v.dtype.kind == "i" else v.astype(engine.dtype)) for k, v in inputs.items()}
+        start, want = inputs, ref
+        if case.lse_arrays and getattr(engine, "attention", "probs") == "lse":
+            start, want = {**inputs, **case.lse_arrays}, {**ref, **case.lse_reference(inputs)}
+        dev = {k: engine.xp.asarray(v if v.dtype.kind == "i" else v.astype(engine.dtype)) for k, v in start.items()}
         scalars = case.run(engine, dev) or {}
         engine.synchronize()
-        out = {k: errors(engine.to_host(dev[k]), ref[k]) for k in case.checked}
+        out = {k: errors(engine.to_host(dev[k]), want[k]) for k in case.checked}
         out.update({k: errors(scalars[k], ref_scalars[k]) for k in ref_scalars})
         results[name] = out
     return results

@@ -2,8 +2,10 @@
 
 Arrays are CuPy views into buffers allocated once from the memory plan (contiguous, row-major, the
 shapes of numpy_engine.py). Backward ops ADD into their grad buffers (weight-gradient products run
-with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits) are overwritten. d_att holds dS, the
-gradient at the scaled scores, on return (the NumPy engine leaves dP there).
+with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits) are overwritten.
+
+Attention is fused (kernels/attn.cu): it saves the per-row logsumexp [B, H, T] in `att` instead of the
+probabilities (`attention = "lse"` tells the memory plan), and `d_att` [B, H, T] holds rowsum(P * dP).
 
 Nothing is allocated on the device after construction and `allocate`: kernels write into the
 caller's buffers, cuBLAS runs on the engine's own handle with a preallocated workspace, and host
@@ -11,7 +13,9 @@ reads copy into host memory. Every reduction runs in a fixed order: the same inp
 bits on every run.
 
 Precision: "fp32" (the reference) or "tf32" (the matrix products on tensor cores with TF32 inputs and
-FP32 accumulation); kernels run in FP32 either way, and weights, m and v stay FP32.
+FP32 accumulation); weights, m and v stay FP32 either way. The fp32 attention kernels use the tensor
+cores too, in "3xTF32" (each operand split into two TF32 parts, three products: FP32-level accuracy,
+the same arithmetic as PyTorch's fp32 memory-efficient attention); every other kernel runs FP32.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.kernels_build import NVRTC_OPTIONS, kernel_dir, kernel_source
+from andrea.memory import BufferSpec
 
 PRECISIONS = ("fp32", "tf32")
 KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLAS products only)
     "embed": ("k_embed_fwd", "k_embed_bwd"),
     "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd"),
-    "attn": ("k_attn_fwd", "k_attn_bwd"),
+    "attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
     "mlp": ("k_mlp_fwd", "k_mlp_bwd"),
     "residual_add": ("k_residual_add", "k_residual_add_bwd"),
     "loss": ("k_loss_fwd", "k_loss_bwd"),
@@ -40,7 +45,9 @@ KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLA
 EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
 LN_THREADS, LN_COLS = 1024, 8
 LOSS_THREADS = 1024
-ROW_THREADS = 256  # one warp per row: attention softmax
+ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
+ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
+ATTN_BWD_SMEM = 4 * ATTN_TILE * ATTN_LD * 4 + 2 * ATTN_TILE * 4  # Q, dY, K, V tiles; a query tile's lse and D
 ELEMENTWISE_THREADS = 256
 NORM_THREADS = 512
 
@@ -60,6 +67,11 @@ def _load_kernels() -> dict:
         if key not in _modules:
             _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=NVRTC_OPTIONS, backend="nvrtc")
         functions.update({name: _modules[key].get_function(name) for name in names})
+    # Over 48 KB of dynamic shared memory needs the limit raised per kernel; the largest shared-memory
+    # carveout lets 3-4 attention blocks share an SM.
+    for name, smem in (("k_attn_fwd", ATTN_FWD_SMEM), ("k_attn_bwd_dq", ATTN_BWD_SMEM), ("k_attn_bwd", ATTN_BWD_SMEM)):
+        functions[name].max_dynamic_shared_size_bytes = smem
+        functions[name].preferred_shared_memory_carveout = 100
     return functions
 
 
@@ -150,6 +162,7 @@ def _blocks(n: int, threads: int) -> int:
 class CudaEngine:
     name = "cuda"
     xp = cupy
+    attention = "lse"
 
     def __init__(self, dtype: str = "float32", precision: str = "fp32"):
         if dtype != "float32":
@@ -162,32 +175,41 @@ class CudaEngine:
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.k = _load_kernels()
-        # The engine's own device memory, beside the plan's buffers: cuBLAS's workspace and the
-        # AdamW decay-range table. Both are allocated here, once.
+        # The engine's own device memory: cuBLAS's workspace and the AdamW decay-range table, allocated
+        # here, once (the engine runs ops before any plan exists); a model's plan lists them by name.
         self.cublas_workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=np.uint8)
         self.decay_table = cupy.zeros(2 * MAX_DECAY_RANGES, dtype=np.int64)
         self._decay_ranges: tuple = ()
+        self._own = {"cublas_workspace": self.cublas_workspace, "decay_ranges": self.decay_table}
         self.blas = _Cublas(precision, self.cublas_workspace)
 
     @property
+    def own_buffers(self) -> tuple[BufferSpec, ...]:
+        """The engine's own device buffers, for the memory plan."""
+        return tuple(BufferSpec(name, a.shape, a.dtype.name, "scratch") for name, a in self._own.items())
+
+    @property
     def own_bytes(self) -> int:
-        """Device bytes the engine holds outside the memory plan."""
-        return self.cublas_workspace.nbytes + self.decay_table.nbytes
+        """Device bytes of the engine's own buffers."""
+        return sum(a.nbytes for a in self._own.values())
 
     def _launch(self, name: str, blocks: int, threads: int, *args) -> None:
         self.k[name]((blocks,), (threads,), args)
 
     # ---- buffers -------------------------------------------------------------------------
     def allocate(self, plan):
-        """Every plan buffer, carved from one device allocation (each 256-byte aligned), zero-filled."""
+        """Every plan buffer, carved from one device allocation (each 256-byte aligned), zero-filled;
+        the engine's own buffers, which the plan lists too, are the ones it already holds."""
+        carved = [b for b in plan.buffers if b.name not in self._own]
         offsets, total = [], 0
-        for b in plan.buffers:
+        for b in carved:
             offsets.append(total)
             total += -(-b.nbytes // ALIGN) * ALIGN
         arena = cupy.cuda.alloc(total)
         cupy.cuda.runtime.memsetAsync(arena.ptr, 0, total, cupy.cuda.get_current_stream().ptr)
-        return {b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=arena + off)
-                for b, off in zip(plan.buffers, offsets)}
+        bufs = {b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=arena + off) for b, off in zip(carved, offsets)}
+        bufs.update({b.name: self._own[b.name] for b in plan.buffers if b.name in self._own})
+        return bufs
 
     def to_host(self, a) -> np.ndarray:
         return cupy.asnumpy(a)
@@ -239,6 +261,9 @@ class CudaEngine:
     def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
         C = inp.shape[-1]
         N = inp.size // C
+        if _ptr(W_K) - _ptr(W_Q) == _ptr(W_V) - _ptr(W_K) == W_Q.nbytes:  # adjacent, as the parameter layout has them
+            self.blas.gemm(_ptr(qkv), _ptr(inp), _ptr(W_Q), N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
+            return
         for i, W in enumerate((W_Q, W_K, W_V)):
             self.blas.gemm(_ptr(qkv[i]), _ptr(inp), _ptr(W), N, C, C)
 
@@ -249,48 +274,26 @@ class CudaEngine:
             self.blas.gemm(_ptr(dW), _ptr(inp), _ptr(dqkv[i]), C, C, N, trans_a=True, beta=1.0)
             self.blas.gemm(_ptr(dinp), _ptr(dqkv[i]), _ptr(W), N, C, C, trans_b=True, beta=1.0)
 
-    # ---- attn: causal scaled dot-product attention ----------------------------------------
-    def _per_head(self, B, H, c, a, b, m, n, k, **kw):
-        """One product per (b, h): a loop over whichever of B and H is smaller, strided-batched over
-        the other. c, a, b are (array, stride over b, stride over h), strides in elements."""
-        by_head = H <= B
-        for o in range(H if by_head else B):
-            ptrs, strides = [], []
-            for arr, sb, sh in (c, a, b):
-                ptrs.append(_ptr(arr) + 4 * o * (sh if by_head else sb))
-                strides.append(sb if by_head else sh)
-            self.blas.gemm(*ptrs, m, n, k, batch=B if by_head else H,
-                           stride_c=strides[0], stride_a=strides[1], stride_b=strides[2], **kw)
+    # ---- attn: causal scaled dot-product attention (fused; kernels/attn.cu) ----------------
+    def _attn_shape(self, qkv, n_head):
+        _, B, T, C = qkv.shape
+        hd = C // n_head
+        if hd > ATTN_TILE or hd % 4:
+            raise AndreaError(f"head width {hd} (d_model {C} / n_head {n_head}): the fused attention takes a "
+                              f"multiple of 4 up to {ATTN_TILE}")
+        grid = (B * n_head, -(-T // ATTN_TILE))
+        split = self.precision == "fp32"  # 3xTF32 products; tf32 takes one TF32 product
+        return grid, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head), np.float32(1.0 / math.sqrt(hd)),
+                      np.int32(split))
 
     def attn_fwd(self, out, att, qkv, n_head):
-        _, B, T, C = qkv.shape
-        H = n_head
-        hd = C // H
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        seq, heads = (T * C, hd), (H * T * T, T * T)  # (stride over b, stride over h) in [B,T,C], [B,H,T,T]
-        self._per_head(B, H, (att, *heads), (q, *seq), (k, *seq), T, T, hd, trans_b=True,
-                       lda=C, ldb=C, ldc=T, alpha=1.0 / math.sqrt(hd))
-        rows = B * H * T
-        self._launch("k_attn_fwd", _blocks(rows, ROW_THREADS // 32), ROW_THREADS, att, np.int64(rows), np.int32(T))
-        self._per_head(B, H, (out, *seq), (att, *heads), (v, *seq), T, hd, T, lda=T, ldb=C, ldc=C)
+        grid, dims = self._attn_shape(qkv, n_head)
+        self.k["k_attn_fwd"](grid, (ATTN_THREADS,), (out, att, qkv, *dims), shared_mem=ATTN_FWD_SMEM)
 
     def attn_bwd(self, dqkv, datt, dout, qkv, att, n_head):
-        _, B, T, C = qkv.shape
-        H = n_head
-        hd = C // H
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        dq, dk, dv = dqkv[0], dqkv[1], dqkv[2]
-        seq, heads = (T * C, hd), (H * T * T, T * T)
-        # dP = dY V^T, then dS in place
-        self._per_head(B, H, (datt, *heads), (dout, *seq), (v, *seq), T, T, hd, trans_b=True, lda=C, ldb=C, ldc=T)
-        rows = B * H * T
-        self._launch("k_attn_bwd", _blocks(rows, ROW_THREADS // 32), ROW_THREADS,
-                     datt, att, np.int64(rows), np.int32(T), np.float32(1.0 / math.sqrt(hd)))
-        self._per_head(B, H, (dq, *seq), (datt, *heads), (k, *seq), T, hd, T, lda=T, ldb=C, ldc=C, beta=1.0)
-        self._per_head(B, H, (dk, *seq), (datt, *heads), (q, *seq), T, hd, T, trans_a=True,
-                       lda=T, ldb=C, ldc=C, beta=1.0)
-        self._per_head(B, H, (dv, *seq), (att, *heads), (dout, *seq), T, hd, T, trans_a=True,
-                       lda=T, ldb=C, ldc=C, beta=1.0)
+        grid, dims = self._attn_shape(qkv, n_head)
+        for name in ("k_attn_bwd_dq", "k_attn_bwd"):  # the first writes D (datt), the second reads it
+            self.k[name](grid, (ATTN_THREADS,), (dqkv, datt, dout, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
 
     # ---- attn_out: W_O projection ----------------------------------------------------------
     def attn_out_fwd(self, out, inp, W_O):
