@@ -48,28 +48,33 @@ def rank_from_env() -> Rank | None:
     return None
 
 
-def unique_id(rank: Rank, id_file: Path) -> tuple:
-    """The NCCL id all ranks share: from the launcher's environment, or written by rank 0 under srun."""
+def new_unique_id() -> str:
+    """A fresh NCCL id as hex (CuPy hands it out as bytes; older releases as a tuple of chars)."""
     from cupy.cuda import nccl
 
+    return bytes(b & 0xFF for b in nccl.get_unique_id()).hex()
+
+
+def unique_id(rank: Rank, id_file: Path) -> bytes:
+    """The NCCL id all ranks share: from the launcher's environment, or written by rank 0 under srun."""
     if NCCL_ID_ENV in os.environ:
-        return tuple(json.loads(os.environ[NCCL_ID_ENV]))
+        return bytes.fromhex(os.environ[NCCL_ID_ENV])
     if rank.is_main:
-        uid = nccl.get_unique_id()
-        write_json_atomic(id_file, list(uid))
-        return uid
+        uid = new_unique_id()
+        write_json_atomic(id_file, uid)
+        return bytes.fromhex(uid)
     deadline = time.time() + ID_WAIT_S
     while not id_file.exists():
         if time.time() > deadline:
             raise AndreaError(f"{id_file}: rank 0 did not publish the NCCL id within {ID_WAIT_S} s")
         time.sleep(0.1)
-    return tuple(json.loads(id_file.read_text()))
+    return bytes.fromhex(json.loads(id_file.read_text()))
 
 
 class DataParallel:
     """The collectives of a data-parallel step, on the engine's current CUDA stream."""
 
-    def __init__(self, rank: Rank, uid: tuple):
+    def __init__(self, rank: Rank, uid: bytes):
         import cupy
         from cupy.cuda import nccl
 
@@ -105,12 +110,12 @@ class DataParallel:
 
 def launch(argv: list[str], n_gpus: int) -> int:
     """Start one `andrea train` process per GPU of this host; forward SIGTERM/SIGUSR1 to all."""
-    from cupy.cuda import nccl, runtime
+    from cupy.cuda import runtime
 
     available = runtime.getDeviceCount()
     if n_gpus > available:
         raise AndreaError(f"--gpus {n_gpus}: this host has {available} CUDA device(s)")
-    uid = json.dumps(list(nccl.get_unique_id()))
+    uid = new_unique_id()
     children = []
     for r in range(n_gpus):
         env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
