@@ -141,7 +141,7 @@ class Model:
                 e.zero(b[name])
             e.residual_add_bwd(dres, b["d_branch"], dres_next)
             e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][l], p["W_O"])
-            e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["att"][l], H)
+            e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H)
             e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], b["ln1"][l], p["W_Q"], p["W_K"], p["W_V"])
             e.layernorm_bwd(dres, g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"],
                             b["ln1_mean"][l], b["ln1_rstd"][l])

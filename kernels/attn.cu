@@ -1,19 +1,15 @@
 // attn: causal scaled dot-product attention, per batch row b and head h (head width hd = C / H, at most 64):
 //   forward:  S = Q K^T / sqrt(hd),  P = softmax(S) over keys j <= i,  Y = P V;  saves lse_i = log sum_j exp(S_ij)
-//   backward: P = exp(S - lse),  dP = dY V^T,  D_i = rowsum(P * dP),  dS = P * (dP - D) / sqrt(hd),
+//   backward: P = exp(S - lse),  dP = dY V^T,  D_i = rowsum(dY * Y) (= rowsum(P * dP)),  dS = P * (dP - D) / sqrt(hd),
 //             dQ += dS K,  dK += dS^T Q,  dV += P^T dY
 // Fused (flash-style): 64 x 64 tiles of S live in registers only, tiles above the diagonal are skipped,
 // and the backward recomputes P from the saved lse. Products run on the tensor cores (mma m16n8k8):
 // TF32 inputs with FP32 accumulation, or, for the fp32 engine, "3xTF32" (each operand split into a
 // TF32 high part and a TF32 remainder, three products), which keeps FP32-level accuracy.
 //
-// The backward is two kernels, neither with atomics: k_attn_bwd_dq, one block per query tile, loops
-// over key tiles to add dQ and writes D; then k_attn_bwd, one block per key tile, loops over query
-// tiles to add dK and dV. The first cannot read D (it needs Y, which the op does not take), so it
-// accumulates R = P * (dP - c) and P as two products and combines them at the end:
-//   dQ_i = (sum_j R_ij K_j - (sum_j R_ij) sum_j P_ij K_j) / sqrt(hd),   D_i = c_i + sum_j R_ij
-// (exact for any c_i since sum_j P_ij = 1); c_i, the P-weighted mean of dP over the diagonal tile
-// (visited first), keeps the difference from cancelling.
+// The backward is two kernels, neither with atomics: k_attn_bwd_dq, one block per query tile, writes D
+// and loops over key tiles to add dQ; then k_attn_bwd, one block per key tile, loops over query tiles
+// to add dK and dV.
 #include "common.cuh"
 
 #define ATTN_THREADS 128  // 4 warps; warp w owns rows 16w .. 16w + 15 of the block's 64-row tile
@@ -32,9 +28,12 @@
 // tile; rows at or past T and columns at or past hd read as zero. Asynchronous (cp.async, 16 bytes a
 // copy), so all of a tile's loads are in flight at once; tiles_arrived() waits for them.
 __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__ src, int row0, int T, int C, int hd) {
+    // Each thread copies one 16-byte column group of every 8th row: a fixed trip count, so the loop unrolls.
+    constexpr int GROUPS = ATTN_TILE / 4, ROWS_PER_PASS = ATTN_THREADS / GROUPS;
+    const int c = (threadIdx.x % GROUPS) * 4;
 #pragma unroll
-    for (int i = threadIdx.x; i < ATTN_TILE * ATTN_TILE / 4; i += ATTN_THREADS) {
-        const int r = i / (ATTN_TILE / 4), c = (i % (ATTN_TILE / 4)) * 4;
+    for (int k = 0; k < ATTN_TILE / ROWS_PER_PASS; k++) {
+        const int r = threadIdx.x / GROUPS + k * ROWS_PER_PASS;
         const bool inside = row0 + r < T && c < hd;
         const float* from = inside ? src + (long long)(row0 + r) * C + c : src;  // a valid address either way
         const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(tile + r * ATTN_LD + c));
@@ -45,18 +44,23 @@ __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__
 // This thread's tile copies have landed; a __syncthreads() after it makes everyone's visible.
 __device__ __forceinline__ void tiles_arrived() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
+// Splits x into TF32 operands with integer arithmetic: cvt.rna.tf32.f32 costs four instructions on sm_90 (a
+// finiteness test and a select around an add and a mask), and the splits run for every fragment of every mma.
+// Adding half a TF32 ulp rounds to nearest (ties away, as cvt.rna); the mma reads only the top 19 bits of an
+// operand, so only the high part that the remainder is taken from needs its low bits cleared. The remainder
+// x - hi is exact and at most 2^-11 |x|, so however its low bits are read, the split stays within 2^-22 |x|;
+// unsplit (tf32), the one add is the rounding.
 template <bool SPLIT, int N>
 __device__ __forceinline__ void split_tf32(const float (&x)[N], unsigned (&hi)[N], unsigned (&lo)[N]) {
 #pragma unroll
     for (int i = 0; i < N; i++) {
-        hi[i] = to_tf32(x[i]);
-        if (SPLIT) lo[i] = to_tf32(x[i] - __uint_as_float(hi[i]));
+        const unsigned r = __float_as_uint(x[i]) + 0x1000u;
+        if (SPLIT) {
+            hi[i] = r & 0xffffe000u;
+            lo[i] = __float_as_uint(x[i] - __uint_as_float(hi[i]));
+        } else {
+            hi[i] = r;
+        }
     }
 }
 
@@ -101,37 +105,25 @@ __device__ __forceinline__ void mma_abt(Acc& acc, const float* A, const float* B
     }
 }
 
-// acc[i] += P[i] B for NP accumulators at once (B's fragments loaded and split once for all), each P a
-// warp's 16 x 64 accumulator in registers, B a row-major 64 x 64 tile. An accumulator serves as the A
-// fragment when each step's eight summation indices are taken in the order 2t, 2t + 1 (k-slots t and
-// t + 4); B's rows are read in the same order.
-template <bool SPLIT, int NP>
-__device__ __forceinline__ void mma_pb(Acc* const (&acc)[NP], const Acc* const (&P)[NP], const float* B, int g, int t) {
+// acc += P B, P a warp's 16 x 64 accumulator in registers, B a row-major 64 x 64 tile. An accumulator serves
+// as the A fragment when each step's eight summation indices are taken in the order 2t, 2t + 1 (k-slots t
+// and t + 4); B's rows are read in the same order.
+template <bool SPLIT>
+__device__ __forceinline__ void mma_pb(Acc& acc, const Acc& P, const float* B, int g, int t) {
 #pragma unroll
     for (int kc = 0; kc < ATTN_TILE / 8; kc++) {
-        unsigned ah[NP][4], al[NP][4];
-#pragma unroll
-        for (int i = 0; i < NP; i++) {
-            const float a[4] = {(*P[i])[kc][0], (*P[i])[kc][2], (*P[i])[kc][1], (*P[i])[kc][3]};
-            split_tf32<SPLIT>(a, ah[i], al[i]);
-        }
+        const float a[4] = {P[kc][0], P[kc][2], P[kc][1], P[kc][3]};
+        unsigned ah[4], al[4];
+        split_tf32<SPLIT>(a, ah, al);
         const float* b_row = B + (kc * 8 + 2 * t) * ATTN_LD + g;
 #pragma unroll
         for (int n = 0; n < ATTN_TILE / 8; n++) {
             const float b[2] = {b_row[n * 8], b_row[ATTN_LD + n * 8]};
             unsigned bh[2], bl[2];
             split_tf32<SPLIT>(b, bh, bl);
-#pragma unroll
-            for (int i = 0; i < NP; i++) mma<SPLIT>((*acc[i])[n], ah[i], al[i], bh, bl);
+            mma<SPLIT>(acc[n], ah, al, bh, bl);
         }
     }
-}
-
-template <bool SPLIT>
-__device__ __forceinline__ void mma_pb(Acc& acc, const Acc& P, const float* B, int g, int t) {
-    Acc* const accs[1] = {&acc};
-    const Acc* const ps[1] = {&P};
-    mma_pb<SPLIT, 1>(accs, ps, B, g, t);
 }
 
 __device__ __forceinline__ void zero(Acc& acc) {
@@ -262,9 +254,9 @@ k_attn_fwd(float* out, float* lse, const float* qkv, int B, int T, int C, int H,
     else attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
 }
 
-// ---- backward, first kernel: dQ and D, one block per (b, h) and 64-query tile -----------------------------------
+// ---- backward, first kernel: D and dQ, one block per (b, h) and 64-query tile -----------------------------------
 template <bool SPLIT>
-__device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const float* dout, const float* qkv,
+__device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const float* dout, const float* y, const float* qkv,
                                            const float* lse, int B, int T, int C, int H, float scale, float* smem) {
     float* Qs = smem;
     float* dYs = Qs + ATTN_TILE_FLOATS;
@@ -280,14 +272,32 @@ __device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const floa
 
     load_tile(Qs, q, qt * ATTN_TILE, T, C, hd);
     load_tile(dYs, dout + hh.seq, qt * ATTN_TILE, T, C, hd);
-    float lse2[2], c[2], d[2] = {0.0f, 0.0f};  // lse in base 2 (rows past T: +inf, so P = 0); shift; sum of R
+    tiles_arrived();
+    __syncthreads();
+    // D of the thread's two rows (rows past T: 0, their P is 0): lane t takes columns 4t + 16k .. + 3.
+    float lse2[2], d[2];  // lse in base 2 (rows past T: +inf, so P = 0)
 #pragma unroll
-    for (int i = 0; i < 2; i++) lse2[i] = row0 + 8 * i < T ? lse[hh.stat + row0 + 8 * i] * LOG2E : POS_INF;
-    Acc r_k, p_k, p, dp;  // sum R K, sum P K, and the current tile's P and dP (then R)
-    zero(r_k);
-    zero(p_k);
-    for (int step = 0; step <= qt; step++) {
-        const int kt = step == 0 ? qt : step - 1;  // the diagonal tile first: it sets the shift c
+    for (int i = 0; i < 2; i++) {
+        const int row = row0 + 8 * i;
+        float acc = 0.0f;
+        if (row < T) {
+            const float* dy_row = dYs + (warp * 16 + g + 8 * i) * ATTN_LD;
+            const float* y_row = y + hh.seq + (long long)row * C;
+#pragma unroll
+            for (int c = 4 * t; c < ATTN_TILE; c += 16) {
+                if (c >= hd) break;
+                const float4 a = *reinterpret_cast<const float4*>(dy_row + c);
+                const float4 b = *reinterpret_cast<const float4*>(y_row + c);
+                acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+        }
+        d[i] = row_sum4(acc);
+        if (t == 0 && row < T) delta[hh.stat + row] = d[i];
+        lse2[i] = row < T ? lse[hh.stat + row] * LOG2E : POS_INF;
+    }
+    Acc dq, p, ds;  // p: the current tile's P; ds: its dP, then dS
+    zero(dq);
+    for (int kt = 0; kt <= qt; kt++) {
         __syncthreads();
         load_tile(Ks, q + hh.plane, kt * ATTN_TILE, T, C, hd);
         load_tile(Vs, q + 2 * hh.plane, kt * ATTN_TILE, T, C, hd);
@@ -295,55 +305,20 @@ __device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const floa
         __syncthreads();
         zero(p);
         mma_abt<SPLIT>(p, Qs + warp * 16 * ATTN_LD, Ks, g, t);
+        zero(ds);
+        mma_abt<SPLIT>(ds, dYs + warp * 16 * ATTN_LD, Vs, g, t);
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 const int col = kt * ATTN_TILE + n * 8 + 2 * t + (r & 1);
-                p[n][r] = col > row0 + 8 * (r >> 1) ? 0.0f : exp2f(p[n][r] * s2 - lse2[r >> 1]);
+                const float pr = col > row0 + 8 * (r >> 1) ? 0.0f : exp2f(p[n][r] * s2 - lse2[r >> 1]);
+                ds[n][r] = pr * (ds[n][r] - d[r >> 1]);
             }
-        zero(dp);
-        mma_abt<SPLIT>(dp, dYs + warp * 16 * ATTN_LD, Vs, g, t);
-        if (step == 0) {
-            float pd[2] = {0.0f, 0.0f}, ps[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    pd[r >> 1] += p[n][r] * dp[n][r];
-                    ps[r >> 1] += p[n][r];
-                }
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                ps[i] = row_sum4(ps[i]);
-                c[i] = ps[i] > 0.0f ? row_sum4(pd[i]) / ps[i] : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const float rr = p[n][r] * (dp[n][r] - c[r >> 1]);
-                dp[n][r] = rr;
-                d[r >> 1] += rr;
-            }
-        Acc* const accs[2] = {&r_k, &p_k};
-        const Acc* const ps[2] = {&dp, &p};
-        mma_pb<SPLIT, 2>(accs, ps, Ks, g, t);
+        mma_pb<SPLIT>(dq, ds, Ks, g, t);
     }
     const float sc[2] = {scale, scale};
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        d[i] = row_sum4(d[i]);
-        const int row = row0 + 8 * i;
-        if (t == 0 && row < T) delta[hh.stat + row] = c[i] + d[i];
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            r_k[n][2 * i] -= d[i] * p_k[n][2 * i];
-            r_k[n][2 * i + 1] -= d[i] * p_k[n][2 * i + 1];
-        }
-    }
-    store_rows<true>(dqkv + hh.seq, r_k, sc, row0, T, C, hd, t);
+    store_rows<true>(dqkv + hh.seq, dq, sc, row0, T, C, hd, t);
 }
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile -----------------------------------
@@ -404,12 +379,12 @@ __device__ __forceinline__ void attn_bwd_kv(float* dqkv, const float* delta, con
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
-k_attn_bwd_dq(float* dqkv, float* delta, const float* dout, const float* qkv, const float* lse,
+k_attn_bwd_dq(float* dqkv, float* delta, const float* dout, const float* y, const float* qkv, const float* lse,
               int B, int T, int C, int H, float scale, int split) {
     extern __shared__ float4 smem_dq[];
     float* smem = reinterpret_cast<float*>(smem_dq);
-    if (split) attn_bwd_q<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
-    else attn_bwd_q<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
+    if (split) attn_bwd_q<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem);
+    else attn_bwd_q<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem);
 }
 
 // Runs after k_attn_bwd_dq, whose delta it reads.

@@ -414,7 +414,7 @@ def op_calls(model) -> dict:
         "layernorm_bwd": lambda: e.layernorm_bwd(b["d_residual"], g["LN2.gamma"], g["LN2.beta"], b["d_ln"],
                                                  b["residual_mid"][0], p["LN2.gamma"], b["ln2_mean"][0], b["ln2_rstd"][0]),
         "attn_out_bwd": lambda: e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][0], p["W_O"]),
-        "attn_bwd": lambda: e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][0], b["att"][0], H),
+        "attn_bwd": lambda: e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][0], b["atty"][0], b["att"][0], H),
         "attn_qkv_bwd": lambda: e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], b["ln1"][0],
                                                p["W_Q"], p["W_K"], p["W_V"]),
         "embed_bwd": lambda: e.embed_bwd(G["wte"], G["wpe"], b["d_residual"], b["tokens"]),
@@ -428,7 +428,7 @@ def op_calls(model) -> dict:
 def op_cost(op: str, shape: ModelShape, B: int, n_params: int) -> tuple[float, float]:
     """(FLOPs, fewest device bytes) of one call: each input read once, each output written once.
     Attention counts what its fused kernels compute: products over the causal half of T x T (one such
-    product is B T^2 C FLOPs), 2 forward and 8 backward (see kernels/attn.cu), no T x T bytes."""
+    product is B T^2 C FLOPs), 2 forward and 7 backward (see kernels/attn.cu), no T x T bytes."""
     T, C, V = shape.seq_len, shape.d_model, shape.vocab_size
     N, F, A, S = B * T, 4 * shape.d_model, B * shape.n_head * T * T // 2, B * shape.n_head * T
     f = 4
@@ -440,7 +440,7 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int) -> tuple[float, f
         "attn_qkv_fwd": (6 * N * C * C, f * (4 * N * C + 3 * C * C)),
         "attn_qkv_bwd": (12 * N * C * C, f * (6 * N * C + 9 * C * C)),
         "attn_fwd": (2 * B * T * T * C + 5 * A, f * (4 * N * C + S)),
-        "attn_bwd": (8 * B * T * T * C + 8 * A, f * (10 * N * C + 3 * S)),
+        "attn_bwd": (7 * B * T * T * C + 8 * A, f * (11 * N * C + 3 * S)),
         "attn_out_fwd": (2 * N * C * C, f * (2 * N * C + C * C)),
         "attn_out_bwd": (4 * N * C * C, f * (4 * N * C + 3 * C * C)),
         "mlp_fwd": (4 * N * C * F + 20 * N * F, f * (2 * N * C + 2 * N * F + 2 * C * F)),

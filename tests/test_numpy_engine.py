@@ -71,10 +71,10 @@ def op_attn(rng):
     def fwd(x):
         out, att = np.zeros((B, T, C)), np.zeros((B, H, T, T))
         E.attn_fwd(out, att, x["qkv"], H)
-        return out, att
+        return out, (out, att)
 
-    def bwd(x, att, dout, g):
-        E.attn_bwd(g["qkv"], np.zeros((B, H, T, T)), dout, x["qkv"], att, H)
+    def bwd(x, saved, dout, g):
+        E.attn_bwd(g["qkv"], np.zeros((B, H, T, T)), dout, x["qkv"], *saved, H)
 
     return x, fwd, bwd
 

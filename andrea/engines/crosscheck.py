@@ -109,7 +109,7 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
 
         def run(E, x):
             E.attn_fwd(x["out"], x["att"], x["qkv"], H)
-            E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["att"], H)
+            E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["out"], x["att"], H)
 
         # datt is scratch: its contents are the engine's
         return OpCase(a, run, ("out", "att", "dqkv"), lse_arrays={"att": _nan(B, H, T), "datt": _nan(B, H, T)},

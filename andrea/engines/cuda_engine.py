@@ -5,7 +5,7 @@ shapes of numpy_engine.py). Backward ops ADD into their grad buffers (weight-gra
 with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits) are overwritten.
 
 Attention is fused (kernels/attn.cu): it saves the per-row logsumexp [B, H, T] in `att` instead of the
-probabilities (`attention = "lse"` tells the memory plan), and `d_att` [B, H, T] holds rowsum(P * dP).
+probabilities (`attention = "lse"` tells the memory plan), and `d_att` [B, H, T] holds rowsum(dY * Y) (= rowsum(P * dP)).
 
 Nothing is allocated on the device after construction and `allocate`: kernels write into the
 caller's buffers, cuBLAS runs on the engine's own handle with a preallocated workspace, and host
@@ -290,10 +290,11 @@ class CudaEngine:
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (ATTN_THREADS,), (out, att, qkv, *dims), shared_mem=ATTN_FWD_SMEM)
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, att, n_head):
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head):
         grid, dims = self._attn_shape(qkv, n_head)
-        for name in ("k_attn_bwd_dq", "k_attn_bwd"):  # the first writes D (datt), the second reads it
-            self.k[name](grid, (ATTN_THREADS,), (dqkv, datt, dout, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
+        # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
+        self.k["k_attn_bwd_dq"](grid, (ATTN_THREADS,), (dqkv, datt, dout, out, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
+        self.k["k_attn_bwd"](grid, (ATTN_THREADS,), (dqkv, datt, dout, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
 
     # ---- attn_out: W_O projection ----------------------------------------------------------
     def attn_out_fwd(self, out, inp, W_O):

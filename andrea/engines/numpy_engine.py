@@ -123,13 +123,14 @@ class NumpyEngine:
         att[...] = s
         out[...] = _merge_heads(att @ v)
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, att, n_head):
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head):
+        """`out` is the forward's Y: rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T."""
         q, k, v = (_heads(qkv[i], n_head) for i in range(3))
         scale = 1.0 / math.sqrt(q.shape[-1])
         dy = _heads(dout, n_head)
         np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
-        # softmax backward: dS = P * (dP - rowsum(dP * P)); masked entries have P = 0.
-        ds = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
+        # softmax backward: dS = P * (dP - rowsum(dY * Y)); masked entries have P = 0.
+        ds = att * (datt - (dy * _heads(out, n_head)).sum(axis=-1)[..., None]) * scale
         dqkv[0] += _merge_heads(ds @ k)
         dqkv[1] += _merge_heads(ds.transpose(0, 1, 3, 2) @ q)
         dqkv[2] += _merge_heads(att.transpose(0, 1, 3, 2) @ dy)
