@@ -88,6 +88,7 @@ def test_random_sigterms_and_sigkills_lose_nothing(tmp_path, setup):
         step = assert_intact(out)
         assert step >= last_step
         last_step = step
+    print(f"\n{kills_during_write} of 20 SIGKILLs landed during a checkpoint write; last step {last_step}")
     assert last_step < STEPS, "the interruptions must all land inside the run"
     assert kills_during_write >= 5
     run(train_cmd(experiment, data, out, "--resume"))
@@ -112,6 +113,7 @@ def test_hundred_sigusr1_leave_history_unchanged(tmp_path, setup):
     assert proc.wait(timeout=120) == 0, proc.stderr.read()
     proc.stderr.close()
     snapshots = [json.loads(line) for line in open(loss_path) if '"SIGUSR1"' in line]
+    print(f"\n100 SIGUSR1 -> {len(snapshots)} checkpoints")
     assert len(snapshots) >= 10
     assert history(loss_path) == ref_history[:200]
 
