@@ -179,3 +179,12 @@ def test_snakefmt_formatted():
     proc = subprocess.run([str(snakefmt), "--check", "--diff", "Snakefile", "workflow/"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_train_rule_asks_for_data_parallel_with_several_gpus(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    one = snakemake(workdir, "results/ANDREA-tiny.ckpt", "--dry-run", "--printshellcmds")
+    assert "andrea train " in one.stdout and "--gpus" not in one.stdout
+    four = snakemake(workdir, "results/ANDREA-tiny.ckpt", "--dry-run", "--printshellcmds",
+                     "--resources", "gpu=4", "--set-resources", "train:gpu=4")
+    assert "--gpus 4" in four.stdout

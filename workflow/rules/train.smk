@@ -24,10 +24,14 @@ rule train:
         engine=config["engine"],
         code=code_version("train"),
         run=run_dir,
+        # gpu > 1 (e.g. --set-resources train:gpu=4) trains data parallel on the node's GPUs
+        gpus=lambda wildcards, resources: (
+            f"--gpus {resources.gpu}" if resources.gpu > 1 else ""
+        ),
     shell:
         "andrea train --experiment {input.experiment} --data {params.data}"
         " --out {params.run}/{wildcards.experiment}.ckpt --resume --sigterm-exit-code 75"
-        " --engine {params.engine} > {log} 2>&1"
+        " --engine {params.engine} {params.gpus} > {log} 2>&1"
         " && for f in ckpt state.json loss.json log; do"
         " ln -f {params.run}/{wildcards.experiment}.$f results/{wildcards.experiment}.$f; done"
 
