@@ -98,7 +98,6 @@ def test_run_list_covers_subfolders_and_skips_links_out(server):
     runs = {r["id"]: r for r in json.loads(data)["runs"]}
     assert resp.status == 200 and set(runs) == {"run", "sub/other"}
     assert runs["run"]["state"] == {"step": 2, "total_steps": 40, "experiment": "tiny"}
-    assert runs["run"]["plan"] == {"stop": 40, "total_steps": 40}
     assert runs["run"]["size"] == len("".join(json.dumps(rec) + "\n" for rec in LOSS_LINES))
     assert runs["sub/other"]["state"] is None
 
@@ -178,7 +177,7 @@ def test_dashboard_imports_nothing_of_the_engine():
 
 
 def test_a_real_run_is_listed_with_its_plan(tmp_path, repetitive_data):
-    """The run files of `andrea train` as the page sees them: the plan line of the log gives the stop
+    """The run files of `andrea train` as the page sees them: the start event gives the stop
     (--max-steps) and total before any checkpoint, the state file the checkpointed step."""
     results = tmp_path / "results"
     subprocess.run([sys.executable, "-m", "andrea.cli", "train", "--experiment", str(EXPERIMENTS / "ANDREA-tiny-TRAIN.json"),
@@ -187,6 +186,7 @@ def test_a_real_run_is_listed_with_its_plan(tmp_path, repetitive_data):
     with running(results) as srv:
         (run,) = json.loads(request(srv, "GET", "/api/runs")[1])["runs"]
         loss = request(srv, "GET", "/results/" + run["loss"])[1].decode().splitlines()
-    assert run["id"] == "tiny" and run["plan"] == {"stop": 2, "total_steps": 40}
+    start = json.loads(loss[0])
+    assert run["id"] == "tiny" and (start["event"], start["stop"], start["total_steps"]) == ("start", 2, 40)
     assert run["state"] == {"step": 2, "total_steps": 40, "experiment": "ANDREA-tiny"}
     assert [json.loads(line).get("step") for line in loss if '"loss"' in line] == [1, 2]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import re
 import socket
 import time
 from http import HTTPStatus
@@ -29,9 +28,7 @@ from andrea.errors import AndreaError
 STATIC = Path(__file__).resolve().parent / "static"
 LOSS_SUFFIX = ".loss.json"
 STATE_SUFFIX = ".state.json"
-LOG_SUFFIX = ".log"
 # What `andrea train` logs each time it (re)starts (andrea/train.py, Trainer.run).
-PLAN_LINE = re.compile(rb"training \S+: steps (\d+) -> (\d+) of (\d+)")
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".json": "application/json; charset=utf-8"}
@@ -86,31 +83,7 @@ def read_state(path: str) -> dict | None:
             "experiment": (state.get("experiment") or {}).get("name")}
 
 
-class RunPlans:
-    """The newest plan line of each NAME.log, re-read only when the log changes. The state file has
-    total_steps only from the first checkpoint on, and never the --max-steps stop; the log has both
-    from the first step."""
-
-    def __init__(self):
-        self._cache: dict[str, tuple[tuple[int, int], dict | None]] = {}
-
-    def get(self, path: str) -> dict | None:
-        try:
-            st = os.stat(path)
-            stamp = (st.st_ino, st.st_size)
-            cached = self._cache.get(path)
-            if cached and cached[0] == stamp:
-                return cached[1]
-            with open(path, "rb") as f:
-                found = PLAN_LINE.findall(f.read())
-        except OSError:
-            return None
-        plan = {"stop": int(found[-1][1]), "total_steps": int(found[-1][2])} if found else None
-        self._cache[path] = (stamp, plan)
-        return plan
-
-
-def run_summaries(root: str, plans: RunPlans) -> list[dict]:
+def run_summaries(root: str) -> list[dict]:
     """Every NAME.loss.json under `root` that resolves inside it, with what the page's header needs."""
     runs = []
     for folder, dirs, files in os.walk(root):
@@ -123,7 +96,7 @@ def run_summaries(root: str, plans: RunPlans) -> list[dict]:
             if real is None:
                 continue
             stem = path[: -len(LOSS_SUFFIX)]
-            state, log = inside(root, stem + STATE_SUFFIX), inside(root, stem + LOG_SUFFIX)
+            state = inside(root, stem + STATE_SUFFIX)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             try:
                 st = os.stat(real)
@@ -136,7 +109,6 @@ def run_summaries(root: str, plans: RunPlans) -> list[dict]:
                 "file_id": f"{st.st_dev}:{st.st_ino}",
                 "age_s": round(time.time() - st.st_mtime, 3),
                 "state": read_state(state) if state else None,
-                "plan": plans.get(log) if log else None,
             })
     return runs
 
@@ -166,7 +138,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise Refused(HTTPStatus.BAD_REQUEST, "expected a path")
             rel = path[1:]
             if rel == "api/runs":
-                listing = {"results": self.server.results_label, "runs": run_summaries(self.server.results, self.server.plans)}
+                listing = {"results": self.server.results_label, "runs": run_summaries(self.server.results)}
                 body = json.dumps(listing).encode()
                 self._send(HTTPStatus.OK, CONTENT_TYPES[".json"], len(body))
                 if send_body:
@@ -274,7 +246,6 @@ class DashboardServer(ThreadingHTTPServer):
             raise AndreaError(f"{results}: no such folder; pass --results DIR, the folder andrea train writes to")
         self.results = os.path.realpath(results)
         self.results_label = str(results)
-        self.plans = RunPlans()
         self.static = os.path.realpath(STATIC)
         self.allow_remote = allow_remote
         try:

@@ -34,7 +34,6 @@ class Run {
     this.url = url;       // null for a file opened from disk
     this.color = COLORS[runs.size % COLORS.length];
     this.state = null;    // NAME.state.json (or the server's summary of it): total_steps
-    this.plan = null;     // from NAME.log (server only): this invocation's stop and total_steps
     this.ageS = null;     // seconds since the loss file changed (server only)
     this.size = 0;
     this.version = 0;
@@ -76,6 +75,11 @@ class Run {
   }
 
   get last() { return this.records[this.records.length - 1]; }
+  // The newest start/resume/init_from event carries this invocation's stop and the run's total_steps.
+  get plan() {
+    for (let i = this.events.length - 1; i >= 0; i--) if (Number.isFinite(this.events[i].stop)) return this.events[i];
+    return null;
+  }
   get total() { return (this.plan && this.plan.total_steps) || (this.state && this.state.total_steps); }
   get stop() { return (this.plan && this.plan.stop) || this.total; }  // --max-steps ends a run early
 }
@@ -109,7 +113,6 @@ async function pollServer() {
     run.size = info.size;
     run.ageS = info.age_s;
     run.state = info.state;
-    run.plan = info.plan;
   }
   for (const [id, run] of runs) if (run.url && !listed.has(id)) runs.delete(id);
   selectDefault();
