@@ -67,16 +67,22 @@ def read_header(path) -> tuple[int, int]:
     return step, n
 
 
-def read_checkpoint(path, expected_n_params: int | None = None, what: str = "this experiment"):
-    """Return (step, params, m, v) as float32 arrays."""
+def map_checkpoint(path, expected_n_params: int | None = None, what: str = "this experiment"):
+    """Return (step, params, m, v) as read-only float32 memory maps of the file (nothing loaded)."""
     step, n = read_header(path)
     if expected_n_params is not None and n != expected_n_params:
         raise AndreaError(
             f"{path}: checkpoint holds {n:,} parameters but {what} has {expected_n_params:,}; "
             "it belongs to another model shape"
         )
-    body = np.fromfile(path, dtype=FLOAT, offset=HEADER_BYTES, count=3 * n)
-    return step, body[:n].copy(), body[n:2 * n].copy(), body[2 * n:].copy()
+    body = np.memmap(path, dtype=FLOAT, mode="r", offset=HEADER_BYTES, shape=(3 * n,))
+    return step, body[:n], body[n:2 * n], body[2 * n:]
+
+
+def read_checkpoint(path, expected_n_params: int | None = None, what: str = "this experiment"):
+    """Return (step, params, m, v) as float32 arrays in memory."""
+    step, *vectors = map_checkpoint(path, expected_n_params, what)
+    return (step, *(np.array(v) for v in vectors))
 
 
 class RunFiles:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import read_checkpoint, read_header, sha256_file
+from andrea.checkpoint import map_checkpoint, read_header, sha256_file
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
 from andrea.layout import ParameterLayout
@@ -107,7 +107,7 @@ def _layout_experiment(ckpt, explicit, state, matches, notes: list[str]) -> Expe
 def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_DIR) -> dict:
     """Everything `andrea inspect` reports, as one JSON-ready dict."""
     ckpt = Path(ckpt)
-    step, *vectors = read_checkpoint(ckpt)
+    step, *vectors = map_checkpoint(ckpt)
     n_params = vectors[0].size
     state = read_state(ckpt)
     matches = matching_experiments(n_params, experiments_dir)
