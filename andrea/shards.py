@@ -9,6 +9,7 @@ Documents are separated by the end-of-text token.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +25,42 @@ TOKEN_DTYPE = np.dtype("<u2")
 MAX_VOCAB = 1 << 16
 
 
-def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write tokens atomically (see andrea.atomic)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= MAX_VOCAB):
-        raise AndreaError(f"{path}: token ids must lie in [0, {MAX_VOCAB}) to fit a uint16 shard")
+MAX_TOKENS = (1 << 31) - 1  # the header's count is an int32
+
+
+def _header(count: int) -> bytes:
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
+    header[0], header[1], header[2] = MAGIC, VERSION, count
+    return header.tobytes()
+
+
+@contextmanager
+def shard_writer(path: str | os.PathLike):
+    """Yield `append(tokens)`; the shard is written part by part (never whole in memory), its
+    header's count filled in at the end, and it replaces `path` atomically (see andrea.atomic)."""
+    count = 0
     with atomic_write(path) as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        f.write(_header(0))
+
+        def append(tokens) -> None:
+            nonlocal count
+            tokens = np.asarray(tokens)
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= MAX_VOCAB):
+                raise AndreaError(f"{path}: token ids must lie in [0, {MAX_VOCAB}) to fit a uint16 shard")
+            count += tokens.size
+            if count > MAX_TOKENS:
+                raise AndreaError(f"{path}: more than {MAX_TOKENS:,} tokens do not fit one shard's header")
+            f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+
+        yield append
+        f.seek(0)
+        f.write(_header(count))
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write a whole token array as one shard, atomically."""
+    with shard_writer(path) as append:
+        append(tokens)
 
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:

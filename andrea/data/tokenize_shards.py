@@ -30,7 +30,7 @@ from andrea.data.tables import open_parquet
 from andrea.data.train_tokenizer import check_vocab_size
 from andrea.errors import AndreaError
 from andrea.manifest import write_manifest
-from andrea.shards import write_shard
+from andrea.shards import shard_writer
 
 STAGE = "tokenize"
 TOKENIZER_NAME = "tokenizer.json"
@@ -64,10 +64,11 @@ def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) ->
         yield pending.popleft().result()
 
 
-def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str,
-                   pool: Executor | None, workers: int) -> tuple[np.ndarray, dict]:
-    """All conversations of one split as one token array; encoded in `pool` when there is one."""
-    counts = {"conversations": 0, "content_bytes": 0}
+def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str, append,
+                   pool: Executor | None, workers: int) -> dict:
+    """Encode all conversations of one split in order, passing each batch's tokens to `append`
+    (a shard writer); encoded in `pool` when there is one. Returns the split's counts."""
+    counts = {"conversations": 0, "content_bytes": 0, "tokens": 0}
 
     def batches() -> Iterator[pa.RecordBatch]:
         for batch in table.iter_batches(batch_size=ENCODE_BATCH_ROWS, columns=["turns"]):
@@ -76,13 +77,14 @@ def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str,
             counts["content_bytes"] += pc.sum(pc.binary_length(contents)).as_py() or 0
             yield batch
 
-    parts = []
     with progress(STAGE, f"encoding {name}", table.metadata.num_rows, "conversations") as advance:
         encoded = _in_order(pool, batches(), 2 * workers) if pool else (encode_batch(b, chat) for b in batches())
         for rows, part in encoded:
-            parts.append(np.frombuffer(part, dtype=np.uint16))
+            tokens = np.frombuffer(part, dtype=np.uint16)
+            append(tokens)
+            counts["tokens"] += int(tokens.size)
             advance(rows)
-    return (np.concatenate(parts) if parts else np.zeros(0, np.uint16)), counts
+    return counts
 
 
 def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_dir: str | os.PathLike,
@@ -112,15 +114,14 @@ def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_d
         for split in SPLITS:
             start = time.perf_counter()
             shard = out_dir / f"{split}.bin"
-            tokens, counts = tokenize_split(chat, tables[split], parquets[split].name, pool, workers)
-            write_shard(shard, tokens)
-            counts["tokens"] = int(tokens.size)
+            with shard_writer(shard) as append:
+                counts = tokenize_split(chat, tables[split], parquets[split].name, append, pool, workers)
             manifests[split] = write_manifest(
                 shard, stage=STAGE, inputs=[tokenizer_path, parquets[split]],
                 config={"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"},
                 counts=counts, wall_time_s=time.perf_counter() - start,
             )
-            log(STAGE, f"wrote {shard} ({tokens.size:,} tokens, {counts['conversations']:,} conversations)")
+            log(STAGE, f"wrote {shard} ({counts['tokens']:,} tokens, {counts['conversations']:,} conversations)")
     finally:
         if pool:
             pool.shutdown(cancel_futures=True)
