@@ -9,13 +9,14 @@ hold lives in the `.state.json` sidecar (see `andrea.train`).
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 
 from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
-from andrea.hashing import sha256_file  # noqa: F401  (re-exported)
+from andrea.hashing import sha256_file
 
 HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
 HEADER_BYTES = HEADER.itemsize
@@ -101,3 +102,31 @@ class RunFiles:
         """Temp files of an atomic write that a killed process left behind."""
         folder = self.ckpt.parent
         return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]
+
+
+def read_state(ckpt) -> dict | None:
+    """The `.state.json` beside a checkpoint, or None when there is none."""
+    path = RunFiles(Path(ckpt)).state
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise AndreaError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); it was damaged or hand-edited") from None
+
+
+def recorded_sha256s(state: dict | None) -> set[str]:
+    """sha256 of the checkpoints a .state.json vouches for."""
+    return {c["sha256"] for c in (state or {}).get("checkpoints", [])}
+
+
+def verify_against_state(path) -> None:
+    """If a .state.json lies beside the checkpoint, its sha256 must be one of those it recorded."""
+    recorded = recorded_sha256s(read_state(path))
+    if recorded:
+        digest = sha256_file(path)
+        if digest not in recorded:
+            raise AndreaError(
+                f"{path}: sha256 {digest[:16]}… matches none recorded in {RunFiles(Path(path)).state}; "
+                "the checkpoint was modified or damaged"
+            )

@@ -46,7 +46,8 @@ def inference_engine(name: str, precision: str):
 
 def _file_record(path: Path) -> dict:
     """A file as the eval report names it: path, sha256 and, when a stage made it, its manifest's sha256."""
-    from andrea.manifest import manifest_path, read_manifest, sha256_file
+    from andrea.hashing import sha256_file
+    from andrea.manifest import manifest_path, read_manifest
 
     record = {"path": str(path), "sha256": sha256_file(path)}
     if manifest_path(path).is_file():
@@ -60,7 +61,8 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     from dataclasses import asdict
 
     from andrea.checkpoint import read_checkpoint
-    from andrea.inspect_ckpt import experiment_for, read_state, recorded_sha256s
+    from andrea.checkpoint import read_state, recorded_sha256s
+    from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
     from andrea.loader import TokenWindows
     from andrea.manifest import lineage, manifest_path

@@ -13,25 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import map_checkpoint, read_header, sha256_file
+from andrea.checkpoint import map_checkpoint, read_header
+from andrea.hashing import sha256_file
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
 from andrea.layout import ParameterLayout
-from andrea.checkpoint import RunFiles
+from andrea.checkpoint import RunFiles, read_state, recorded_sha256s
 
 DEFAULT_EXPERIMENTS_DIR = "config/experiments"
 VECTORS = ("weights", "m", "v")
-
-
-def read_state(ckpt) -> dict | None:
-    """The `.state.json` beside a checkpoint, or None when there is none."""
-    path = RunFiles(Path(ckpt)).state
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise AndreaError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); it was damaged or hand-edited") from None
 
 
 def matching_experiments(n_params: int, folder=DEFAULT_EXPERIMENTS_DIR) -> list[Experiment]:
@@ -73,11 +63,6 @@ def experiment_for(ckpt, explicit=None) -> Experiment:
             f"has model {json.dumps(exp.raw['model'], sort_keys=True)}; pass the experiment it was trained with"
         )
     return exp
-
-
-def recorded_sha256s(state: dict | None) -> set[str]:
-    """sha256 of the checkpoints a .state.json vouches for."""
-    return {c["sha256"] for c in (state or {}).get("checkpoints", [])}
 
 
 def tensor_stats(flat: np.ndarray) -> dict:

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 from andrea import __version__
 from andrea.atomic import write_json_atomic
 from andrea.errors import AndreaError
-from andrea.hashing import canonical_json, config_hash, sha256_file  # noqa: F401  (re-exported)
+from andrea.hashing import config_hash, sha256_file
 
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = "andrea-manifest/1"

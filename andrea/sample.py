@@ -36,7 +36,7 @@ def find_tokenizer(data_dir, explicit=None) -> Path | None:
 
 def tokenizer_for(ckpt, explicit=None) -> Path:
     """The tokenizer of a checkpoint: --tokenizer, else the one beside the data it was trained on."""
-    from andrea.inspect_ckpt import read_state
+    from andrea.checkpoint import read_state
 
     state = read_state(ckpt) or {}
     data_dir = state.get("data", {}).get("dir")

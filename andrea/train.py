@@ -24,7 +24,7 @@ from pathlib import Path
 
 from andrea import __version__
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import RunFiles, read_checkpoint, sha256_file, write_checkpoint
+from andrea.checkpoint import RunFiles, read_checkpoint, read_state, verify_against_state, write_checkpoint
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
 from andrea.parallel import rank_from_env
@@ -260,16 +260,8 @@ class Trainer:
         return 0
 
     def _read_verified(self, path: Path):
-        """Read a checkpoint; if a .state.json lies beside it, its sha256 must be one it recorded."""
-        state_path = RunFiles(path).state
-        if state_path.is_file():
-            recorded = json.loads(state_path.read_text()).get("checkpoints", [])
-            digest = sha256_file(path)
-            if recorded and digest not in {c["sha256"] for c in recorded}:
-                raise AndreaError(
-                    f"{path}: sha256 {digest[:16]}… matches none recorded in {state_path} "
-                    f"(steps {', '.join(str(c['step']) for c in recorded)}); the checkpoint was modified or damaged"
-                )
+        """Read a checkpoint, checked against the .state.json beside it if there is one."""
+        verify_against_state(path)
         return read_checkpoint(path, self.model.layout.n_params, f"experiment {self.exp.name}")
 
     def _resume(self, stop: int) -> int:
@@ -279,7 +271,7 @@ class Trainer:
                 f"{files.state}: missing, so {files.ckpt} cannot be matched to the experiment; "
                 f"use --init-from {files.ckpt} to start from its weights anyway"
             )
-        state = json.loads(files.state.read_text())
+        state = read_state(files.ckpt)
         if state.get("trajectory_hash") != self.exp.trajectory_hash():
             theirs = state.get("experiment", {})
             differing = [k for k in ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
@@ -354,8 +346,7 @@ class Trainer:
     def write_samples(self, step: int) -> None:
         from andrea.sample import training_samples
 
-        params, _, _ = self.model.host_state()
-        self.sampler.load_params(params)
+        self.sampler.load_params(self.engine.to_host(self.model.buf["params"]))
         entry = {"step": step, "samples": training_samples(self.sampler, self.prompts, seed=self.exp.seed, step=step)}
         history = json.loads(self.files.samples.read_text()) if self.files.samples.exists() else []
         history = [h for h in history if h["step"] < step] + [entry]

@@ -11,7 +11,8 @@ import pytest
 from andrea.cli import main
 from andrea.data import tokenize_shards
 from andrea.data.chatml import ChatTokenizer
-from andrea.manifest import manifest_path, read_manifest, sha256_file
+from andrea.hashing import sha256_file
+from andrea.manifest import manifest_path, read_manifest
 from andrea.shards import read_shard
 
 DATA = "results/data"

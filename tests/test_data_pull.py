@@ -15,7 +15,8 @@ import pytest
 from andrea.cli import main
 from andrea.data import pull_hermes3 as pull
 from andrea.errors import AndreaError
-from andrea.manifest import read_manifest, sha256_file
+from andrea.hashing import sha256_file
+from andrea.manifest import read_manifest
 
 OPENAI_ROWS = [
     {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},

@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import sha256_file, write_checkpoint
+from andrea.checkpoint import write_checkpoint
+from andrea.hashing import sha256_file
 from andrea.cli import main as cli
 from andrea.config import load_experiment
 from andrea.inspect_ckpt import inspect_checkpoint

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import read_checkpoint, sha256_file
+from andrea.checkpoint import read_checkpoint
+from andrea.hashing import sha256_file
 from andrea.cli import main as cli_main
 from andrea.engines.numpy_engine import NumpyEngine
 from andrea.shards import read_shard, write_shard

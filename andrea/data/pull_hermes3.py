@@ -25,7 +25,8 @@ from andrea.data.conversations import SCHEMAS, Dropped, read_turns, to_hermes
 from andrea.data.progress import log, progress
 from andrea.data.tables import BATCH_ROWS, parquet_output
 from andrea.errors import AndreaError
-from andrea.manifest import sha256_file, write_manifest
+from andrea.hashing import sha256_file
+from andrea.manifest import write_manifest
 
 STAGE = "pull-hermes3"
 EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
