@@ -84,6 +84,11 @@ class Experiment:
     def precision(self) -> str:
         return self.raw["precision"]
 
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """Activations recomputed in the backward (memory for time; not part of the trajectory)."""
+        return tuple(self.raw.get("recompute", ()))
+
     def total_steps(self, n_train_tokens: int) -> int:
         """Steps of the run: given directly, or from epochs over a train shard of n_train_tokens."""
         train = self.raw["train"]

@@ -15,12 +15,18 @@ from pathlib import Path
 from andrea.errors import AndreaError
 
 KERNEL_FILES = (
-    "embed", "layernorm", "attn_qkv", "attn", "attn_out", "mlp", "residual_add", "loss",
+    "embed", "layernorm", "attn_qkv", "attn", "attn_bf16", "attn_out", "mlp", "residual_add", "loss",
     "grad_norm", "adamw",
 )
 COMMON_HEADER = "common.cuh"
 ARCHS = ("sm_80", "sm_89", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17",)
+# Each precision is its own build of the same sources: the activation type act_t (common.cuh).
+BUILDS = {"fp32": (), "tf32": (), "bf16": ("-DACT_BF16",)}
+
+
+def build_options(precision: str) -> tuple[str, ...]:
+    return (*NVRTC_OPTIONS, *BUILDS[precision])
 
 
 def kernel_dir() -> Path:
@@ -62,21 +68,22 @@ class Compiled:
     log: str
 
 
-def compile_kernel(op: str, arch: str = "sm_90", folder: Path | None = None) -> Compiled:
+def compile_kernel(op: str, arch: str = "sm_90", folder: Path | None = None, precision: str = "fp32") -> Compiled:
     """NVRTC-compile kernels/<op>.cu to a cubin for `arch`; raises AndreaError with the compiler log."""
     from cupy_backends.cuda.libs import nvrtc
 
-    options = (f"-arch={arch}", *NVRTC_OPTIONS, f"-I{cuda_include_dir()}")
+    options = (f"-arch={arch}", *build_options(precision), f"-I{cuda_include_dir()}")
     prog = nvrtc.createProgram(kernel_source(op, folder), f"{op}.cu", [], [])
     try:
         try:
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError as err:
-            raise AndreaError(f"kernels/{op}.cu does not compile for {arch}: {err}\n{nvrtc.getProgramLog(prog)}") from None
+            raise AndreaError(f"kernels/{op}.cu does not compile for {arch} ({precision}): {err}\n"
+                              f"{nvrtc.getProgramLog(prog)}") from None
         return Compiled(op, arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
 
 
-def compile_kernels(arch: str = "sm_90", folder: Path | None = None) -> dict[str, Compiled]:
-    return {op: compile_kernel(op, arch, folder) for op in KERNEL_FILES}
+def compile_kernels(arch: str = "sm_90", folder: Path | None = None, precision: str = "fp32") -> dict[str, Compiled]:
+    return {op: compile_kernel(op, arch, folder, precision) for op in KERNEL_FILES}

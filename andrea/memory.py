@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-import numpy as np
-
 from andrea.layout import ParameterLayout
 
 # Grad-norm reduction: the flat gradient is cut into this many contiguous chunks; each chunk's
 # sum of squares is one partial, and the partials are summed in index order (deterministic).
 GRAD_NORM_PARTIALS = 1024
 ATTENTION_SAVES = ("probs", "lse")
+RECOMPUTABLE = ("gelu", "layernorm")
+# Element sizes by dtype name; bfloat16 has no NumPy dtype without ml_dtypes (CuPy brings it on GPU hosts).
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
-        return prod(self.shape) * np.dtype(self.dtype).itemsize
+        return prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -66,65 +67,98 @@ class MemoryPlan:
 
 
 def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,
-               attention: str = "probs", engine_buffers: tuple[BufferSpec, ...] = ()) -> MemoryPlan:
+               attention: str = "probs", act_dtype: str | None = None, recompute: tuple[str, ...] = (),
+               engine_buffers: tuple[BufferSpec, ...] = ()) -> MemoryPlan:
     """All buffers for forward (and, when training, backward + AdamW) at one micro-batch size.
 
     `attention` is what the engine's attention saves for its backward pass, per layer in `att`:
     "probs", the [B, H, T, T] probabilities (the NumPy engine), or "lse", the per-row logsumexp
     [B, H, T] of a fused attention that recomputes the probabilities (its `d_att` scratch is [B, H, T]
-    too). `engine_buffers` are the engine's own device buffers, listed so the plan covers all of them."""
+    too). `engine_buffers` are the engine's own device buffers, listed so the plan covers all of them.
+
+    `act_dtype` (default: `dtype`) is the element type of the activations and of the activation
+    gradients that feed matrix products (bfloat16 for mixed precision); a low-precision act_dtype adds
+    `params_lp`, the copy of the weights the products read (a pure function of the fp32 `params`).
+    Statistics, the residual-stream gradients (`d_residual*`, `d_ln`, which products add into),
+    parameters, gradients and optimizer state stay in `dtype`.
+
+    `recompute` names activations kept for one layer only, which the backward recomputes: "gelu" makes
+    `mlp_act` one layer's GELU(pre) (and the backward's d_mlp_pre too: the MLP backward is done reading
+    act when it writes d_mlp_pre), "layernorm" replaces `ln1` and `ln2` by `ln`, the one LayerNorm output
+    in use at a time (recomputed in the backward from the layer's input and its saved mean and rstd).
+
+    The classifier has no gradient buffer of its own: `loss_bwd` turns `probs` into d_logits in place."""
     if attention not in ATTENTION_SAVES:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION_SAVES}")
+    if set(recompute) - set(RECOMPUTABLE):
+        raise ValueError(f"recompute {recompute!r}: from {RECOMPUTABLE}")
+    recompute = recompute if training else ()
     s = layout.shape
     B, T, C, H, V, L = micro_batch, s.seq_len, s.d_model, s.n_head, s.vocab_size, s.n_layer
     n = layout.n_params
     scores = (B, H, T, T) if attention == "probs" else (B, H, T)
+    act = act_dtype or dtype
     specs: list[BufferSpec] = []
 
-    def add(name, shape, role, dt=dtype):
+    def add(name, shape, role, dt=act):
         specs.append(BufferSpec(name, tuple(shape), dt, role))
 
-    add("params", (n,), "parameters")
+    def stat(name, shape, role="activations"):
+        add(name, shape, role, dtype)
+
+    def saved(name, shape, recomputed, scratch_name=None):
+        """A per-layer activation: every layer's, or one layer's when the backward recomputes it."""
+        if recomputed in recompute:
+            if scratch_name not in {b.name for b in specs}:
+                add(scratch_name or name, shape, "scratch")
+        else:
+            add(name, (L, *shape), "activations")
+
+    stat("params", (n,), "parameters")
+    if act != dtype:
+        add("params_lp", (n,), "parameters")
     if training:
-        add("grads", (n,), "gradients")
-        add("m", (n,), "optimizer")
-        add("v", (n,), "optimizer")
-        add("grad_norm_partials", (GRAD_NORM_PARTIALS,), "scratch")
-        add("grad_norm", (1,), "scratch")
+        stat("grads", (n,), "gradients")
+        stat("m", (n,), "optimizer")
+        stat("v", (n,), "optimizer")
+        stat("grad_norm_partials", (GRAD_NORM_PARTIALS,), "scratch")
+        stat("grad_norm", (1,), "scratch")
     add("tokens", (B, T), "io", "int32")
     add("targets", (B, T), "io", "int32")
     # Saved activations: what the backward ops read.
     add("residual", (L + 1, B, T, C), "activations")  # residual[l] enters layer l
     add("residual_mid", (L, B, T, C), "activations")  # after the attention sub-layer
-    add("ln1", (L, B, T, C), "activations")
-    add("ln1_mean", (L, B, T), "activations")
-    add("ln1_rstd", (L, B, T), "activations")
+    saved("ln1", (B, T, C), "layernorm", "ln")
+    stat("ln1_mean", (L, B, T))
+    stat("ln1_rstd", (L, B, T))
     add("qkv", (L, 3, B, T, C), "activations")
-    add("att", (L, *scores), "activations")
+    if attention == "lse":
+        stat("att", (L, *scores))
+    else:
+        add("att", (L, *scores), "activations")
     add("atty", (L, B, T, C), "activations")
-    add("ln2", (L, B, T, C), "activations")
-    add("ln2_mean", (L, B, T), "activations")
-    add("ln2_rstd", (L, B, T), "activations")
+    saved("ln2", (B, T, C), "layernorm", "ln")
+    stat("ln2_mean", (L, B, T))
+    stat("ln2_rstd", (L, B, T))
     add("mlp_pre", (L, B, T, 4 * C), "activations")
-    add("mlp_act", (L, B, T, 4 * C), "activations")
+    saved("mlp_act", (B, T, 4 * C), "gelu")
     add("lnf", (B, T, C), "activations")
-    add("lnf_mean", (B, T), "activations")
-    add("lnf_rstd", (B, T), "activations")
+    stat("lnf_mean", (B, T))
+    stat("lnf_rstd", (B, T))
     add("probs", (B, T, V), "activations")
-    add("losses", (B, T), "activations")
+    stat("losses", (B, T))
     add("branch", (B, T, C), "scratch")  # a sub-layer's output before the residual add
     if training:
-        for name, shape in (
-            ("d_residual", (B, T, C)),
-            ("d_residual_next", (B, T, C)),
-            ("d_branch", (B, T, C)),
-            ("d_ln", (B, T, C)),
-            ("d_qkv", (3, B, T, C)),
-            ("d_atty", (B, T, C)),
-            ("d_att", scores),
-            ("d_mlp_pre", (B, T, 4 * C)),
-            ("d_logits", (B, T, V)),
-        ):
-            add(name, shape, "scratch")
+        for name, shape in (("d_residual", (B, T, C)), ("d_residual_next", (B, T, C)), ("d_ln", (B, T, C))):
+            stat(name, shape, "scratch")
+        add("d_branch", (B, T, C), "scratch")
+        add("d_qkv", (3, B, T, C), "scratch")
+        add("d_atty", (B, T, C), "scratch")
+        if attention == "lse":
+            stat("d_att", scores, "scratch")
+        else:
+            add("d_att", scores, "scratch")
+        if "gelu" not in recompute:
+            add("d_mlp_pre", (B, T, 4 * C), "scratch")
     specs.extend(engine_buffers)
     return MemoryPlan(tuple(specs), micro_batch, training)

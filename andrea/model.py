@@ -55,7 +55,8 @@ def lr_at(exp: Experiment, step: int, total_steps: int) -> float:
 class Model:
     """Buffers from the memory plan plus the forward/backward schedule over one engine."""
 
-    def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None):
+    def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None,
+                 recompute: tuple[str, ...] = ()):
         self.engine = engine
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
@@ -63,10 +64,17 @@ class Model:
         self.micro_batch = micro_batch
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=getattr(engine, "attention", "probs"),
+                               act_dtype=getattr(engine, "act_dtype", None), recompute=tuple(recompute),
                                engine_buffers=getattr(engine, "own_buffers", ()))
+        self.recompute = tuple(recompute) if training else ()
         self.buf = engine.allocate(self.plan)
         self.training = training
         self._views("params", "P")
+        # W: the weights the matrix products read: the low-precision copy under mixed precision, else P.
+        if "params_lp" in self.buf:
+            self._views("params_lp", "W")
+        else:
+            self.W = self.P
         if training:
             self._views("grads", "G")
 
@@ -85,10 +93,15 @@ class Model:
     def load_state(self, params: np.ndarray, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
         e = self.engine
         e.upload(self.buf["params"], params)
+        self._refresh_lp()
         if self.training:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
             e.zero_grads(self.buf["grads"])
+
+    def _refresh_lp(self) -> None:
+        if "params_lp" in self.buf:
+            self.engine.cast(self.buf["params_lp"], self.buf["params"])
 
     def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         e = self.engine
@@ -97,52 +110,67 @@ class Model:
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         """Run the forward pass on one micro-batch; returns the mean loss (saves what backward needs)."""
-        e, b, P, H = self.engine, self.buf, self.P, self.shape.n_head
+        e, b, P, W, H = self.engine, self.buf, self.P, self.W, self.shape.n_head
         e.upload(b["tokens"], tokens)
         e.upload(b["targets"], targets)
         res = b["residual"]
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
-        for l, p in enumerate(P["layers"]):
-            e.layernorm_fwd(b["ln1"][l], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
-            e.attn_qkv_fwd(b["qkv"][l], b["ln1"][l], p["W_Q"], p["W_K"], p["W_V"])
+        for l, (p, w) in enumerate(zip(P["layers"], W["layers"])):
+            e.layernorm_fwd(self._saved("ln1", l), b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
+            e.attn_qkv_fwd(b["qkv"][l], self._saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
             e.attn_fwd(b["atty"][l], b["att"][l], b["qkv"][l], H)
-            e.attn_out_fwd(b["branch"], b["atty"][l], p["W_O"])
+            e.attn_out_fwd(b["branch"], b["atty"][l], w["W_O"])
             e.residual_add(b["residual_mid"][l], res[l], b["branch"])
-            e.layernorm_fwd(b["ln2"][l], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
-            e.mlp_fwd(b["branch"], b["mlp_pre"][l], b["mlp_act"][l], b["ln2"][l], p["W_1"], p["W_2"])
+            e.layernorm_fwd(self._saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l],
+                            p["LN2.gamma"], p["LN2.beta"])
+            e.mlp_fwd(b["branch"], b["mlp_pre"][l], self._saved("mlp_act", l), self._saved("ln2", l), w["W_1"], w["W_2"])
             e.residual_add(res[l + 1], b["residual_mid"][l], b["branch"])
         e.layernorm_fwd(b["lnf"], b["lnf_mean"], b["lnf_rstd"], res[-1], P["LNf.gamma"], P["LNf.beta"])
-        e.loss_fwd(b["losses"], b["probs"], b["lnf"], P["wte"], b["targets"])
+        e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"])
         return e.mean_loss(b["losses"])
+
+    RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act": ("gelu", "mlp_act")}
+
+    def _saved(self, name: str, l: int):
+        """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
+        recomputed, scratch = self.RECOMPUTED[name]
+        return self.buf[scratch] if recomputed in self.recompute else self.buf[name][l]
 
     # ---- backward --------------------------------------------------------------------------
     def backward(self) -> None:
-        """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed)."""
-        e, b, P, G, H = self.engine, self.buf, self.P, self.G, self.shape.n_head
+        """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed).
+
+        The classifier's d_logits is `probs` itself, turned into the gradient in place (it is not read again)."""
+        e, b, P, W, G, H = self.engine, self.buf, self.P, self.W, self.G, self.shape.n_head
         res = b["residual"]
         dres, dres_next = b["d_residual"], b["d_residual_next"]
         n_positions = self.micro_batch * self.shape.seq_len
         for name in ("d_residual", "d_ln"):
             e.zero(b[name])
-        e.loss_bwd(b["d_ln"], G["wte"], b["d_logits"], b["probs"], b["lnf"], P["wte"], b["targets"], 1.0 / n_positions)
+        e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], 1.0 / n_positions)
         e.layernorm_bwd(dres, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"], b["lnf_mean"], b["lnf_rstd"])
         for l in reversed(range(self.shape.n_layer)):
-            p, g = P["layers"][l], G["layers"][l]
+            p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
             # x_out = x_mid + mlp(LN2(x_mid))
             for name in ("d_residual_next", "d_branch", "d_ln"):
                 e.zero(b[name])
             e.residual_add_bwd(dres_next, b["d_branch"], dres)
-            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["d_mlp_pre"], b["d_branch"], b["ln2"][l],
-                      b["mlp_pre"][l], b["mlp_act"][l], p["W_1"], p["W_2"])
+            if "layernorm" in self.recompute:
+                e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
+            gelu = "gelu" in self.recompute  # act is rebuilt inside mlp_bwd, and d_mlp_pre shares its buffer
+            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], b["d_branch"],
+                      self._saved("ln2", l), b["mlp_pre"][l], self._saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu)
             e.layernorm_bwd(dres_next, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                             p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
             for name in ("d_residual", "d_branch", "d_atty", "d_qkv", "d_ln"):
                 e.zero(b[name])
             e.residual_add_bwd(dres, b["d_branch"], dres_next)
-            e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][l], p["W_O"])
+            e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][l], w["W_O"])
             e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H)
-            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], b["ln1"][l], p["W_Q"], p["W_K"], p["W_V"])
+            if "layernorm" in self.recompute:
+                e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
+            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self._saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
             e.layernorm_bwd(dres, g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"],
                             b["ln1_mean"][l], b["ln1_rstd"][l])
         e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
@@ -183,7 +211,7 @@ class Model:
         beta1, beta2 = optimizer["betas"]
         e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
                      eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
-                     decay_ranges=self.layout.decay_ranges())
+                     decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"))
         e.zero_grads(b["grads"])
         return loss, norm
 

@@ -41,6 +41,28 @@ __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__
     }
 }
 
+// Four consecutive activations as floats (16-byte aligned for float, 8-byte for bf16).
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const bf16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+
+// The same tile from bf16 activations, widened to float as it lands (plain loads; the bf16 build with a
+// head width other than 64, which has no kernels of its own in attn_bf16.cu).
+__device__ __forceinline__ void load_tile(float* tile, const bf16* __restrict__ src, int row0, int T, int C, int hd) {
+    constexpr int GROUPS = ATTN_TILE / 4, ROWS_PER_PASS = ATTN_THREADS / GROUPS;
+    const int c = (threadIdx.x % GROUPS) * 4;
+#pragma unroll
+    for (int k = 0; k < ATTN_TILE / ROWS_PER_PASS; k++) {
+        const int r = threadIdx.x / GROUPS + k * ROWS_PER_PASS;
+        const bool inside = row0 + r < T && c < hd;
+        *reinterpret_cast<float4*>(tile + r * ATTN_LD + c) =
+            inside ? load4(src + (long long)(row0 + r) * C + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
 // This thread's tile copies have landed; a __syncthreads() after it makes everyone's visible.
 __device__ __forceinline__ void tiles_arrived() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
@@ -144,27 +166,42 @@ __device__ __forceinline__ float row_max4(float v) {
     return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
 }
 
+// Two consecutive activations (+)= (x, y).
+template <bool ADD>
+__device__ __forceinline__ void store2(float* p, float x, float y) {
+    float2* q = reinterpret_cast<float2*>(p);
+    if (ADD) {
+        const float2 old = *q;
+        x += old.x;
+        y += old.y;
+    }
+    *q = make_float2(x, y);
+}
+template <bool ADD>
+__device__ __forceinline__ void store2(bf16* p, float x, float y) {
+    unsigned* q = reinterpret_cast<unsigned*>(p);
+    if (ADD) {
+        const unsigned old = *q;
+        x += __uint_as_float(old << 16);
+        y += __uint_as_float(old & 0xffff0000u);
+    }
+    *q = pack_bf16x2(x, y);
+}
+
 // dst[row, 8n + 2t .. +1] (+)= scale * acc for the warp's rows below T and columns below hd.
 template <bool ADD>
-__device__ __forceinline__ void store_rows(float* __restrict__ dst, const Acc& acc, const float (&scale)[2],
+__device__ __forceinline__ void store_rows(act_t* __restrict__ dst, const Acc& acc, const float (&scale)[2],
                                            int row0, int T, int C, int hd, int t) {
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int row = row0 + 8 * half;
         if (row >= T) continue;
-        float* d = dst + (long long)row * C;
+        act_t* d = dst + (long long)row * C;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
             const int col = n * 8 + 2 * t;
             if (col >= hd) continue;
-            float2 v = make_float2(acc[n][2 * half] * scale[half], acc[n][2 * half + 1] * scale[half]);
-            float2* p = reinterpret_cast<float2*>(d + col);
-            if (ADD) {
-                const float2 old = *p;
-                v.x += old.x;
-                v.y += old.y;
-            }
-            *p = v;
+            store2<ADD>(d + col, acc[n][2 * half] * scale[half], acc[n][2 * half + 1] * scale[half]);
         }
     }
 }
@@ -182,7 +219,7 @@ __device__ __forceinline__ Head head_of(int bh, int B, int T, int C, int H) {
 
 // ---- forward: one block per (b, h) and 64-query tile ---------------------------------------------------
 template <bool SPLIT>
-__device__ __forceinline__ void attn_fwd(float* out, float* lse, const float* qkv, int B, int T, int C, int H,
+__device__ __forceinline__ void attn_fwd(act_t* out, float* lse, const act_t* qkv, int B, int T, int C, int H,
                                          float scale, float* smem) {
     float* Qs = smem;
     float* Ks = Qs + ATTN_TILE_FLOATS;
@@ -190,7 +227,7 @@ __device__ __forceinline__ void attn_fwd(float* out, float* lse, const float* qk
     const int hd = C / H, n_tiles = (T + ATTN_TILE - 1) / ATTN_TILE;
     const int qt = n_tiles - 1 - blockIdx.y;  // the longest rows first
     const Head hh = head_of(blockIdx.x, B, T, C, H);
-    const float* q = qkv + hh.seq;
+    const act_t* q = qkv + hh.seq;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const int row0 = qt * ATTN_TILE + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
     const float s2 = scale * LOG2E;  // softmax in base 2: exp(x) = exp2(x log2 e)
@@ -248,7 +285,7 @@ __device__ __forceinline__ void attn_fwd(float* out, float* lse, const float* qk
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_FWD_BLOCKS)
-k_attn_fwd(float* out, float* lse, const float* qkv, int B, int T, int C, int H, float scale, int split) {
+k_attn_fwd(act_t* out, float* lse, const act_t* qkv, int B, int T, int C, int H, float scale, int split) {
     extern __shared__ float4 smem_fwd[];
     if (split) attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
     else attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
@@ -256,7 +293,7 @@ k_attn_fwd(float* out, float* lse, const float* qkv, int B, int T, int C, int H,
 
 // ---- backward, first kernel: D and dQ, one block per (b, h) and 64-query tile -----------------------------------
 template <bool SPLIT>
-__device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const float* dout, const float* y, const float* qkv,
+__device__ __forceinline__ void attn_bwd_q(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv,
                                            const float* lse, int B, int T, int C, int H, float scale, float* smem) {
     float* Qs = smem;
     float* dYs = Qs + ATTN_TILE_FLOATS;
@@ -265,7 +302,7 @@ __device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const floa
     const int hd = C / H, n_tiles = (T + ATTN_TILE - 1) / ATTN_TILE;
     const int qt = n_tiles - 1 - blockIdx.y;
     const Head hh = head_of(blockIdx.x, B, T, C, H);
-    const float* q = qkv + hh.seq;
+    const act_t* q = qkv + hh.seq;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const int row0 = qt * ATTN_TILE + warp * 16 + g;
     const float s2 = scale * LOG2E;
@@ -282,12 +319,12 @@ __device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const floa
         float acc = 0.0f;
         if (row < T) {
             const float* dy_row = dYs + (warp * 16 + g + 8 * i) * ATTN_LD;
-            const float* y_row = y + hh.seq + (long long)row * C;
+            const act_t* y_row = y + hh.seq + (long long)row * C;
 #pragma unroll
             for (int c = 4 * t; c < ATTN_TILE; c += 16) {
                 if (c >= hd) break;
                 const float4 a = *reinterpret_cast<const float4*>(dy_row + c);
-                const float4 b = *reinterpret_cast<const float4*>(y_row + c);
+                const float4 b = load4(y_row + c);
                 acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
             }
         }
@@ -323,7 +360,7 @@ __device__ __forceinline__ void attn_bwd_q(float* dqkv, float* delta, const floa
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile -----------------------------------
 template <bool SPLIT>
-__device__ __forceinline__ void attn_bwd_kv(float* dqkv, const float* delta, const float* dout, const float* qkv,
+__device__ __forceinline__ void attn_bwd_kv(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv,
                                             const float* lse, int B, int T, int C, int H, float scale, float* smem) {
     float* Ks = smem;
     float* Vs = Ks + ATTN_TILE_FLOATS;
@@ -334,7 +371,7 @@ __device__ __forceinline__ void attn_bwd_kv(float* dqkv, const float* delta, con
     const int hd = C / H, n_tiles = (T + ATTN_TILE - 1) / ATTN_TILE;
     const int kt = blockIdx.y;  // the longest columns first
     const Head hh = head_of(blockIdx.x, B, T, C, H);
-    const float* q = qkv + hh.seq;
+    const act_t* q = qkv + hh.seq;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const int key0 = kt * ATTN_TILE + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
     const float s2 = scale * LOG2E;
@@ -379,7 +416,7 @@ __device__ __forceinline__ void attn_bwd_kv(float* dqkv, const float* delta, con
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
-k_attn_bwd_dq(float* dqkv, float* delta, const float* dout, const float* y, const float* qkv, const float* lse,
+k_attn_bwd_dq(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv, const float* lse,
               int B, int T, int C, int H, float scale, int split) {
     extern __shared__ float4 smem_dq[];
     float* smem = reinterpret_cast<float*>(smem_dq);
@@ -389,7 +426,7 @@ k_attn_bwd_dq(float* dqkv, float* delta, const float* dout, const float* y, cons
 
 // Runs after k_attn_bwd_dq, whose delta it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
-k_attn_bwd(float* dqkv, const float* delta, const float* dout, const float* qkv, const float* lse,
+k_attn_bwd(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv, const float* lse,
            int B, int T, int C, int H, float scale, int split) {
     extern __shared__ float4 smem_dkv[];
     float* smem = reinterpret_cast<float*>(smem_dkv);

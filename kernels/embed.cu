@@ -11,12 +11,12 @@
 #define EMBED_BWD_THREADS 256
 #define EMBED_BWD_COLS 16
 
-extern "C" __global__ void k_embed_fwd(float* out, const int* tokens, const float* wte, const float* wpe,
+extern "C" __global__ void k_embed_fwd(act_t* out, const int* tokens, const float* wte, const float* wpe,
                                        long long n_pos, int T, int C) {
     GRID_STRIDE_LOOP(i, n_pos * C) {
         const long long n = i / C;
         const int c = (int)(i % C), t = (int)(n % T);
-        out[i] = wte[(long long)tokens[n] * C + c] + wpe[(long long)t * C + c];
+        store(out + i, wte[(long long)tokens[n] * C + c] + wpe[(long long)t * C + c]);
     }
 }
 

@@ -3,6 +3,7 @@
 //   backward: xhat = (x - mean) * rstd,  dxhat = dout * gamma
 //             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 //             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout
+// Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
 // One warp per row. dgamma and dbeta are column sums: instead of atomics, the backward launch has
 // extra blocks that each own a few columns and sum every row in a fixed order (same bits every run).
 #include "common.cuh"
@@ -14,35 +15,35 @@
 #define LN_GROUPS (LN_THREADS / LN_COLS)
 
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_fwd(float* out, float* mean, float* rstd, const float* inp, const float* gamma, const float* beta,
+k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* inp, const float* gamma, const float* beta,
                 long long n_rows, int C) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= n_rows) return;
-    const float* x = inp + row * C;
-    float* y = out + row * C;
+    const act_t* x = inp + row * C;
+    act_t* y = out + row * C;
     float sum = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) sum += x[c];
+    for (int c = lane; c < C; c += WARP_SIZE) sum += to_f32(x[c]);
     const float m = warp_sum(sum) / C;
     float sq = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float d = x[c] - m;
+        const float d = to_f32(x[c]) - m;
         sq += d * d;
     }
     const float r = 1.0f / sqrtf(warp_sum(sq) / C + LN_EPS);
-    for (int c = lane; c < C; c += WARP_SIZE) y[c] = (x[c] - m) * r * gamma[c] + beta[c];
+    for (int c = lane; c < C; c += WARP_SIZE) store(y + c, (to_f32(x[c]) - m) * r * gamma[c] + beta[c]);
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
-__device__ void layernorm_bwd_row(float* dinp, const float* dout, const float* inp, const float* gamma,
+__device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* inp, const float* gamma,
                                   const float* mean, const float* rstd, long long n_rows, int C) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= n_rows) return;
-    const float* x = inp + row * C;
+    const act_t* x = inp + row * C;
     const float* dy = dout + row * C;
     float* dx = dinp + row * C;
     const float m = mean[row], r = rstd[row];
@@ -50,17 +51,17 @@ __device__ void layernorm_bwd_row(float* dinp, const float* dout, const float* i
     for (int c = lane; c < C; c += WARP_SIZE) {
         const float dxhat = dy[c] * gamma[c];
         sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * ((x[c] - m) * r);
+        sum_dxhat_xhat += dxhat * ((to_f32(x[c]) - m) * r);
     }
     const float mean_dxhat = warp_sum(sum_dxhat) / C;
     const float mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float xhat = (x[c] - m) * r;
+        const float xhat = (to_f32(x[c]) - m) * r;
         dx[c] += r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
     }
 }
 
-__device__ void layernorm_bwd_params(float* dgamma, float* dbeta, const float* dout, const float* inp,
+__device__ void layernorm_bwd_params(float* dgamma, float* dbeta, const float* dout, const act_t* inp,
                                      const float* mean, const float* rstd, long long n_rows, int C, int col_block) {
     __shared__ float part_gamma[LN_GROUPS][LN_COLS];
     __shared__ float part_beta[LN_GROUPS][LN_COLS];
@@ -70,7 +71,7 @@ __device__ void layernorm_bwd_params(float* dgamma, float* dbeta, const float* d
     if (c < C) {
         for (long long row = group; row < n_rows; row += LN_GROUPS) {
             const float dy = dout[row * C + c];
-            dg += dy * ((inp[row * C + c] - mean[row]) * rstd[row]);
+            dg += dy * ((to_f32(inp[row * C + c]) - mean[row]) * rstd[row]);
             db += dy;
         }
     }
@@ -92,7 +93,7 @@ __device__ void layernorm_bwd_params(float* dgamma, float* dbeta, const float* d
 
 // Blocks [0, row_blocks) do dinp, one warp per row; the rest do dgamma/dbeta, LN_COLS columns each.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_bwd(float* dinp, float* dgamma, float* dbeta, const float* dout, const float* inp, const float* gamma,
+k_layernorm_bwd(float* dinp, float* dgamma, float* dbeta, const float* dout, const act_t* inp, const float* gamma,
                 const float* mean, const float* rstd, long long n_rows, int C, int row_blocks) {
     if (blockIdx.x < row_blocks)
         layernorm_bwd_row(dinp, dout, inp, gamma, mean, rstd, n_rows, C);

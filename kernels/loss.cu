@@ -1,21 +1,25 @@
 // loss: tied output projection + softmax cross-entropy, one row of V logits per position.
 //   forward:  logits = inp @ wte^T (cuBLAS, written into probs),  probs = softmax(logits),
-//             losses[n] = -log(probs[n, targets[n]])
-//   backward: dlogits = scale * (probs - onehot(targets)),  dwte += dlogits^T inp,  dinp += dlogits wte
-// One block per row; the row's max and sum are block reductions in a fixed order.
+//             losses[n] = logsumexp(logits[n]) - logits[n, targets[n]]
+//   backward: dlogits = probs - onehot(targets) (the gradient of sum(losses); the products take the
+//             scale),  dwte += scale dlogits^T inp,  dinp += scale dlogits wte
+// The classifier keeps one [N, V] buffer: the forward turns the logits into probabilities in place, and
+// the backward turns those into dlogits in place (only the target entries change), so there is no
+// separate probabilities or gradient buffer. One block per row; the row's max and sum are block
+// reductions in a fixed order.
 #include "common.cuh"
 
 #define LOSS_THREADS 1024
 
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_fwd(float* losses, float* probs, const int* targets, long long n_rows, int V) {
+k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, int V) {
     __shared__ float scratch[WARP_SIZE];
     const long long row = blockIdx.x;
-    float* x = probs + row * V;
+    act_t* x = probs + row * V;
     // One pass for max and sum: each thread keeps a running max and a sum rescaled to it.
     float m = NEG_INF, sum = 0.0f;
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        const float v = x[j];
+        const float v = to_f32(x[j]);
         if (v > m) {
             sum = sum * expf(m - v) + 1.0f;
             m = v;
@@ -23,21 +27,29 @@ k_loss_fwd(float* losses, float* probs, const int* targets, long long n_rows, in
             sum += expf(v - m);
         }
     }
+    const int target = targets[row];
+    const float picked = to_f32(x[target]);  // read before the reductions' barriers: the row is rewritten after
     const float row_max = block_max(m, scratch);
     const float row_sum = block_sum(sum * expf(m - row_max), scratch);
-    const int target = targets[row];
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        const float p = expf(x[j] - row_max) / row_sum;
-        x[j] = p;
-        if (j == target) losses[row] = -logf(p);
-    }
+    if (threadIdx.x == 0) losses[row] = row_max + logf(row_sum) - picked;
+    const float inv = 1.0f / row_sum;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) store(x + j, expf(to_f32(x[j]) - row_max) * inv);
 }
 
+// dlogits is a buffer of its own: copy the probabilities, less one at the target.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_bwd(float* dlogits, const float* probs, const int* targets, long long n_rows, int V, float scale) {
+k_loss_bwd(act_t* dlogits, const act_t* probs, const int* targets, long long n_rows, int V) {
     const long long row = blockIdx.x;
     const int target = targets[row];
-    const float* p = probs + row * V;
-    float* d = dlogits + row * V;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) d[j] = (j == target ? p[j] - 1.0f : p[j]) * scale;
+    const act_t* p = probs + row * V;
+    act_t* d = dlogits + row * V;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) store(d + j, j == target ? to_f32(p[j]) - 1.0f : to_f32(p[j]));
+}
+
+// dlogits is probs: only each row's target entry changes.
+extern "C" __global__ void k_loss_bwd_in_place(act_t* probs, const int* targets, long long n_rows, int V) {
+    GRID_STRIDE_LOOP(row, n_rows) {
+        act_t* p = probs + row * V + targets[row];
+        store(p, to_f32(*p) - 1.0f);
+    }
 }

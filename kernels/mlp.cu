@@ -8,19 +8,20 @@
 #define GELU_K 0.7978845608028654f  // sqrt(2 / pi)
 #define GELU_C 0.044715f
 
-extern "C" __global__ void k_mlp_fwd(float* act, const float* pre, long long n) {
+// Also the backward's recomputation of act when only pre is kept (recompute_gelu).
+extern "C" __global__ void k_mlp_fwd(act_t* act, const act_t* pre, long long n) {
     GRID_STRIDE_LOOP(i, n) {
-        const float x = pre[i];
-        act[i] = 0.5f * x * (1.0f + tanhf(GELU_K * (x + GELU_C * x * x * x)));
+        const float x = to_f32(pre[i]);
+        store(act + i, 0.5f * x * (1.0f + tanhf(GELU_K * (x + GELU_C * x * x * x))));
     }
 }
 
 // dpre holds dout @ W_2^T on entry and the gradient at pre on return.
-extern "C" __global__ void k_mlp_bwd(float* dpre, const float* pre, long long n) {
+extern "C" __global__ void k_mlp_bwd(act_t* dpre, const act_t* pre, long long n) {
     GRID_STRIDE_LOOP(i, n) {
-        const float x = pre[i];
+        const float x = to_f32(pre[i]);
         const float th = tanhf(GELU_K * (x + GELU_C * x * x * x));
         const float grad = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-        dpre[i] *= grad;
+        store(dpre + i, to_f32(dpre[i]) * grad);
     }
 }

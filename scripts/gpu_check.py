@@ -7,17 +7,18 @@ Sections, each reported even when another fails:
   build        NVRTC compile of every kernel file for this device's architecture
   ceilings     fp32 / tf32 cuBLAS rate (8192^3) and device-to-device copy bandwidth, measured here
   ops          every op pair (forward and backward) against the float64 NumPy reference, on fresh
-               random inputs at the tiny, 12M and 120M shapes, for the fp32 and tf32 engines
-  train        20 optimizer steps, NumPy fp32 against CUDA fp32 and tf32 from the same init
+               random inputs at the tiny, 12M and 120M shapes, for the fp32, tf32 and bf16 engines
+  train        20 optimizer steps, NumPy fp32 against CUDA fp32, tf32 and bf16 from the same init
+  parity       200 steps of the 12M model in bf16 against fp32 from the same init (final loss within 1%)
   determinism  the same run twice on the CUDA engine: identical params, m and v bytes
   memory       memory plan bytes (the engine's own buffers included) against CuPy's pool and the
                device's used memory; pool requests during a train step (must be 0); the PyTorch
                baseline's peak beside them
-  resume       `andrea train --engine cuda` stopped by SIGTERM and resumed equals an unbroken run
+  resume       `andrea train --engine cuda` stopped by SIGTERM and resumed equals an unbroken run (fp32, bf16)
   cross        a checkpoint written by `andrea train --engine cuda` resumes on `--engine numpy`, and
                the other way round; both trajectories match the all-NumPy run
-  bench        train_step tokens/s at the 12M (B=32, T=512) and 120M (B=8, T=1024) shapes, fp32 and
-               tf32, per-op times, and the PyTorch baseline's variants run in the same call
+  bench        train_step tokens/s at the 12M (B=32, T=512) and 120M (B=8, T=1024) shapes, fp32, tf32
+               and bf16, per-op times, and the PyTorch baseline's variants run in the same call
 Prints a table last; writes gpu_check.json and gpu_check.txt under --out (default: $OUT if set,
 else results/gpu_check).
 """
@@ -52,17 +53,23 @@ SHAPES = {name: ModelShape(**json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.jso
 # NumPy reference micro-batches for the op checks: 120M at B=1 keeps the float64 reference (a
 # [1024, 768] x [768, 50304] product and its two backward products) to seconds on the host.
 OP_BATCH = {"tiny": 4, "12M": 4, "120M": 1}
-LIMITS = {"fp32": 1e-4, "tf32": 1e-2}  # relative error ||got - ref|| / ||ref|| against float64
+PRECISIONS = ("fp32", "tf32", "bf16")
+LIMITS = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}  # relative error ||got - ref|| / ||ref|| against float64
 TRAIN = {"tiny": (4, 2), "12M": (2, 2)}  # (micro-batch, micro-batches) for the 20-step comparison
 TRAIN_STEPS = 20
-TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2}  # max |loss - numpy loss| / numpy loss over the steps
+TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2, "bf16": 3e-2}  # max |loss - numpy loss| / numpy loss over the steps
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
+# What each experiment recomputes in the backward (its "recompute"): the bf16 runs use it.
+RECOMPUTE = {name: tuple(json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.json").read_text()).get("recompute", ()))
+             for name in ("tiny", "12M", "120M")}
+PARITY_STEPS, PARITY_LIMIT = 200, 0.01
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
 RESUME_ENGINE = "cuda"
 CROSS_STEPS = 10
 CROSS_LIMIT = 1e-4  # max |loss - numpy loss| / numpy loss, fp32
 
 report: dict = {}
+CHECKED = ("ops", "train", "parity", "determinism", "memory", "resume", "cross")  # sections with a verdict
 
 
 def log(msg: str) -> None:
@@ -138,13 +145,14 @@ def build():
 
     arch = f"sm_{cupy.cuda.Device(0).compute_capability}"
     t0 = time.time()
-    compiled = compile_kernels(arch)
+    compiled = {p: compile_kernels(arch, precision=p) for p in ("fp32", "bf16")}
     nvrtc_s = time.time() - t0
     t0 = time.time()
-    CudaEngine()
+    for p in PRECISIONS:
+        CudaEngine(precision=p)
     engine_s = time.time() - t0
     out = {"arch": arch, "nvrtc_seconds": round(nvrtc_s, 2), "engine_load_seconds": round(engine_s, 2),
-           "cubin_bytes": {op: len(c.cubin) for op, c in compiled.items()}}
+           "cubin_bytes": {p: {op: len(c.cubin) for op, c in cs.items()} for p, cs in compiled.items()}}
     log(json.dumps(out))
     return out
 
@@ -160,9 +168,10 @@ def ceilings():
     b = cupy.random.standard_normal((n, n), dtype=np.float32)
     c = cupy.empty((n, n), dtype=np.float32)
     out = {}
-    for precision in ("fp32", "tf32"):
+    for precision in PRECISIONS:
         blas = CudaEngine(precision=precision).blas
-        ms = median_ms(lambda: blas.gemm(c.data.ptr, a.data.ptr, b.data.ptr, n, n, n), reps=5)
+        x, y, z = (a, b, c) if precision != "bf16" else (a.astype("bfloat16"), b.astype("bfloat16"), c.astype("bfloat16"))
+        ms = median_ms(lambda: blas.gemm(z, x, y, n, n, n), reps=5)
         out[f"{precision}_tflops"] = round(2 * n**3 / ms / 1e9, 1)
     src = cupy.random.standard_normal(2**29 // 4 * 4, dtype=np.float32)  # 2 GiB
     dst = cupy.empty_like(src)
@@ -178,7 +187,7 @@ def ceilings():
 def ops():
     from andrea.engines.cuda_engine import CudaEngine
 
-    engines = {p: CudaEngine(precision=p) for p in ("fp32", "tf32")}
+    engines = {p: CudaEngine(precision=p) for p in PRECISIONS}
     rows = []
     for shape_name, shape in SHAPES.items():
         s = OpShape.of(shape, B=OP_BATCH[shape_name])
@@ -195,7 +204,7 @@ def ops():
                              "seed": seed, "outputs": outputs})
             log(f"{shape_name:5} {op:13} " + "  ".join(
                 f"{r['precision']} rel {r['rel']:.1e} ({r['worst_output']}) abs {r['max_abs']:.1e}{'' if r['ok'] else ' FAIL'}"
-                for r in rows[-2:]) + f"  [{time.time() - t0:.1f}s]")
+                for r in rows[-len(engines):]) + f"  [{time.time() - t0:.1f}s]")
             free_device_memory()
     return {"rows": rows, "ok": all(r["ok"] for r in rows)}
 
@@ -213,8 +222,9 @@ def train():
         numpy_s = time.time() - t0
         entry = {"micro_batch": micro, "micro_batches": n_micro, "numpy_losses": ref.losses,
                  "numpy_seconds": round(numpy_s, 1)}
-        for precision in ("fp32", "tf32"):
-            run = train_run(CudaEngine(precision=precision), shape, micro, n_micro, TRAIN_STEPS)
+        for precision in PRECISIONS:
+            run = train_run(CudaEngine(precision=precision), shape, micro, n_micro, TRAIN_STEPS,
+                            recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
             rel = [abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses)]
             params_rel = float(np.linalg.norm(run.params.astype(np.float64) - ref.params) / np.linalg.norm(ref.params))
             entry[precision] = {"losses": run.losses, "max_rel_loss_diff": max(rel), "final_params_rel": params_rel,
@@ -224,7 +234,30 @@ def train():
                 f"{run.losses[0]:.4f} -> {run.losses[-1]:.4f}; max rel diff {max(rel):.1e}; "
                 f"final params rel {params_rel:.1e}")
         out[shape_name] = entry
-    out["ok"] = all(out[s][p]["ok"] for s in TRAIN for p in ("fp32", "tf32"))
+    out["ok"] = all(out[s][p]["ok"] for s in TRAIN for p in PRECISIONS)
+    return out
+
+
+@section("parity")
+def parity():
+    """bf16 against fp32 over PARITY_STEPS steps of the 12M model at the benchmark's batch, same init and batches."""
+    from andrea.engines.cuda_engine import CudaEngine
+
+    shape, micro = SHAPES["12M"], BENCH["12M"]
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        t0 = time.time()
+        runs[precision] = train_run(CudaEngine(precision=precision), shape, micro, 1, PARITY_STEPS,
+                                    recompute=RECOMPUTE["12M"] if precision == "bf16" else ())
+        free_device_memory()
+        log(f"12M {precision}: {PARITY_STEPS} steps, loss {runs[precision].losses[0]:.4f} -> "
+            f"{runs[precision].losses[-1]:.4f} [{time.time() - t0:.1f}s]")
+    f, b = runs["fp32"].losses, runs["bf16"].losses
+    final_rel = abs(b[-1] - f[-1]) / f[-1]
+    last10_rel = abs(np.mean(b[-10:]) - np.mean(f[-10:])) / np.mean(f[-10:])
+    out = {"steps": PARITY_STEPS, "micro_batch": micro, "fp32_losses": f, "bf16_losses": b,
+           "final_rel": final_rel, "last10_rel": float(last10_rel), "ok": final_rel <= PARITY_LIMIT}
+    log(f"final loss fp32 {f[-1]:.4f}, bf16 {b[-1]:.4f}: rel diff {final_rel:.2e} (last 10 steps' mean {last10_rel:.2e})")
     return out
 
 
@@ -234,9 +267,10 @@ def determinism():
 
     out = {}
     for shape_name, micro, steps in (("12M", 8, 10), ("120M", 2, 3)):
-        for precision in ("fp32", "tf32"):
-            digests = [train_run(CudaEngine(precision=precision), SHAPES[shape_name], micro, 2, steps).digest
-                       for _ in range(2)]
+        for precision in PRECISIONS:
+            recompute = RECOMPUTE[shape_name] if precision == "bf16" else ()
+            digests = [train_run(CudaEngine(precision=precision), SHAPES[shape_name], micro, 2, steps,
+                                 recompute=recompute).digest for _ in range(2)]
             free_device_memory()
             out[f"{shape_name}/{precision}"] = {"steps": steps, "micro_batch": micro, "same_bits": digests[0] == digests[1],
                                                 "sha256": digests}
@@ -255,11 +289,13 @@ def memory():
 
     pool = cupy.get_default_memory_pool()
     out = {}
-    for shape_name, micro in BENCH.items():
+    for key in (f"{s}/{p}" for p in ("fp32", "bf16") for s in BENCH):
+        shape_name, precision = key.split("/")
+        micro = BENCH[shape_name]
         free_device_memory()
         dev0, pool0 = device_used(), pool.total_bytes()
-        engine = CudaEngine()
-        model = Model(engine, SHAPES[shape_name], micro)
+        engine = CudaEngine(precision=precision)
+        model = Model(engine, SHAPES[shape_name], micro, recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
         model.load_state(init_params(model.layout, 0))
         step_allocations(model, step=0)
         counts = step_allocations(model, step=1)
@@ -272,8 +308,8 @@ def memory():
                  "step_pool_requests": counts["pool_requests"],
                  "step_used_delta": counts["used_after"] - counts["used_before"]}
         entry["ok"] = entry["step_pool_requests"] == 0 and entry["step_used_delta"] == 0
-        out[shape_name] = entry
-        log(f"{shape_name} B={micro}: plan {plan / 2**20:,.1f} MiB (engine's own {engine.own_bytes / 2**20:.1f} MiB "
+        out[key] = entry
+        log(f"{key} B={micro}: plan {plan / 2**20:,.1f} MiB (engine's own {engine.own_bytes / 2**20:.1f} MiB "
             f"included); pool {pool_grown / 2**20:,.1f} MiB (plan + {entry['pool_slack_bytes']:,} B); device "
             f"{dev_grown / 2**20:,.1f} MiB (slack {entry['device_slack_bytes'] / 2**20:,.1f} MiB); step: "
             f"{counts['pool_requests']} pool requests, used bytes {counts['used_before']:,} -> {counts['used_after']:,}")
@@ -283,7 +319,7 @@ def memory():
     return out
 
 
-def tiny_run_setup(prefix: str, steps: int, intervals: dict) -> tuple[Path, Path, Path]:
+def tiny_run_setup(prefix: str, steps: int, intervals: dict, precision: str = "fp32") -> tuple[Path, Path, Path]:
     """A work folder with the tiny experiment (`steps` optimizer steps) and a small repeating corpus."""
     from andrea.shards import write_shard
 
@@ -291,6 +327,7 @@ def tiny_run_setup(prefix: str, steps: int, intervals: dict) -> tuple[Path, Path
     raw = json.loads((EXPERIMENTS / "ANDREA-tiny-TRAIN.json").read_text())
     raw["train"] = {"steps": steps}
     raw["intervals"] = intervals
+    raw["precision"] = precision
     experiment = work / "tiny.json"
     experiment.write_text(json.dumps(raw))
     data = work / "data"
@@ -312,13 +349,16 @@ TRAIN_ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get
 @section("resume")
 def resume():
     """SIGTERM during a CUDA run, then --resume: the final checkpoint must equal an unbroken run's."""
-    if not (REPO / "andrea" / "train.py").is_file():
-        log("skipped: andrea/train.py does not exist yet")
-        return {"skipped": "andrea/train.py missing"}
+    out = {p: resume_run(p) for p in ("fp32", "bf16")}
+    out["ok"] = all(v["ok"] for v in out.values())
+    return out
+
+
+def resume_run(precision: str) -> dict:
     # Validation every step slows the run enough for the signal to land mid-run; it does not touch
     # the weights, so the trajectory is the same.
     work, experiment, data = tiny_run_setup("andrea-resume-", 400,
-                                            {"checkpoint": 1000, "sample": 0, "eval": 1, "eval_batches": 8})
+                                            {"checkpoint": 1000, "sample": 0, "eval": 1, "eval_batches": 8}, precision)
     stop = 60
 
     def cmd(out, *extra):
@@ -349,7 +389,7 @@ def resume():
            "ok": stopped_rc == 0 and stopped_step is not None and stopped_step < stop and again.returncode == 0 and same}
     if not out["ok"]:
         out["stderr"] = (stderr[-2000:], again.stderr[-2000:])
-    log(json.dumps({k: v for k, v in out.items() if k != "stderr"}))
+    log(precision + ": " + json.dumps({k: v for k, v in out.items() if k != "stderr"}))
     return out
 
 
@@ -393,45 +433,50 @@ def cross():
 
 def op_calls(model) -> dict:
     """Each op of one step on the model's own buffers (layer 0 for the per-layer ops)."""
-    e, b, P, G, H = model.engine, model.buf, model.P, model.G, model.shape.n_head
-    p, g, res = P["layers"][0], G["layers"][0], b["residual"]
+    e, b, P, W, G, H = model.engine, model.buf, model.P, model.W, model.G, model.shape.n_head
+    p, w, g, res = P["layers"][0], W["layers"][0], G["layers"][0], b["residual"]
     n_pos = model.micro_batch * model.shape.seq_len
+    ln1, ln2, act = model._saved("ln1", 0), model._saved("ln2", 0), model._saved("mlp_act", 0)
+    gelu = "gelu" in model.recompute
+    dpre = b["mlp_act"] if gelu else b["d_mlp_pre"]
     return {
         "embed_fwd": lambda: e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"]),
-        "layernorm_fwd": lambda: e.layernorm_fwd(b["ln1"][0], b["ln1_mean"][0], b["ln1_rstd"][0], res[0],
+        "layernorm_fwd": lambda: e.layernorm_fwd(ln1, b["ln1_mean"][0], b["ln1_rstd"][0], res[0],
                                                  p["LN1.gamma"], p["LN1.beta"]),
-        "attn_qkv_fwd": lambda: e.attn_qkv_fwd(b["qkv"][0], b["ln1"][0], p["W_Q"], p["W_K"], p["W_V"]),
+        "attn_qkv_fwd": lambda: e.attn_qkv_fwd(b["qkv"][0], ln1, w["W_Q"], w["W_K"], w["W_V"]),
         "attn_fwd": lambda: e.attn_fwd(b["atty"][0], b["att"][0], b["qkv"][0], H),
-        "attn_out_fwd": lambda: e.attn_out_fwd(b["branch"], b["atty"][0], p["W_O"]),
+        "attn_out_fwd": lambda: e.attn_out_fwd(b["branch"], b["atty"][0], w["W_O"]),
         "residual_add": lambda: e.residual_add(b["residual_mid"][0], res[0], b["branch"]),
-        "mlp_fwd": lambda: e.mlp_fwd(b["branch"], b["mlp_pre"][0], b["mlp_act"][0], b["ln2"][0], p["W_1"], p["W_2"]),
-        "loss_fwd": lambda: e.loss_fwd(b["losses"], b["probs"], b["lnf"], P["wte"], b["targets"]),
-        "loss_bwd": lambda: e.loss_bwd(b["d_ln"], G["wte"], b["d_logits"], b["probs"], b["lnf"], P["wte"],
+        "mlp_fwd": lambda: e.mlp_fwd(b["branch"], b["mlp_pre"][0], act, ln2, w["W_1"], w["W_2"]),
+        "loss_fwd": lambda: e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"]),
+        "loss_bwd": lambda: e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"],
                                        b["targets"], 1.0 / n_pos),
         "residual_add_bwd": lambda: e.residual_add_bwd(b["d_residual_next"], b["d_branch"], b["d_residual"]),
-        "mlp_bwd": lambda: e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["d_mlp_pre"], b["d_branch"], b["ln2"][0],
-                                     b["mlp_pre"][0], b["mlp_act"][0], p["W_1"], p["W_2"]),
+        "mlp_bwd": lambda: e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, b["d_branch"], ln2,
+                                     b["mlp_pre"][0], act, w["W_1"], w["W_2"], recompute=gelu),
         "layernorm_bwd": lambda: e.layernorm_bwd(b["d_residual"], g["LN2.gamma"], g["LN2.beta"], b["d_ln"],
                                                  b["residual_mid"][0], p["LN2.gamma"], b["ln2_mean"][0], b["ln2_rstd"][0]),
-        "attn_out_bwd": lambda: e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][0], p["W_O"]),
+        "attn_out_bwd": lambda: e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][0], w["W_O"]),
         "attn_bwd": lambda: e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][0], b["atty"][0], b["att"][0], H),
-        "attn_qkv_bwd": lambda: e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], b["ln1"][0],
-                                               p["W_Q"], p["W_K"], p["W_V"]),
+        "attn_qkv_bwd": lambda: e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], ln1,
+                                               w["W_Q"], w["W_K"], w["W_V"]),
         "embed_bwd": lambda: e.embed_bwd(G["wte"], G["wpe"], b["d_residual"], b["tokens"]),
         "grad_norm": lambda: (e.grad_norm_partial(b["grad_norm_partials"], b["grads"]),
                               e.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])),
         "adamw_step": lambda: e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=1e-4, beta1=0.9, beta2=0.95,
-                                           eps=1e-8, weight_decay=0.1, step=1, decay_ranges=model.layout.decay_ranges()),
+                                           eps=1e-8, weight_decay=0.1, step=1, decay_ranges=model.layout.decay_ranges(),
+                                           params_lp=b.get("params_lp")),
     }
 
 
-def op_cost(op: str, shape: ModelShape, B: int, n_params: int) -> tuple[float, float]:
+def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 4) -> tuple[float, float]:
     """(FLOPs, fewest device bytes) of one call: each input read once, each output written once.
     Attention counts what its fused kernels compute: products over the causal half of T x T (one such
-    product is B T^2 C FLOPs), 2 forward and 7 backward (see kernels/attn.cu), no T x T bytes."""
+    product is B T^2 C FLOPs), 2 forward and 7 backward (see kernels/attn.cu), no T x T bytes.
+    Bytes count every element at the activations' size (act_bytes), except the optimizer's."""
     T, C, V = shape.seq_len, shape.d_model, shape.vocab_size
     N, F, A, S = B * T, 4 * shape.d_model, B * shape.n_head * T * T // 2, B * shape.n_head * T
-    f = 4
+    f = act_bytes
     return {
         "embed_fwd": (N * C, f * 3 * N * C),
         "embed_bwd": (2 * N * C, f * (N * C + 2 * min(N, V) * C + 2 * T * C)),
@@ -449,8 +494,8 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int) -> tuple[float, f
         "residual_add_bwd": (2 * N * C, f * 5 * N * C),
         "loss_fwd": (2 * N * C * V + 5 * N * V, f * (N * C + V * C + N * V)),
         "loss_bwd": (4 * N * C * V + 2 * N * V, f * (2 * N * V + N * C * 2 + 3 * V * C)),
-        "grad_norm": (2 * n_params, f * n_params),
-        "adamw_step": (16 * n_params, f * 7 * n_params),
+        "grad_norm": (2 * n_params, 4 * n_params),
+        "adamw_step": (16 * n_params, 4 * 7 * n_params + (act_bytes if act_bytes < 4 else 0) * n_params),
     }[op]
 
 
@@ -474,8 +519,9 @@ def bench(baseline: str | None):
     for shape_name, micro in BENCH.items():
         shape = SHAPES[shape_name]
         tokens = micro * shape.seq_len
-        for precision in ("fp32", "tf32"):
-            model = Model(CudaEngine(precision=precision), shape, micro)
+        for precision in PRECISIONS:
+            model = Model(CudaEngine(precision=precision), shape, micro,
+                          recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
             model.load_state(init_params(model.layout, 0))
             batches = [synthetic_micro_batches(shape, micro, 1, s) for s in range(4)]
             times = []
@@ -489,7 +535,7 @@ def bench(baseline: str | None):
                                                           "tokens_per_s": round(tokens / ms * 1e3)}
             ops_ms = {}
             for op, fn in op_calls(model).items():
-                flops, nbytes = op_cost(op, shape, micro, model.layout.n_params)
+                flops, nbytes = op_cost(op, shape, micro, model.layout.n_params, 2 if precision == "bf16" else 4)
                 t = median_ms(fn, reps=5)
                 ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
                               "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
@@ -501,9 +547,9 @@ def bench(baseline: str | None):
             free_device_memory()
     if baseline:
         for shape_name in BENCH:
-            for variant in ("fp32", "tf32"):
+            for variant in ("fp32", "tf32", "bf16", "bf16-compile"):
                 r = subprocess.run([sys.executable, baseline, BASELINE_SHAPE[shape_name], variant, "20"],
-                                   capture_output=True, text=True, timeout=400)
+                                   capture_output=True, text=True, timeout=500)
                 lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
                 if r.returncode or not lines:
                     out["baseline"][f"{shape_name}/{variant}"] = {"error": r.stderr[-2000:]}
@@ -527,25 +573,26 @@ def table() -> str:
         f"CuPy {dev.get('cupy', '?')}")
     c = report.get("ceilings", {})
     if "copy_tb_s" in c:
-        add(f"ceilings measured here: cuBLAS 8192^3 fp32 {c['fp32_tflops']} TFLOP/s, tf32 {c['tf32_tflops']} TFLOP/s; "
+        add(f"ceilings measured here: cuBLAS 8192^3 fp32 {c['fp32_tflops']} TFLOP/s, tf32 {c['tf32_tflops']}, "
+            f"bf16 {c.get('bf16_tflops')} TFLOP/s; "
             f"device copy {c['copy_tb_s']} TB/s")
-    for name in ("build", "ops", "train", "determinism", "memory", "resume", "cross", "bench"):
+    for name in ("build", "ops", "train", "parity", "determinism", "memory", "resume", "cross", "bench"):
         if "error" in report.get(name, {}):
             add(f"{name}: ERROR (see log)")
     if "rows" in report.get("ops", {}):
         add("")
-        add("ops vs float64 NumPy (worst output's ||got-ref||/||ref||, max abs over outputs); "
-            f"limits fp32 {LIMITS['fp32']:.0e}, tf32 {LIMITS['tf32']:.0e}")
+        add("ops vs float64 NumPy (worst output's ||got-ref||/||ref||, max abs over outputs); limits "
+            + ", ".join(f"{p} {LIMITS[p]:.0e}" for p in PRECISIONS))
         shapes = {r["shape"]: f"{r['shape']} B={r['B']} T={r['T']}" for r in report["ops"]["rows"]}
-        add(f"{'op':14}" + "".join(f"| {label:<37}" for label in shapes.values()))
-        add(f"{'':14}" + f"| {'fp32 rel':>8} {'abs':>7}  {'tf32 rel':>8} {'abs':>7}   " * len(shapes))
+        add(f"{'op':14}" + "".join(f"| {label:<{18 * len(PRECISIONS) - 1}}" for label in shapes.values()))
+        add(f"{'':14}" + ("| " + "".join(f"{p + ' rel':>8} {'abs':>7}  " for p in PRECISIONS)[:-1]) * len(shapes))
         for op in OPS:
             cells = []
             for shape_name in shapes:
                 rs = {r["precision"]: r for r in report["ops"]["rows"] if r["shape"] == shape_name and r["op"] == op}
                 cells.append("| " + " ".join(
                     f"{rs[p]['rel']:8.1e} {rs[p]['max_abs']:7.1e}{'!' if not rs[p]['ok'] else ' '}" if p in rs else " " * 17
-                    for p in ("fp32", "tf32")) + " ")
+                    for p in PRECISIONS) + " ")
             add(f"{op:14}" + "".join(cells))
     t = report.get("train", {})
     if "tiny" in t:
@@ -556,31 +603,34 @@ def table() -> str:
             add(f"  {shape_name:5} B={e['micro_batch']}x{e['micro_batches']}: numpy loss {e['numpy_losses'][0]:.4f} -> "
                 f"{e['numpy_losses'][-1]:.4f}; " + "; ".join(
                     f"{p} {e[p]['losses'][-1]:.4f} diff {e[p]['max_rel_loss_diff']:.1e} params {e[p]['final_params_rel']:.1e}"
-                    f"{'' if e[p]['ok'] else ' FAIL'}" for p in ("fp32", "tf32")))
+                    f"{'' if e[p]['ok'] else ' FAIL'}" for p in PRECISIONS))
+    pa = report.get("parity", {})
+    if "final_rel" in pa:
+        add(f"parity: 12M B={pa['micro_batch']}, {pa['steps']} steps from one init: final loss fp32 {pa['fp32_losses'][-1]:.4f}, "
+            f"bf16 {pa['bf16_losses'][-1]:.4f}, rel diff {pa['final_rel']:.2e} (limit {PARITY_LIMIT:.0e}; last 10 steps' "
+            f"mean {pa['last10_rel']:.2e}){'' if pa['ok'] else ' FAIL'}")
     d = report.get("determinism", {})
     if "ok" in d:
         add("determinism: " + ", ".join(f"{k} {v['steps']} steps {'same bits' if v['same_bits'] else 'DIFFERENT'}"
                                         for k, v in d.items() if isinstance(v, dict)))
     m = report.get("memory", {})
     baseline = report.get("bench", {}).get("baseline", {})
-    for shape_name in BENCH:
-        if shape_name in m:
-            e = m[shape_name]
-            peaks = {v: baseline.get(f"{shape_name}/{v}", {}).get("peak_mem_gib") for v in ("fp32", "tf32")}
+    for key, e in m.items():
+        if isinstance(e, dict) and "plan_bytes" in e:
+            shape_name, precision = key.split("/")
+            variants = ("bf16-compile",) if precision == "bf16" else ("fp32", "tf32")
+            peaks = {v: baseline.get(f"{shape_name}/{v}", {}).get("peak_mem_gib") for v in variants}
             peak = max((p for p in peaks.values() if p is not None), default=None)
             versus = (f"; PyTorch peak allocated {peak:.2f} GiB -> pool {e['pool_bytes'] / 2**30:.2f} GiB is "
                       f"{'within' if e['pool_bytes'] <= peak * 2**30 else 'OVER'}" if peak else "")
-            add(f"memory {shape_name} B={e['micro_batch']}: plan {fmt_bytes(e['plan_bytes'])} (engine's own "
+            add(f"memory {key} B={e['micro_batch']}: plan {fmt_bytes(e['plan_bytes'])} (engine's own "
                 f"{fmt_bytes(e['engine_own_bytes'])} included); CuPy pool {fmt_bytes(e['pool_bytes'])} (= plan + "
                 f"{e['pool_slack_bytes']:,} B padding); device used +{fmt_bytes(e['device_bytes'])} (slack "
                 f"{fmt_bytes(e['device_slack_bytes'])}); pool requests in a step: {e['step_pool_requests']}{versus}")
-    r = report.get("resume", {})
-    if r:
-        if "skipped" in r:
-            add(f"resume: skipped ({r['skipped']})")
-        elif "identical_to_unbroken" in r:
-            add(f"resume: SIGTERM after {r['signalled_after_steps']} steps -> exit {r['sigterm_exit_code']} at step "
-                f"{r['stopped_at_step']}; --resume -> exit {r['resume_exit_code']}; final ckpt "
+    for precision, r in report.get("resume", {}).items():
+        if isinstance(r, dict) and "identical_to_unbroken" in r:
+            add(f"resume {precision}: SIGTERM after {r['signalled_after_steps']} steps -> exit {r['sigterm_exit_code']} at "
+                f"step {r['stopped_at_step']}; --resume -> exit {r['resume_exit_code']}; final ckpt "
                 f"{'identical to' if r['identical_to_unbroken'] else 'DIFFERENT from'} the unbroken run's")
     x = report.get("cross", {})
     if "numpy_then_cuda" in x:
@@ -592,15 +642,19 @@ def table() -> str:
     if b.get("engine"):
         add("")
         add("train_step tokens/s (median of 10 steps after 3 warm-up; one micro-batch per step)")
-        add(f"{'shape':14}{'precision':10}{'ANDREA ms':>10}{'tokens/s':>12}{'PyTorch ms':>12}{'tokens/s':>12}{'ratio':>8}")
+        add(f"{'shape':14}{'precision v peer':22}{'ANDREA ms':>10}{'tokens/s':>12}{'PyTorch ms':>12}{'tokens/s':>12}{'ratio':>8}")
         for key, e in b["engine"].items():
             shape_name, precision = key.split("/")
             base = b.get("baseline", {}).get(key, {})
-            ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}" if "tokens_per_s" in base else "-"
-            add(f"{shape_name + ' B=' + str(e['micro_batch']):14}{precision:10}{e['ms_per_step']:>10.2f}"
-                f"{e['tokens_per_s']:>12,}{base.get('ms_per_step', float('nan')):>12.2f}"
-                f"{base.get('tokens_per_s', 0):>12,}{ratio:>8}")
-    verdicts = {name: report.get(name, {}).get("ok") for name in ("ops", "train", "determinism", "memory", "resume", "cross")}
+            peers = [(precision, base)]
+            if precision == "bf16":  # the peer that counts: bf16 + torch.compile
+                peers.append(("bf16-compile", b.get("baseline", {}).get(f"{shape_name}/bf16-compile", {})))
+            for variant, base in peers:
+                ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}" if "tokens_per_s" in base else "-"
+                add(f"{shape_name + ' B=' + str(e['micro_batch']):14}{precision + ' v ' + variant:22}{e['ms_per_step']:>10.2f}"
+                    f"{e['tokens_per_s']:>12,}{base.get('ms_per_step', float('nan')):>12.2f}"
+                    f"{base.get('tokens_per_s', 0):>12,}{ratio:>8}")
+    verdicts = {name: report.get(name, {}).get("ok") for name in CHECKED}
     add("")
     add("verdict: " + ", ".join(f"{k} {'ok' if v else ('skipped' if v is None else 'FAIL')}" for k, v in verdicts.items()))
     return "\n".join(lines)
@@ -611,12 +665,12 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"))
     parser.add_argument("--baseline", default=str(REPO / ".device" / "bench" / "torch_baseline.py"),
                         help="the PyTorch peer baseline script (skipped if missing)")
-    parser.add_argument("--sections", default="device,build,ceilings,ops,train,determinism,memory,resume,cross,bench")
+    parser.add_argument("--sections", default="device,build,ceilings,ops,train,parity,determinism,memory,resume,cross,bench")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = {"device": device_info, "build": build, "ceilings": ceilings, "ops": ops, "train": train,
-             "determinism": determinism, "memory": memory, "resume": resume, "cross": cross,
+             "parity": parity, "determinism": determinism, "memory": memory, "resume": resume, "cross": cross,
              "bench": lambda: bench(args.baseline if Path(args.baseline).is_file() else None)}
     for name in args.sections.split(","):
         steps[name]()
@@ -624,7 +678,7 @@ def main() -> int:
     text = table()
     (out / "gpu_check.txt").write_text(text + "\n")
     log("\n" + text)
-    ok = all(report.get(n, {}).get("ok", True) for n in ("ops", "train", "determinism", "memory", "resume", "cross"))
+    ok = all(report.get(n, {}).get("ok", True) for n in CHECKED)
     return 0 if ok else 1
 
 

@@ -20,7 +20,8 @@ from andrea.layout import ParameterLayout
 from andrea.memory import GRAD_NORM_PARTIALS
 from andrea.model import Model, init_params
 
-OPS = ("embed", "layernorm", "attn_qkv", "attn", "attn_out", "mlp", "residual_add", "loss", "grad_norm", "adamw")
+OPS = ("embed", "layernorm", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute", "residual_add", "loss",
+       "loss_in_place", "grad_norm", "adamw")
 OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 WARMUP_STEPS = 5
 
@@ -47,6 +48,8 @@ class OpCase:
     arrays: dict  # host inputs and starting outputs: float64, or int32 for token ids
     run: Callable  # run(engine, arrays) -> dict of scalars: the forward, then the backward
     checked: tuple  # arrays compared after run
+    # Arrays in the engine's activation dtype (act_dtype: bf16 under mixed precision); the rest are float.
+    act: tuple = ()
     # For an engine whose attention saves the logsumexp (attention = "lse"): its own starting arrays,
     # and the references that replace the NumPy engine's for it, computed from the inputs.
     lse_arrays: dict = field(default_factory=dict)
@@ -82,7 +85,7 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.embed_fwd(x["out"], x["tokens"], x["wte"], x["wpe"])
             E.embed_bwd(x["dwte"], x["dwpe"], x["dout"], x["tokens"])
 
-        return OpCase(a, run, ("out", "dwte", "dwpe"))
+        return OpCase(a, run, ("out", "dwte", "dwpe"), act=("out",))
     if op == "layernorm":
         a = {"inp": _randn(rng, B, T, C) * 3 + 1, "gamma": _randn(rng, C), "beta": _randn(rng, C),
              "out": _nan(B, T, C), "mean": _nan(B, T), "rstd": _nan(B, T),
@@ -92,7 +95,7 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
             E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"])
 
-        return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"))
+        return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out"))
     if op == "attn_qkv":
         a = {"inp": _randn(rng, B, T, C), "W_Q": _randn(rng, C, C, scale=w), "W_K": _randn(rng, C, C, scale=w),
              "W_V": _randn(rng, C, C, scale=w), "qkv": _nan(3, B, T, C), "dinp": _randn(rng, B, T, C),
@@ -102,7 +105,7 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.attn_qkv_fwd(x["qkv"], x["inp"], x["W_Q"], x["W_K"], x["W_V"])
             E.attn_qkv_bwd(x["dinp"], x["dW_Q"], x["dW_K"], x["dW_V"], x["dqkv"], x["inp"], x["W_Q"], x["W_K"], x["W_V"])
 
-        return OpCase(a, run, ("qkv", "dinp", "dW_Q", "dW_K", "dW_V"))
+        return OpCase(a, run, ("qkv", "dinp", "dW_Q", "dW_K", "dW_V"), act=("inp", "W_Q", "W_K", "W_V", "qkv", "dqkv"))
     if op == "attn":
         a = {"qkv": _randn(rng, 3, B, T, C), "out": _nan(B, T, C), "att": _nan(B, H, T, T),
              "dqkv": _randn(rng, 3, B, T, C), "datt": _nan(B, H, T, T), "dout": _randn(rng, B, T, C)}
@@ -113,7 +116,7 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
 
         # datt is scratch: its contents are the engine's
         return OpCase(a, run, ("out", "att", "dqkv"), lse_arrays={"att": _nan(B, H, T), "datt": _nan(B, H, T)},
-                      lse_reference=lambda x: {"att": attention_lse(x["qkv"], H)})
+                      lse_reference=lambda x: {"att": attention_lse(x["qkv"], H)}, act=("qkv", "out", "dqkv", "dout"))
     if op == "attn_out":
         a = {"inp": _randn(rng, B, T, C), "W_O": _randn(rng, C, C, scale=w), "out": _nan(B, T, C),
              "dinp": _randn(rng, B, T, C), "dW_O": _randn(rng, C, C), "dout": _randn(rng, B, T, C)}
@@ -122,17 +125,22 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.attn_out_fwd(x["out"], x["inp"], x["W_O"])
             E.attn_out_bwd(x["dinp"], x["dW_O"], x["dout"], x["inp"], x["W_O"])
 
-        return OpCase(a, run, ("out", "dinp", "dW_O"))
-    if op == "mlp":
+        return OpCase(a, run, ("out", "dinp", "dW_O"), act=("inp", "W_O", "out", "dinp", "dout"))
+    if op in ("mlp", "mlp_recompute"):
+        recompute = op == "mlp_recompute"
         a = {"inp": _randn(rng, B, T, C), "W_1": _randn(rng, C, F, scale=w), "W_2": _randn(rng, F, C, scale=F**-0.5),
              "out": _nan(B, T, C), "pre": _nan(B, T, F), "act": _nan(B, T, F), "dinp": _randn(rng, B, T, C),
              "dW_1": _randn(rng, C, F), "dW_2": _randn(rng, F, C), "dpre": _nan(B, T, F), "dout": _randn(rng, B, T, C)}
 
         def run(E, x):
             E.mlp_fwd(x["out"], x["pre"], x["act"], x["inp"], x["W_1"], x["W_2"])
-            E.mlp_bwd(x["dinp"], x["dW_1"], x["dW_2"], x["dpre"], x["dout"], x["inp"], x["pre"], x["act"], x["W_1"], x["W_2"])
+            if recompute:  # the backward must rebuild act from pre
+                x["act"].fill(np.nan)
+            E.mlp_bwd(x["dinp"], x["dW_1"], x["dW_2"], x["dpre"], x["dout"], x["inp"], x["pre"], x["act"], x["W_1"],
+                      x["W_2"], recompute=recompute)
 
-        return OpCase(a, run, ("out", "pre", "act", "dinp", "dW_1", "dW_2", "dpre"))
+        return OpCase(a, run, ("out", "pre", "act", "dinp", "dW_1", "dW_2", "dpre"),
+                      act=("inp", "W_1", "W_2", "out", "pre", "act", "dpre", "dout"))
     if op == "residual_add":
         a = {"a": _randn(rng, B, T, C), "b": _randn(rng, B, T, C), "out": _nan(B, T, C),
              "da": _randn(rng, B, T, C), "db": _randn(rng, B, T, C), "dout": _randn(rng, B, T, C)}
@@ -141,8 +149,9 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.residual_add(x["out"], x["a"], x["b"])
             E.residual_add_bwd(x["da"], x["db"], x["dout"])
 
-        return OpCase(a, run, ("out", "da", "db"))
-    if op == "loss":
+        return OpCase(a, run, ("out", "da", "db"), act=("a", "b", "out", "db"))
+    if op in ("loss", "loss_in_place"):
+        in_place = op == "loss_in_place"  # d_logits is probs itself, as the model runs it
         a = {"inp": _randn(rng, B, T, C), "wte": _randn(rng, V, C, scale=2 * w),
              "targets": rng.integers(0, V, (B, T)).astype(np.int32), "losses": _nan(B, T), "probs": _nan(B, T, V),
              "dinp": _randn(rng, B, T, C), "dwte": _randn(rng, V, C), "dlogits": _nan(B, T, V)}
@@ -150,10 +159,12 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
         def run(E, x):
             E.loss_fwd(x["losses"], x["probs"], x["inp"], x["wte"], x["targets"])
             mean = E.mean_loss(x["losses"])
-            E.loss_bwd(x["dinp"], x["dwte"], x["dlogits"], x["probs"], x["inp"], x["wte"], x["targets"], 1.0 / (B * T))
+            dlogits = x["probs"] if in_place else x["dlogits"]
+            E.loss_bwd(x["dinp"], x["dwte"], dlogits, x["probs"], x["inp"], x["wte"], x["targets"], 1.0 / (B * T))
             return {"mean_loss": mean}
 
-        return OpCase(a, run, ("losses", "probs", "dinp", "dwte", "dlogits"))
+        checked = ("losses", "probs", "dinp", "dwte") + (() if in_place else ("dlogits",))
+        return OpCase(a, run, checked, act=("inp", "wte", "probs", "dlogits"))
     if op == "grad_norm":
         a = {"grads": _randn(rng, s.n_params, scale=1e-3), "partials": _nan(GRAD_NORM_PARTIALS), "norm": _nan(1)}
 
@@ -166,13 +177,13 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
     if op == "adamw":
         n = s.n_params
         a = {"params": _randn(rng, n, scale=0.02), "grads": _randn(rng, n, scale=1e-3),
-             "m": _randn(rng, n, scale=1e-4), "v": np.abs(_randn(rng, n, scale=1e-6))}
+             "m": _randn(rng, n, scale=1e-4), "v": np.abs(_randn(rng, n, scale=1e-6)), "params_lp": _nan(n)}
 
         def run(E, x):
             E.adamw_step(x["params"], x["grads"], x["m"], x["v"], lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                         weight_decay=0.1, step=7, decay_ranges=list(s.decay_ranges))
+                         weight_decay=0.1, step=7, decay_ranges=list(s.decay_ranges), params_lp=x["params_lp"])
 
-        return OpCase(a, run, ("params", "m", "v"))
+        return OpCase(a, run, ("params", "m", "v", "params_lp"), act=("params_lp",))
     raise ValueError(f"unknown op {op!r}; one of {OPS}")
 
 
@@ -197,21 +208,38 @@ def errors(got, want) -> dict:
     return {"max_abs": float(np.max(np.abs(diff))), "rel": float(np.linalg.norm(diff) / max(np.linalg.norm(want), 1e-30))}
 
 
+def round_bf16(x) -> np.ndarray:
+    """x rounded to the nearest bfloat16 (ties to even), as float32: a value a bf16 array holds exactly."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
 def compare_op(engines: dict, op: str, s: OpShape, rng, reference=None) -> dict:
     """Run `op` (forward then backward) on each engine and on the float64 NumPy reference from the
-    same fresh random inputs (rounded to float32 first, so only the engines' arithmetic differs);
-    returns {engine name: {output name: errors}}."""
+    same fresh random inputs (rounded to float32 first, and the activations of a bf16 engine to bf16,
+    so only the engines' arithmetic differs); returns {engine name: {output name: errors}}."""
     reference = reference or NumpyEngine("float64")
     case = make_case(op, s, rng)
-    inputs = {k: v if v.dtype.kind == "i" else v.astype(np.float32).astype(np.float64) for k, v in case.arrays.items()}
-    ref = {k: v.copy() for k, v in inputs.items()}
-    ref_scalars = case.run(reference, ref) or {}
+    refs = {}  # act dtype -> (inputs, reference outputs, reference scalars)
     results = {}
     for name, engine in engines.items():
+        act_dtype = getattr(engine, "act_dtype", "float32")
+        if act_dtype not in refs:
+            def start_value(k, v):
+                if v.dtype.kind == "i":
+                    return v
+                v = v.astype(np.float32)
+                return (round_bf16(v) if act_dtype == "bfloat16" and k in case.act else v).astype(np.float64)
+
+            inputs = {k: start_value(k, v) for k, v in case.arrays.items()}
+            ref = {k: v.copy() for k, v in inputs.items()}
+            refs[act_dtype] = inputs, ref, case.run(reference, ref) or {}
+        inputs, ref, ref_scalars = refs[act_dtype]
         start, want = inputs, ref
         if case.lse_arrays and getattr(engine, "attention", "probs") == "lse":
             start, want = {**inputs, **case.lse_arrays}, {**ref, **case.lse_reference(inputs)}
         dev = {k: engine.xp.asarray(v if v.dtype.kind == "i" else v.astype(engine.dtype)) for k, v in start.items()}
+        dev = {k: v.astype(act_dtype) if k in case.act else v for k, v in dev.items()}
         scalars = case.run(engine, dev) or {}
         engine.synchronize()
         out = {k: errors(engine.to_host(dev[k]), want[k]) for k in case.checked}
@@ -250,9 +278,10 @@ class TrainRun:
     params: np.ndarray
 
 
-def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: int, seed: int = 1337) -> TrainRun:
+def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: int, seed: int = 1337,
+              recompute: tuple[str, ...] = ()) -> TrainRun:
     """`steps` optimizer steps from init_params(seed) on synthetic batches."""
-    model = Model(engine, shape, micro_batch)
+    model = Model(engine, shape, micro_batch, recompute=recompute)
     model.load_state(init_params(model.layout, seed))
     losses, norms = [], []
     for step in range(steps):

@@ -12,10 +12,14 @@ caller's buffers, cuBLAS runs on the engine's own handle with a preallocated wor
 reads copy into host memory. Every reduction runs in a fixed order: the same inputs give the same
 bits on every run.
 
-Precision: "fp32" (the reference) or "tf32" (the matrix products on tensor cores with TF32 inputs and
-FP32 accumulation); weights, m and v stay FP32 either way. The fp32 attention kernels use the tensor
-cores too, in "3xTF32" (each operand split into two TF32 parts, three products: FP32-level accuracy,
-the same arithmetic as PyTorch's fp32 memory-efficient attention); every other kernel runs FP32.
+Precision: "fp32" (the reference), "tf32" (the matrix products on tensor cores with TF32 inputs and
+FP32 accumulation) or "bf16" (mixed precision: activations, the activation gradients that feed products
+and a copy of the weights in bfloat16, FP32 accumulation in every product and FP32 arithmetic in every
+kernel; LayerNorm, softmax and loss statistics, the residual-stream gradients, weights, gradients, m
+and v stay FP32). Weights, m and v are FP32 in every precision: the checkpoint is the same. The fp32
+attention kernels use the tensor cores too, in "3xTF32" (each operand split into two TF32 parts, three
+products: FP32-level accuracy, the same arithmetic as PyTorch's fp32 memory-efficient attention).
+Each precision is its own build of kernels/*.cu (the activation type act_t, kernels/common.cuh).
 """
 
 from __future__ import annotations
@@ -27,19 +31,21 @@ import cupy
 import numpy as np
 
 from andrea.errors import AndreaError
-from andrea.kernels_build import NVRTC_OPTIONS, kernel_dir, kernel_source
+from andrea.kernels_build import build_options, kernel_dir, kernel_source
 from andrea.memory import BufferSpec
 
-PRECISIONS = ("fp32", "tf32")
+PRECISIONS = ("fp32", "tf32", "bf16")
+ACT_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16"}
 KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLAS products only)
     "embed": ("k_embed_fwd", "k_embed_bwd"),
     "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd"),
     "attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
+    "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16"),
     "mlp": ("k_mlp_fwd", "k_mlp_bwd"),
     "residual_add": ("k_residual_add", "k_residual_add_bwd"),
-    "loss": ("k_loss_fwd", "k_loss_bwd"),
+    "loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place"),
     "grad_norm": ("k_grad_norm_partial", "k_grad_norm_final", "k_grad_scale"),
-    "adamw": ("k_adamw",),
+    "adamw": ("k_adamw", "k_cast_params"),
 }
 # Launch shapes the kernels are written for (the #defines of the same names in kernels/*.cu).
 EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
@@ -48,6 +54,10 @@ LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
 ATTN_BWD_SMEM = 4 * ATTN_TILE * ATTN_LD * 4 + 2 * ATTN_TILE * 4  # Q, dY, K, V tiles; a query tile's lse and D
+# kernels/attn_bf16.cu (bf16 activations, head width 64): its launch shape.
+ATTN_BF16_HEAD = 64
+ATTN_BF16_THREADS, ATTN_BF16_TILE = 128, 64
+ATTN_BF16_SMEM = {}  # dynamic shared memory of the kernels that take over 48 KB
 ELEMENTWISE_THREADS = 256
 NORM_THREADS = 512
 
@@ -55,23 +65,29 @@ ALIGN = 256  # bytes: every plan buffer starts on this boundary inside the one d
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # cuBLAS's recommended workspace on Hopper
 MAX_DECAY_RANGES = 1024
 
-_modules: dict[tuple[str, str], cupy.RawModule] = {}
+_modules: dict[tuple[str, str, tuple[str, ...]], cupy.RawModule] = {}
 
 
-def _load_kernels() -> dict:
-    """Every kernel, compiled once per process (and cached on disk by CuPy, keyed by source)."""
+def _load_kernels(precision: str) -> dict:
+    """Every kernel of one precision's build, compiled once per process (and cached on disk by CuPy,
+    keyed by source and options)."""
     folder = kernel_dir()
+    options = build_options(precision)
     functions = {}
     for op, names in KERNELS.items():
-        key = (str(folder), op)
+        if op == "attn_bf16" and precision != "bf16":
+            continue
+        key = (str(folder), op, options)
         if key not in _modules:
-            _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=NVRTC_OPTIONS, backend="nvrtc")
+            _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc")
         functions.update({name: _modules[key].get_function(name) for name in names})
     # Over 48 KB of dynamic shared memory needs the limit raised per kernel; the largest shared-memory
     # carveout lets 3-4 attention blocks share an SM.
-    for name, smem in (("k_attn_fwd", ATTN_FWD_SMEM), ("k_attn_bwd_dq", ATTN_BWD_SMEM), ("k_attn_bwd", ATTN_BWD_SMEM)):
-        functions[name].max_dynamic_shared_size_bytes = smem
-        functions[name].preferred_shared_memory_carveout = 100
+    for name, smem in (("k_attn_fwd", ATTN_FWD_SMEM), ("k_attn_bwd_dq", ATTN_BWD_SMEM), ("k_attn_bwd", ATTN_BWD_SMEM),
+                       *ATTN_BF16_SMEM.items()):
+        if name in functions:
+            functions[name].max_dynamic_shared_size_bytes = smem
+            functions[name].preferred_shared_memory_carveout = 100
     return functions
 
 
@@ -82,8 +98,10 @@ class _Cublas:
     handle's workspace to cuBLAS's internal pool; this handle keeps the engine's preallocated one."""
 
     OP_N, OP_T = 0, 1
-    R_32F = 0
-    COMPUTE = {"fp32": 68, "tf32": 77}  # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
+    TYPES = {"float32": 0, "bfloat16": 14}  # CUDA_R_32F, CUDA_R_16BF
+    COMPUTE_32F = 68
+    # FP32 operands: CUBLAS_COMPUTE_32F or CUBLAS_COMPUTE_32F_FAST_TF32; bf16 operands: CUBLAS_COMPUTE_32F.
+    COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 68}
     GEMM_DEFAULT = -1
 
     def __init__(self, precision: str, workspace):
@@ -128,26 +146,29 @@ class _Cublas:
 
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
              alpha=1.0, beta=0.0, batch=1, stride_a=0, stride_b=0, stride_c=0):
-        """Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C, on raw device pointers.
+        """Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C on CuPy arrays (their first
+        element; A and B of one dtype, C of its own: bf16 products may write FP32), FP32 accumulation.
 
         cuBLAS is column-major, where a row-major matrix reads as its transpose: so it computes
         C^T = op(B)^T op(A)^T, with the operands swapped and each transpose flag kept."""
+        t_ab, t_c = self.TYPES[a.dtype.name], self.TYPES[c.dtype.name]
+        compute = self.compute if t_ab == self.TYPES["float32"] else self.COMPUTE_32F
+        c, a, b = c.data.ptr, a.data.ptr, b.data.ptr
         lda = lda or (m if trans_a else k)
         ldb = ldb or (k if trans_b else n)
         ldc = ldc or n
         op_a = self.OP_T if trans_a else self.OP_N
         op_b = self.OP_T if trans_b else self.OP_N
         self._bind_stream()
-        f32, compute = self.R_32F, self.compute
         if batch == 1:
             status = self.lib.cublasGemmEx(
-                self.handle, op_b, op_a, n, m, k, self._scalar(alpha), b, f32, ldb, a, f32, lda,
-                self._scalar(beta), c, f32, ldc, compute, self.GEMM_DEFAULT)
+                self.handle, op_b, op_a, n, m, k, self._scalar(alpha), b, t_ab, ldb, a, t_ab, lda,
+                self._scalar(beta), c, t_c, ldc, compute, self.GEMM_DEFAULT)
             self._check("cublasGemmEx", status)
         else:
             status = self.lib.cublasGemmStridedBatchedEx(
-                self.handle, op_b, op_a, n, m, k, self._scalar(alpha), b, f32, ldb, stride_b, a, f32, lda, stride_a,
-                self._scalar(beta), c, f32, ldc, stride_c, batch, compute, self.GEMM_DEFAULT)
+                self.handle, op_b, op_a, n, m, k, self._scalar(alpha), b, t_ab, ldb, stride_b, a, t_ab, lda, stride_a,
+                self._scalar(beta), c, t_c, ldc, stride_c, batch, compute, self.GEMM_DEFAULT)
             self._check("cublasGemmStridedBatchedEx", status)
 
 
@@ -168,13 +189,14 @@ class CudaEngine:
         if dtype != "float32":
             raise AndreaError(f"dtype '{dtype}': the CUDA engine runs float32 (float64 is the NumPy engine's, for gradient checks)")
         if precision not in PRECISIONS:
-            if precision in ("bf16", "fp16"):
-                raise AndreaError(f"precision '{precision}' is not in the CUDA engine yet; set the experiment's "
-                                  "'precision' to fp32 or tf32")
-            raise AndreaError(f"unknown precision '{precision}'; the CUDA engine runs fp32 or tf32")
+            if precision == "fp16":
+                raise AndreaError("precision 'fp16' is not in the CUDA engine yet; set the experiment's "
+                                  "'precision' to bf16, tf32 or fp32")
+            raise AndreaError(f"unknown precision '{precision}'; the CUDA engine runs {', '.join(PRECISIONS)}")
         self.dtype = np.dtype(dtype)
         self.precision = precision
-        self.k = _load_kernels()
+        self.act_dtype = ACT_DTYPES[precision]  # the memory plan's activation dtype
+        self.k = _load_kernels(precision)
         # The engine's own device memory: cuBLAS's workspace and the AdamW decay-range table, allocated
         # here, once (the engine runs ops before any plan exists); a model's plan lists them by name.
         self.cublas_workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=np.uint8)
@@ -225,6 +247,14 @@ class CudaEngine:
 
     zero_grads = zero
 
+    def cast(self, dst, src) -> None:
+        """dst = src in dst's dtype: the low-precision weight copy, built from the FP32 weights."""
+        if dst.dtype == src.dtype:
+            cupy.copyto(dst, src)
+            return
+        self._launch("k_cast_params", _blocks(dst.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     dst, src, np.int64(dst.size))
+
     # ---- embed -----------------------------------------------------------------------------
     def embed_fwd(self, out, tokens, wte, wpe):
         B, T = tokens.shape
@@ -262,17 +292,17 @@ class CudaEngine:
         C = inp.shape[-1]
         N = inp.size // C
         if _ptr(W_K) - _ptr(W_Q) == _ptr(W_V) - _ptr(W_K) == W_Q.nbytes:  # adjacent, as the parameter layout has them
-            self.blas.gemm(_ptr(qkv), _ptr(inp), _ptr(W_Q), N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
+            self.blas.gemm(qkv, inp, W_Q, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
             return
         for i, W in enumerate((W_Q, W_K, W_V)):
-            self.blas.gemm(_ptr(qkv[i]), _ptr(inp), _ptr(W), N, C, C)
+            self.blas.gemm(qkv[i], inp, W, N, C, C)
 
     def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V):
         C = inp.shape[-1]
         N = inp.size // C
         for i, (W, dW) in enumerate(((W_Q, dW_Q), (W_K, dW_K), (W_V, dW_V))):
-            self.blas.gemm(_ptr(dW), _ptr(inp), _ptr(dqkv[i]), C, C, N, trans_a=True, beta=1.0)
-            self.blas.gemm(_ptr(dinp), _ptr(dqkv[i]), _ptr(W), N, C, C, trans_b=True, beta=1.0)
+            self.blas.gemm(dW, inp, dqkv[i], C, C, N, trans_a=True, beta=1.0)
+            self.blas.gemm(dinp, dqkv[i], W, N, C, C, trans_b=True, beta=1.0)
 
     # ---- attn: causal scaled dot-product attention (fused; kernels/attn.cu) ----------------
     def _attn_shape(self, qkv, n_head):
@@ -286,11 +316,33 @@ class CudaEngine:
         return grid, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head), np.float32(1.0 / math.sqrt(hd)),
                       np.int32(split))
 
+    def _bf16_attention(self, qkv, n_head) -> tuple | None:
+        """Grid and arguments of kernels/attn_bf16.cu when it takes this shape (bf16, head width 64)."""
+        _, B, T, C = qkv.shape
+        if self.precision != "bf16" or C // n_head != ATTN_BF16_HEAD or C % n_head:
+            return None
+        grid = (B * n_head, -(-T // ATTN_BF16_TILE))
+        return grid, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head), np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
+
     def attn_fwd(self, out, att, qkv, n_head):
+        bf16 = self._bf16_attention(qkv, n_head)
+        if bf16:
+            grid, dims = bf16
+            self.k["k_attn_fwd_bf16"](grid, (ATTN_BF16_THREADS,), (out, att, qkv, *dims),
+                                      shared_mem=ATTN_BF16_SMEM.get("k_attn_fwd_bf16", 0))
+            return
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (ATTN_THREADS,), (out, att, qkv, *dims), shared_mem=ATTN_FWD_SMEM)
 
     def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head):
+        bf16 = self._bf16_attention(qkv, n_head)
+        if bf16:
+            grid, dims = bf16
+            self.k["k_attn_bwd_dq_bf16"](grid, (ATTN_BF16_THREADS,), (dqkv, datt, dout, out, qkv, att, *dims),
+                                         shared_mem=ATTN_BF16_SMEM.get("k_attn_bwd_dq_bf16", 0))
+            self.k["k_attn_bwd_bf16"](grid, (ATTN_BF16_THREADS,), (dqkv, datt, dout, qkv, att, *dims),
+                                      shared_mem=ATTN_BF16_SMEM.get("k_attn_bwd_bf16", 0))
+            return
         grid, dims = self._attn_shape(qkv, n_head)
         # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
         self.k["k_attn_bwd_dq"](grid, (ATTN_THREADS,), (dqkv, datt, dout, out, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
@@ -299,30 +351,33 @@ class CudaEngine:
     # ---- attn_out: W_O projection ----------------------------------------------------------
     def attn_out_fwd(self, out, inp, W_O):
         C = inp.shape[-1]
-        self.blas.gemm(_ptr(out), _ptr(inp), _ptr(W_O), inp.size // C, C, C)
+        self.blas.gemm(out, inp, W_O, inp.size // C, C, C)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O):
         C = inp.shape[-1]
         N = inp.size // C
-        self.blas.gemm(_ptr(dW_O), _ptr(inp), _ptr(dout), C, C, N, trans_a=True, beta=1.0)
-        self.blas.gemm(_ptr(dinp), _ptr(dout), _ptr(W_O), N, C, C, trans_b=True, beta=1.0)
+        self.blas.gemm(dW_O, inp, dout, C, C, N, trans_a=True, beta=1.0)
+        self.blas.gemm(dinp, dout, W_O, N, C, C, trans_b=True, beta=1.0)
 
     # ---- mlp: W_1, GELU, W_2 ---------------------------------------------------------------
     def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
         C, F = W_1.shape
         N = inp.size // C
-        self.blas.gemm(_ptr(pre), _ptr(inp), _ptr(W_1), N, F, C)
+        self.blas.gemm(pre, inp, W_1, N, F, C)
         self._launch("k_mlp_fwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
-        self.blas.gemm(_ptr(out), _ptr(act), _ptr(W_2), N, C, F)
+        self.blas.gemm(out, act, W_2, N, C, F)
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2):
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
+        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
         C, F = W_1.shape
         N = inp.size // C
-        self.blas.gemm(_ptr(dW_2), _ptr(act), _ptr(dout), F, C, N, trans_a=True, beta=1.0)
-        self.blas.gemm(_ptr(dpre), _ptr(dout), _ptr(W_2), N, F, C, trans_b=True)
+        if recompute:
+            self._launch("k_mlp_fwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+        self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
+        self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
         self._launch("k_mlp_bwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
-        self.blas.gemm(_ptr(dW_1), _ptr(inp), _ptr(dpre), C, F, N, trans_a=True, beta=1.0)
-        self.blas.gemm(_ptr(dinp), _ptr(dpre), _ptr(W_1), N, C, F, trans_b=True, beta=1.0)
+        self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
+        self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=1.0)
 
     # ---- residual_add ----------------------------------------------------------------------
     def residual_add(self, out, a, b):
@@ -337,17 +392,23 @@ class CudaEngine:
     def loss_fwd(self, losses, probs, inp, wte, targets):
         V, C = wte.shape
         N = inp.size // C
-        self.blas.gemm(_ptr(probs), _ptr(inp), _ptr(wte), N, V, C, trans_b=True)
+        self.blas.gemm(probs, inp, wte, N, V, C, trans_b=True)
         self._launch("k_loss_fwd", N, LOSS_THREADS, losses, probs, targets, np.int64(N), np.int32(V))
 
     def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale):
-        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient."""
+        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient.
+
+        dlogits = probs - onehot(targets) (scale enters the products); it may be probs itself, turned
+        into the gradient in place (only the targets change)."""
         V, C = wte.shape
         N = inp.size // C
-        self._launch("k_loss_bwd", N, LOSS_THREADS, dlogits, probs, targets, np.int64(N), np.int32(V),
-                     np.float32(scale))
-        self.blas.gemm(_ptr(dwte), _ptr(dlogits), _ptr(inp), V, C, N, trans_a=True, beta=1.0)
-        self.blas.gemm(_ptr(dinp), _ptr(dlogits), _ptr(wte), N, C, V, beta=1.0)
+        if _ptr(dlogits) == _ptr(probs):
+            self._launch("k_loss_bwd_in_place", _blocks(N, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                         probs, targets, np.int64(N), np.int32(V))
+        else:
+            self._launch("k_loss_bwd", N, LOSS_THREADS, dlogits, probs, targets, np.int64(N), np.int32(V))
+        self.blas.gemm(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
+        self.blas.gemm(dinp, dlogits, wte, N, C, V, alpha=scale, beta=1.0)
 
     def mean_loss(self, losses) -> float:
         return float(cupy.asnumpy(losses).mean(dtype=np.float64))
@@ -366,8 +427,10 @@ class CudaEngine:
                      grads, np.float32(scale), np.int64(grads.size))
 
     # ---- AdamW ------------------------------------------------------------------------------
-    def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges):
-        """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges."""
+    def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
+                   params_lp=None):
+        """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges.
+        `params_lp`, when given, receives the updated weights in its own dtype in the same pass."""
         ranges = tuple((int(s), int(e)) for s, e in decay_ranges)
         if ranges != self._decay_ranges:
             if len(ranges) > MAX_DECAY_RANGES:
@@ -379,4 +442,5 @@ class CudaEngine:
         self._launch("k_adamw", _blocks(params.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
                      params, grads, m, v, np.int64(params.size), self.decay_table, np.int32(len(ranges)),
                      f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
-                     f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step))
+                     f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),
+                     params if params_lp is None else params_lp, np.int32(params_lp is not None))

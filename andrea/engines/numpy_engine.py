@@ -69,6 +69,10 @@ class NumpyEngine:
 
     zero_grads = zero
 
+    def cast(self, dst, src) -> None:
+        """dst = src in dst's dtype (the low-precision weight copy of mixed precision)."""
+        dst[...] = src
+
     # ---- embed -----------------------------------------------------------------------------
     def embed_fwd(self, out, tokens, wte, wpe):
         T = tokens.shape[1]
@@ -150,8 +154,11 @@ class NumpyEngine:
         act[...] = _gelu(pre)
         np.matmul(act, W_2, out=out)
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2):
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
+        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
         C, F = W_1.shape
+        if recompute:
+            act[...] = _gelu(pre)
         dW_2 += act.reshape(-1, F).T @ dout.reshape(-1, C)
         np.matmul(dout, W_2.T, out=dpre)
         dpre *= _gelu_grad(pre)
@@ -176,14 +183,19 @@ class NumpyEngine:
         losses[...] = -np.log(picked)
 
     def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale):
-        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient."""
-        dlogits[...] = probs
-        np.put_along_axis(dlogits, targets[..., None], np.take_along_axis(probs, targets[..., None], -1) - 1, -1)
-        dlogits *= scale
+        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient.
+
+        dlogits = probs - onehot(targets), the gradient of sum(losses) (scale enters the products);
+        it may be probs itself, turned into the gradient in place."""
+        picked = np.take_along_axis(probs, targets[..., None], -1)
+        if dlogits is not probs:
+            dlogits[...] = probs
+        np.put_along_axis(dlogits, targets[..., None], picked - 1, -1)
         C = inp.shape[-1]
         V = wte.shape[0]
-        dwte += dlogits.reshape(-1, V).T @ inp.reshape(-1, C)
-        dinp += dlogits @ wte
+        t = self.dtype.type(scale)
+        dwte += t * (dlogits.reshape(-1, V).T @ inp.reshape(-1, C))
+        dinp += t * (dlogits @ wte)
 
     def mean_loss(self, losses) -> float:
         return float(losses.mean(dtype=np.float64))
@@ -202,8 +214,10 @@ class NumpyEngine:
         grads *= grads.dtype.type(scale)
 
     # ---- AdamW ------------------------------------------------------------------------------
-    def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges):
-        """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges."""
+    def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
+                   params_lp=None):
+        """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges.
+        `params_lp`, when given, receives the updated weights in its own dtype."""
         t = self.dtype.type
         m *= t(beta1)
         m += t(1 - beta1) * grads
@@ -215,3 +229,5 @@ class NumpyEngine:
         for start, end in decay_ranges:
             update[start:end] += t(weight_decay) * params[start:end]
         params -= t(lr) * update
+        if params_lp is not None:
+            self.cast(params_lp, params)

@@ -1,0 +1,440 @@
+"""Checks and times the bf16 attention kernels (kernels/attn_bf16.cu) on a CUDA machine.
+
+    PYTHONPATH=. python3 scripts/attn_bf16_check.py [--out DIR]
+    python3 scripts/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
+
+Needs cupy and numpy only (of the repository it imports andrea.kernels_build.kernel_source). Sections:
+  correctness  for each shape (B, T, H), head width 64: fresh random bf16 qkv and dY, dqkv pre-filled with random
+               bf16 values R (the backward adds into it), out / lse / D poisoned with NaN; fwd, bwd_dq, bwd against
+               a float64 NumPy reference from the same bf16 inputs: relative error ||got - ref|| / ||ref|| of Y,
+               lse, D, and of dqkv - R for dQ, dK, dV. D is checked against rowsum(dY * Y) of the kernel's own
+               (bf16) Y, which is what the kernel is specified to compute; any NaN fails.
+  determinism  the full fwd + bwd twice on the same inputs: identical bits of Y, lse, D and dqkv.
+  timing       median of 20 runs after 5 warm-ups (CUDA events): fwd, and bwd (both kernels), in ms and TFLOP/s
+               over the causal half (one product = B H T^2 hd FLOP; fwd = 2 products, bwd = 5).
+Prints a table last, writes DIR/attn_bf16_check.json (DIR: --out, else $OUT, else results/attn_bf16_check) and
+exits nonzero if any check fails. The timing targets are reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from andrea.kernels_build import kernel_source  # noqa: E402
+
+HD = 64
+SHAPES = [(2, 1024, 12), (1, 200, 2), (3, 64, 1), (2, 77, 3), (8, 1024, 12)]  # (B, T, H)
+BENCH_SHAPES = [(8, 1024, 12), (32, 512, 6)]
+LIMITS = {"Y": 1.5e-2, "lse": 1e-3, "D": 1e-3, "dQ": 1.5e-2, "dK": 1.5e-2, "dV": 1.5e-2}
+QK_STD = 1.5  # Q and K entries ~ N(0, 1.5^2): S = Q K^T / 8 has std ~2.25
+WARMUP, REPEAT = 5, 20
+TARGET_MS = {"fwd": 0.10, "bwd": 0.30}  # at (8, 1024, 12)
+FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
+KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- bf16 as uint16 bits -----------------------------------------------------------------------------------------
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float -> bf16 bits (uint16), round to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), r)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(to_bf16_bits(x))
+
+
+# ---- float64 reference -------------------------------------------------------------------------------------------
+def heads(x: np.ndarray, H: int) -> np.ndarray:
+    """[B, T, C] -> [B, H, T, hd]"""
+    B, T, C = x.shape
+    return x.reshape(B, T, H, C // H).transpose(0, 2, 1, 3)
+
+
+def merge(x: np.ndarray) -> np.ndarray:
+    """[B, H, T, hd] -> [B, T, C]"""
+    B, H, T, hd = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+
+
+def reference(qkv: np.ndarray, dout: np.ndarray, H: int) -> dict:
+    """Causal attention and its gradients in float64, one head at a time. qkv [3, B, T, C], dout [B, T, C] (floats).
+    Returns Y [B, T, C], lse [B, H, T] (natural log), D [B, H, T], dqkv [3, B, T, C]."""
+    _, B, T, C = qkv.shape
+    hd = C // H
+    scale = 1.0 / math.sqrt(hd)
+    q, k, v = (heads(qkv[i].astype(np.float64), H) for i in range(3))
+    dy = heads(dout.astype(np.float64), H)
+    future = np.triu(np.ones((T, T), dtype=bool), 1)
+    y = np.empty((B, H, T, hd))
+    lse = np.empty((B, H, T))
+    D = np.empty((B, H, T))
+    dq, dk, dv = (np.empty((B, H, T, hd)) for _ in range(3))
+    for b in range(B):
+        for h in range(H):
+            s = (q[b, h] @ k[b, h].T) * scale
+            s[future] = -np.inf
+            m = s.max(axis=1, keepdims=True)
+            p = np.exp(s - m)
+            l = p.sum(axis=1, keepdims=True)
+            lse[b, h] = (m + np.log(l))[:, 0]
+            p /= l
+            y[b, h] = p @ v[b, h]
+            dp = dy[b, h] @ v[b, h].T
+            D[b, h] = (dy[b, h] * y[b, h]).sum(axis=1)
+            ds = p * (dp - D[b, h][:, None]) * scale
+            dq[b, h] = ds @ k[b, h]
+            dk[b, h] = ds.T @ q[b, h]
+            dv[b, h] = p.T @ dy[b, h]
+    return {"Y": merge(y), "lse": lse, "D": D, "dqkv": np.stack([merge(dq), merge(dk), merge(dv)])}
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("nan")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def make_inputs(B: int, T: int, H: int, seed: int) -> dict:
+    """bf16 bits of qkv, dout, and the reference computed from their exact values; R (bf16 bits) of the size of the
+    reference gradient of each plane."""
+    rng = np.random.default_rng(seed)
+    C = H * HD
+    qkv = rng.standard_normal((3, B, T, C), dtype=np.float32)
+    qkv[:2] *= QK_STD
+    dout = rng.standard_normal((B, T, C), dtype=np.float32)
+    qkv_bits, dout_bits = to_bf16_bits(qkv), to_bf16_bits(dout)
+    ref = reference(bf16_bits_to_f32(qkv_bits), bf16_bits_to_f32(dout_bits), H)
+    rms = np.sqrt((ref["dqkv"] ** 2).mean(axis=(1, 2, 3)))  # per plane
+    R = rng.standard_normal((3, B, T, C)) * rms[:, None, None, None]
+    return {"qkv": qkv_bits, "dout": dout_bits, "R": to_bf16_bits(R.astype(np.float32)), "ref": ref}
+
+
+def compare(inp: dict, got: dict, H: int) -> dict:
+    """Relative errors of the kernel outputs `got` (Y, dqkv as bf16 bits; lse, D as float32) against the reference."""
+    ref = inp["ref"]
+    y = bf16_bits_to_f32(got["Y"]).astype(np.float64)
+    d_ref = (heads(bf16_bits_to_f32(inp["dout"]).astype(np.float64), H) * heads(y, H)).sum(axis=-1)
+    grad = bf16_bits_to_f32(got["dqkv"]).astype(np.float64) - bf16_bits_to_f32(inp["R"]).astype(np.float64)
+    errs = {
+        "Y": rel_err(y, ref["Y"]),
+        "lse": rel_err(got["lse"], ref["lse"]),
+        "D": rel_err(got["D"], d_ref),
+        "dQ": rel_err(grad[0], ref["dqkv"][0]),
+        "dK": rel_err(grad[1], ref["dqkv"][1]),
+        "dV": rel_err(grad[2], ref["dqkv"][2]),
+    }
+    nan = {k: int(np.isnan(bf16_bits_to_f32(got[k]) if k in ("Y", "dqkv") else got[k]).sum())
+           for k in ("Y", "lse", "D", "dqkv")}
+    ok = all(math.isfinite(e) and e <= LIMITS[k] for k, e in errs.items()) and not any(nan.values())
+    return {"errors": errs, "nan_count": nan,
+            "D_vs_exact_Y": rel_err(got["D"], ref["D"]),  # information: D against rowsum(dY * exact Y)
+            "pass": bool(ok)}
+
+
+# ---- reference self-test (CPU) -----------------------------------------------------------------------------------
+def selftest_reference() -> bool:
+    """The float64 reference against a naive per-element formula and its gradients against central differences of
+    L = sum(Y * dY); the bf16 rounding against hand-made cases."""
+    ok = True
+    # bf16 rounding: nearest, ties to even
+    # (bf16 keeps 8 significant bits: the spacing just above 1 is 2^-7)
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, 1.0 + 2**-8 + 2**-20, -2.5, -(1.0 + 2**-7 + 2**-8)],
+                 dtype=np.float32)
+    want = np.array([1.0, 1.0, 1.0 + 2**-6, 1.0, 1.0 + 2**-7, -2.5, -(1.0 + 2**-6)], dtype=np.float32)
+    got = bf16_round(x)
+    good = bool(np.array_equal(got, want)) and bool(np.isnan(bf16_round(np.array([np.nan], np.float32)))[0])
+    log(f"bf16 rounding: {'ok' if good else 'FAIL'} {got}")
+    ok &= bool(good)
+
+    rng = np.random.default_rng(1)
+    B, T, H = 1, 6, 2
+    C = H * HD
+    qkv = rng.standard_normal((3, B, T, C)) * np.array([1.5, 1.5, 1.0])[:, None, None, None]
+    dout = rng.standard_normal((B, T, C))
+    ref = reference(qkv, dout, H)
+    scale = 1.0 / math.sqrt(HD)
+
+    # naive Y and lse
+    err_y = err_l = 0.0
+    for b in range(B):
+        for h in range(H):
+            cs = slice(h * HD, (h + 1) * HD)
+            for i in range(T):
+                s = np.array([qkv[0, b, i, cs] @ qkv[1, b, j, cs] * scale for j in range(i + 1)])
+                lse = math.log(sum(math.exp(v) for v in s))
+                p = np.exp(s - lse)
+                yi = sum(p[j] * qkv[2, b, j, cs] for j in range(i + 1))
+                err_y = max(err_y, float(np.abs(yi - ref["Y"][b, i, cs]).max()))
+                err_l = max(err_l, abs(lse - ref["lse"][b, h, i]))
+    good = err_y < 1e-12 and err_l < 1e-12
+    log(f"reference Y, lse against the naive formula: max abs err {err_y:.2e}, {err_l:.2e} {'ok' if good else 'FAIL'}")
+    ok &= good
+
+    # D = rowsum(dY * Y) = rowsum(P * dP)
+    q, k, v = (heads(qkv[i], H) for i in range(3))
+    dy = heads(dout, H)
+    s = q @ k.transpose(0, 1, 3, 2) * scale
+    s[..., np.triu(np.ones((T, T), dtype=bool), 1)] = -np.inf
+    p = np.exp(s - ref["lse"][..., None])
+    d_alt = (p * (dy @ v.transpose(0, 1, 3, 2))).sum(-1)
+    good = float(np.abs(d_alt - ref["D"]).max()) < 1e-12
+    log(f"reference D = rowsum(P dP): {'ok' if good else 'FAIL'}")
+    ok &= good
+
+    # gradients against central differences, on a sample of entries of each plane
+    def loss(x):
+        return float((reference(x, dout, H)["Y"] * dout).sum())
+
+    eps, worst = 1e-5, 0.0
+    for plane in range(3):
+        for _ in range(40):
+            idx = (plane, 0, int(rng.integers(T)), int(rng.integers(C)))
+            xp, xm = qkv.copy(), qkv.copy()
+            xp[idx] += eps
+            xm[idx] -= eps
+            fd = (loss(xp) - loss(xm)) / (2 * eps)
+            an = ref["dqkv"][idx]
+            worst = max(worst, abs(fd - an) / max(1.0, abs(an)))
+    good = worst < 1e-7
+    log(f"reference dQ, dK, dV against central differences: worst {worst:.2e} {'ok' if good else 'FAIL'}")
+    ok &= good
+
+    # the comparison itself: exact outputs give zero errors, and a NaN fails
+    inp = {"qkv": to_bf16_bits(qkv.astype(np.float32)), "dout": to_bf16_bits(dout.astype(np.float32))}
+    inp["ref"] = reference(bf16_bits_to_f32(inp["qkv"]), bf16_bits_to_f32(inp["dout"]), H)
+    inp["R"] = to_bf16_bits(np.zeros((3, B, T, C), np.float32))
+    exact = {"Y": to_bf16_bits(inp["ref"]["Y"].astype(np.float32)), "lse": inp["ref"]["lse"].astype(np.float32),
+             "dqkv": to_bf16_bits(inp["ref"]["dqkv"].astype(np.float32))}
+    exact["D"] = (heads(bf16_bits_to_f32(inp["dout"]).astype(np.float64), H)
+                  * heads(bf16_bits_to_f32(exact["Y"]).astype(np.float64), H)).sum(-1).astype(np.float32)
+    r1 = compare(inp, exact, H)
+    exact["lse"] = exact["lse"].copy()
+    exact["lse"][0, 0, 0] = np.nan
+    r2 = compare(inp, exact, H)
+    good = r1["pass"] and max(r1["errors"].values()) < 5e-3 and not r2["pass"]
+    log(f"compare(): exact outputs pass ({max(r1['errors'].values()):.1e}), a NaN fails: {'ok' if good else 'FAIL'}")
+    ok &= good
+    return bool(ok)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------------
+def launch_config(source: str) -> dict:
+    """The launch configuration, read from the kernel file's #defines."""
+    def define(name):
+        m = re.search(rf"#define {name} (\d+)", source)
+        if not m:
+            raise RuntimeError(f"kernels/attn_bf16.cu: no #define {name}")
+        return int(m.group(1))
+    return {"threads": define("ATTN_BF16_THREADS"), "rows": define("ATTN_BF16_ROWS"),
+            "kv_threads": define("ATTN_BF16_KV_THREADS"), "kv_rows": define("ATTN_BF16_KV_ROWS")}
+
+
+class Attn:
+    def __init__(self, cp):
+        self.cp = cp
+        source = kernel_source("attn_bf16")
+        self.cfg = launch_config(source)
+        self.mod = cp.RawModule(code=source, options=("-std=c++17",), backend="nvrtc")
+        self.k = {name: self.mod.get_function(name) for name in KERNELS}
+        # Static shared memory only (at most 48 KB a block): no attribute to set.
+        self.attrs = {name: {"registers": int(f.num_regs), "local_bytes": int(f.local_size_bytes),
+                             "static_shared_bytes": int(f.shared_size_bytes),
+                             "max_threads_per_block": int(f.max_threads_per_block)} for name, f in self.k.items()}
+
+    def fwd(self, out, lse, qkv, B, T, H):
+        cfg, i32 = self.cfg, np.int32
+        C = H * HD
+        grid = (B * H, -(-T // cfg["rows"]))
+        self.k["k_attn_fwd_bf16"](grid, (cfg["threads"],),
+                                  (out, lse, qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD))))
+
+    def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
+        cfg, i32 = self.cfg, np.int32
+        C, scale = H * HD, np.float32(1 / math.sqrt(HD))
+        self.k["k_attn_bwd_dq_bf16"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
+                                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale))
+        self.k["k_attn_bwd_bf16"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
+                                  (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale))
+
+
+def run_once(attn: Attn, dev: dict, B: int, T: int, H: int) -> dict:
+    """fwd + bwd on device arrays, after poisoning the outputs and resetting dqkv to R; returns host copies."""
+    cp = attn.cp
+    dev["out"].fill(0xFFFF)  # bf16 NaN
+    dev["lse"].fill(np.nan)
+    dev["delta"].fill(np.nan)
+    dev["dqkv"][...] = dev["R"]
+    attn.fwd(dev["out"], dev["lse"], dev["qkv"], B, T, H)
+    attn.bwd(dev["dqkv"], dev["delta"], dev["dout"], dev["out"], dev["qkv"], dev["lse"], B, T, H)
+    cp.cuda.runtime.deviceSynchronize()
+    return {"Y": cp.asnumpy(dev["out"]), "lse": cp.asnumpy(dev["lse"]), "D": cp.asnumpy(dev["delta"]),
+            "dqkv": cp.asnumpy(dev["dqkv"])}
+
+
+def device_arrays(cp, inp: dict, B: int, T: int, H: int) -> dict:
+    C = H * HD
+    return {"qkv": cp.asarray(inp["qkv"]), "dout": cp.asarray(inp["dout"]), "R": cp.asarray(inp["R"]),
+            "out": cp.empty((B, T, C), dtype=cp.uint16), "lse": cp.empty((B, H, T), dtype=cp.float32),
+            "delta": cp.empty((B, H, T), dtype=cp.float32), "dqkv": cp.empty((3, B, T, C), dtype=cp.uint16)}
+
+
+def check_shapes(attn: Attn) -> dict:
+    res = {}
+    for n, (B, T, H) in enumerate(SHAPES):
+        name = f"B{B}_T{T}_H{H}"
+        try:
+            inp = make_inputs(B, T, H, seed=1000 + n)
+            dev = device_arrays(attn.cp, inp, B, T, H)
+            got = run_once(attn, dev, B, T, H)
+            r = compare(inp, got, H)
+            again = run_once(attn, dev, B, T, H)
+            r["deterministic"] = all(np.array_equal(got[k].view(np.uint8), again[k].view(np.uint8)) for k in got)
+            r["pass"] = r["pass"] and r["deterministic"]
+        except Exception:
+            r = {"pass": False, "error": traceback.format_exc()}
+        res[name] = r
+        errs = " ".join(f"{k} {v:.2e}" for k, v in r.get("errors", {}).items())
+        log(f"{name:>16}: {'ok  ' if r['pass'] else 'FAIL'} {errs} deterministic={r.get('deterministic')}"
+            + (f"\n{r['error']}" if "error" in r else "")
+            + (f" NaN={r['nan_count']}" if any(r.get("nan_count", {}).values()) else ""))
+    return res
+
+
+def time_ms(cp, fn) -> float:
+    for _ in range(WARMUP):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(REPEAT):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def bench(attn: Attn) -> dict:
+    cp, res = attn.cp, {}
+    for B, T, H in BENCH_SHAPES:
+        name = f"B{B}_T{T}_H{H}"
+        try:
+            C = H * HD
+            rng = np.random.default_rng(7)
+            qkv = rng.standard_normal((3, B, T, C), dtype=np.float32)
+            qkv[:2] *= QK_STD
+            dev = {"qkv": cp.asarray(to_bf16_bits(qkv)),
+                   "dout": cp.asarray(to_bf16_bits(rng.standard_normal((B, T, C), dtype=np.float32))),
+                   "out": cp.zeros((B, T, C), dtype=cp.uint16), "lse": cp.zeros((B, H, T), dtype=cp.float32),
+                   "delta": cp.zeros((B, H, T), dtype=cp.float32), "dqkv": cp.zeros((3, B, T, C), dtype=cp.uint16)}
+            attn.fwd(dev["out"], dev["lse"], dev["qkv"], B, T, H)
+            fwd = time_ms(cp, lambda: attn.fwd(dev["out"], dev["lse"], dev["qkv"], B, T, H))
+            bwd = time_ms(cp, lambda: attn.bwd(dev["dqkv"], dev["delta"], dev["dout"], dev["out"], dev["qkv"],
+                                               dev["lse"], B, T, H))
+            product = B * H * T * T * HD  # 2 B H T^2 hd / 2: one causal product
+            r = {"fwd_ms": fwd, "bwd_ms": bwd,
+                 "fwd_tflops": FWD_PRODUCTS * product / (fwd * 1e-3) / 1e12,
+                 "bwd_tflops": BWD_PRODUCTS * product / (bwd * 1e-3) / 1e12}
+            if (B, T, H) == (8, 1024, 12):
+                r["fwd_target_met"] = fwd <= TARGET_MS["fwd"]
+                r["bwd_target_met"] = bwd <= TARGET_MS["bwd"]
+        except Exception:
+            r = {"error": traceback.format_exc()}
+        res[name] = r
+        log(f"{name:>16}: " + (f"fwd {r['fwd_ms']:.4f} ms ({r['fwd_tflops']:.0f} TFLOP/s), "
+                               f"bwd {r['bwd_ms']:.4f} ms ({r['bwd_tflops']:.0f} TFLOP/s)" if "error" not in r
+                               else r["error"]))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results" / "attn_bf16_check"))
+    ap.add_argument("--selftest-reference", action="store_true", help="check the float64 reference on the CPU and exit")
+    args = ap.parse_args()
+    if args.selftest_reference:
+        ok = selftest_reference()
+        log(f"reference self-test: {'PASS' if ok else 'FAIL'}")
+        return 0 if ok else 1
+
+    import cupy as cp
+
+    report: dict = {"limits": LIMITS, "shapes": [list(s) for s in SHAPES]}
+    ok = True
+    try:
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        report["device"] = {"name": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+                            "cc": f"{props['major']}.{props['minor']}", "sms": props["multiProcessorCount"],
+                            "runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
+        log(f"device: {report['device']}")
+        attn = Attn(cp)
+        report["launch"] = attn.cfg
+        report["kernels"] = attn.attrs
+        for name, a in attn.attrs.items():
+            log(f"{name}: {a}")
+            if a["local_bytes"]:
+                log(f"  note: {name} uses {a['local_bytes']} bytes of local memory (register spills)")
+    except Exception:
+        report["build_error"] = traceback.format_exc()
+        log(report["build_error"])
+        attn, ok = None, False
+
+    if attn is not None:
+        log("\n== correctness and determinism ==")
+        report["correctness"] = check_shapes(attn)
+        ok &= all(r["pass"] for r in report["correctness"].values())
+        log("\n== timing ==")
+        report["timing"] = bench(attn)
+        ok &= not any("error" in r for r in report["timing"].values())
+    report["pass"] = bool(ok)
+
+    log("\n== summary ==")
+    log(f"{'shape':>16} {'Y':>9} {'lse':>9} {'D':>9} {'dQ':>9} {'dK':>9} {'dV':>9}  det   result")
+    for name, r in report.get("correctness", {}).items():
+        e = r.get("errors", {})
+        cells = " ".join(f"{e[k]:9.2e}" if k in e else f"{'-':>9}" for k in ("Y", "lse", "D", "dQ", "dK", "dV"))
+        log(f"{name:>16} {cells}  {str(r.get('deterministic', '-')):5} {'ok' if r['pass'] else 'FAIL'}")
+    log(f"{'limits':>16} " + " ".join(f"{LIMITS[k]:9.1e}" for k in ("Y", "lse", "D", "dQ", "dK", "dV")))
+    for name, r in report.get("timing", {}).items():
+        if "error" not in r:
+            log(f"{name:>16}  fwd {r['fwd_ms']:.4f} ms {r['fwd_tflops']:6.1f} TFLOP/s   "
+                f"bwd {r['bwd_ms']:.4f} ms {r['bwd_tflops']:6.1f} TFLOP/s"
+                + (f"   targets (fwd <= {TARGET_MS['fwd']} ms, bwd <= {TARGET_MS['bwd']} ms): "
+                   f"{'met' if r['fwd_target_met'] else 'missed'} / {'met' if r['bwd_target_met'] else 'missed'}"
+                   if "fwd_target_met" in r else ""))
+    log(f"overall: {'PASS' if ok else 'FAIL'}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attn_bf16_check.json").write_text(json.dumps(report, indent=2, default=str))
+    log(f"wrote {out / 'attn_bf16_check.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
