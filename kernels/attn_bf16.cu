@@ -14,31 +14,33 @@
 // writes D and loops over key tiles to add dQ; then k_attn_bwd_bf16, one block per key tile, reads D and loops over
 // query tiles to add dK and dV.
 //
-// Launch configuration (the host mirrors these), the same for all three kernels, launched in the order
-// k_attn_fwd_bf16, k_attn_bwd_dq_bf16, k_attn_bwd_bf16:
-//   block = ATTN_BF16_THREADS (256 threads, 8 warps)
-//   grid  = (B * H, ceil(T / ATTN_BF16_ROWS))   (ATTN_BF16_ROWS = 128 queries, or 128 keys for k_attn_bwd_bf16)
-//   shared memory: static only (ATTN_BF16_*_SMEM bytes below, at most 48 KB); dynamic shared memory = 0.
-// Each block owns a 128-row tile (warp w its rows 16 w .. 16 w + 15, held in registers as mma A operands) and streams
-// the other operand through shared memory in 64-row tiles, double-buffered with cp.async.
+// Launch configuration (the host mirrors these #defines), in launch order:
+//   k_attn_fwd_bf16     block ATTN_BF16_THREADS (256)     grid (B * H, ceil(T / ATTN_BF16_ROWS))     (ROWS = 128)
+//   k_attn_bwd_dq_bf16  block ATTN_BF16_THREADS (256)     grid (B * H, ceil(T / ATTN_BF16_ROWS))
+//   k_attn_bwd_bf16     block ATTN_BF16_KV_THREADS (128)  grid (B * H, ceil(T / ATTN_BF16_KV_ROWS))  (KV_ROWS = 64)
+// Shared memory is static only (ATTN_BF16_FWD_SMEM, _DQ_SMEM, _BWD_SMEM = 49152, 32768, 33792 bytes): launch with 0
+// dynamic bytes, no attribute to set. Each block owns a tile of queries (keys in k_attn_bwd_bf16); warp w owns its
+// rows 16 w .. 16 w + 15, held in registers as mma A operands, while the other operand streams through shared memory
+// in 64-row tiles, double-buffered with cp.async. k_attn_bwd_bf16 keeps the dK and dV accumulators besides K and V
+// (about 170 registers a thread), hence its smaller blocks.
 #include "common.cuh"
 
-#define ATTN_BF16_THREADS 256  // 8 warps
-#define ATTN_BF16_BLOCKS 2     // blocks per SM the register budget is set for: at most 128 registers a thread
-#define ATTN_BF16_HD 64        // head width, the only one these kernels take
-#define ATTN_BF16_ROWS 128     // rows of a block's own tile: queries (fwd, bwd_dq) or keys (bwd); grid.y = ceil(T / 128)
-#define ATTN_BF16_STREAM 64    // rows of a streamed tile: keys (fwd, bwd_dq) or queries (bwd)
+#define ATTN_BF16_THREADS 256     // k_attn_fwd_bf16, k_attn_bwd_dq_bf16: 8 warps
+#define ATTN_BF16_BLOCKS 2        // their blocks per SM the register budget is set for: at most 128 registers a thread
+#define ATTN_BF16_ROWS 128        // their query tile: grid.y = ceil(T / 128)
 #define ATTN_BF16_KV_THREADS 128  // k_attn_bwd_bf16: 4 warps
 #define ATTN_BF16_KV_BLOCKS 3     // its blocks per SM: at most 168 registers a thread
-#define ATTN_BF16_KV_ROWS 64      // its own tile: 64 keys; grid.y = ceil(T / 64)
+#define ATTN_BF16_KV_ROWS 64      // its key tile: grid.y = ceil(T / 64)
+#define ATTN_BF16_STREAM 64       // rows of a streamed tile: keys (fwd, bwd_dq) or queries (bwd)
+#define ATTN_BF16_HD 64           // head width, the only one these kernels take
 #define ATTN_BF16_ROW_BYTES 128                                         // one row of 64 bf16
-#define ATTN_BF16_TILE_BYTES (ATTN_BF16_STREAM * ATTN_BF16_ROW_BYTES)  // 8 KB: a streamed tile
-#define ATTN_BF16_OWN_BYTES (ATTN_BF16_ROWS * ATTN_BF16_ROW_BYTES)     // 16 KB: a block's own tile
+#define ATTN_BF16_TILE_BYTES (ATTN_BF16_STREAM * ATTN_BF16_ROW_BYTES)  // 8 KB: a streamed tile (or a 64-key tile)
+#define ATTN_BF16_OWN_BYTES (ATTN_BF16_ROWS * ATTN_BF16_ROW_BYTES)     // 16 KB: a 128-query tile
+#define ATTN_BF16_STAT_BYTES (2 * ATTN_BF16_STREAM * 4)                // a query tile's lse and D (fp32)
 // Static shared memory of each kernel, in bytes:
-#define ATTN_BF16_FWD_SMEM (ATTN_BF16_OWN_BYTES + 4 * ATTN_BF16_TILE_BYTES)     // 49152: Q; K and V twice
-#define ATTN_BF16_DQ_SMEM (4 * ATTN_BF16_TILE_BYTES)                            // 32768: K and V twice (Q and dY first)
-#define ATTN_BF16_STAT_BYTES (2 * ATTN_BF16_STREAM * 4)                         // a query tile's lse and D (fp32)
-#define ATTN_BF16_BWD_SMEM (4 * ATTN_BF16_TILE_BYTES + 2 * ATTN_BF16_STAT_BYTES)  // 33792: Q, dY, lse, D twice (K, V first)
+#define ATTN_BF16_FWD_SMEM (ATTN_BF16_OWN_BYTES + 4 * ATTN_BF16_TILE_BYTES)       // 49152: Q; K and V twice
+#define ATTN_BF16_DQ_SMEM (4 * ATTN_BF16_TILE_BYTES)                              // 32768: K, V twice (Q, dY first)
+#define ATTN_BF16_BWD_SMEM (4 * ATTN_BF16_TILE_BYTES + 2 * ATTN_BF16_STAT_BYTES)  // 33792: Q, dY, lse, D twice
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define POS_INF __int_as_float(0x7f800000)
@@ -70,7 +72,9 @@
 // different bank groups, and a warp's cp.async writes (4 rows x 8 chunks) cover all banks once.
 __device__ __forceinline__ unsigned tile_offset(int r, int c) { return r * ATTN_BF16_ROW_BYTES + ((c ^ (r & 7)) << 4); }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 
 // This lane's row address for an ldmatrix.x4 over rows band .. band+15 and chunks 2x, 2x+1 (see above).
 __device__ __forceinline__ unsigned rows_first(unsigned tile, int band, int x, int lane) {
@@ -98,7 +102,8 @@ __device__ __forceinline__ float2 lds_f2(unsigned addr) {
 
 // c[16 x 8] += a[16 x 16] b[16 x 8]
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
@@ -131,9 +136,9 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Starts copying rows [row0, row0 + ROWS) of one head's [T, 64] slice (row stride C) into the swizzled tile at shared
-// address `tile`; rows at or past T read as zero. Thread i copies chunk i % 8 of rows i / 8, i / 8 + 32, ...; `src`
-// is the slice's start plus this thread's offset (i / 8) C + 8 (i % 8), from slice_of(); rows past T copy nothing
-// from `valid`, any address inside the tensor.
+// address `tile`; rows at or past T read as zero. Thread i copies chunk i % 8 of rows i / 8, i / 8 + THREADS / 8, ...;
+// `src` is the slice's start plus this thread's offset (i / 8) C + 8 (i % 8), from slice_of(); rows past T copy
+// nothing from `valid`, any address inside the tensor.
 template <int ROWS, int THREADS = ATTN_BF16_THREADS>
 __device__ __forceinline__ void load_tile(unsigned tile, const bf16* src, const bf16* valid, int row0, int T, int C) {
     constexpr int ROWS_PER_PASS = THREADS / 8;
@@ -142,11 +147,12 @@ __device__ __forceinline__ void load_tile(unsigned tile, const bf16* src, const 
     for (int k = 0; k < ROWS / ROWS_PER_PASS; k++) {
         const int row = row0 + r + k * ROWS_PER_PASS;
         const bool inside = row < T;
-        cp_async16(tile + tile_offset(r + k * ROWS_PER_PASS, c), inside ? src + (long long)(row0 + k * ROWS_PER_PASS) * C : valid,
-                   inside);
+        const bf16* from = inside ? src + (long long)(row0 + k * ROWS_PER_PASS) * C : valid;
+        cp_async16(tile + tile_offset(r + k * ROWS_PER_PASS, c), from, inside);
     }
 }
 
+// `base` (a head's [T, 64] slice) plus this thread's offset in load_tile(); dereferenced only for rows below T.
 __device__ __forceinline__ const bf16* slice_of(const bf16* base, int C) {
     return base + (threadIdx.x / 8) * C + (threadIdx.x % 8) * 8;
 }
@@ -266,60 +272,66 @@ k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int
         cp_async_wait<1>();  // tile kt
         __syncthreads();
         const unsigned Ks = KV + (kt & 1) * 2 * ATTN_BF16_TILE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
-        const int k0 = kt * ATTN_BF16_STREAM;
-        // Warps whose rows all lie past T, or before the tile's first key, skip it (warp-uniform).
-        if (wrow < T && k0 <= wrow + 15) {
-            float s[8][4];
+        // The tile in two halves of 32 keys, each a step of the online softmax (fewer live registers than one step
+        // of 64). Warps whose rows all lie past T, or before the half's first key, skip it (warp-uniform).
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int kb = kt * ATTN_BF16_STREAM + 32 * half;  // the half's first key
+            if (wrow >= T || kb > wrow + 15) break;
+            float s[4][4];
             zero(s);
 #pragma unroll
             for (int kc = 0; kc < 4; kc++)
 #pragma unroll
-                for (int np = 0; np < 4; np++) {  // keys 16 np .. 16 np + 15 of the tile
+                for (int np = 0; np < 2; np++) {  // keys 16 np .. 16 np + 15 of the half
                     unsigned b[4];
-                    ldsm(b, chunks_first(Ks, 16 * np, kc, lane));
+                    ldsm(b, chunks_first(Ks, 32 * half + 16 * np, kc, lane));
                     mma_bf16(s[2 * np], qf[kc], b[0], b[1]);
                     mma_bf16(s[2 * np + 1], qf[kc], b[2], b[3]);
                 }
-            const bool diagonal = k0 + ATTN_BF16_STREAM - 1 > wrow;  // some key lies past some row of the warp
-            float mx[2] = {m[0], m[1]};
+            const bool diagonal = kb + 31 > wrow;  // some key lies past some row of the warp
+            float mx[2] = {NEG_INF, NEG_INF};  // the half's row maxima of S (before scaling)
 #pragma unroll
-            for (int n = 0; n < 8; n++)
+            for (int n = 0; n < 4; n++)
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
-                    const int col = k0 + n * 8 + 2 * t + (r & 1);
-                    const float x = diagonal && col > row0 + 8 * (r >> 1) ? NEG_INF : s[n][r] * s2;
-                    s[n][r] = x;
-                    mx[r >> 1] = fmaxf(mx[r >> 1], x);
+                    const int col = kb + n * 8 + 2 * t + (r & 1);
+                    if (diagonal && col > row0 + 8 * (r >> 1)) s[n][r] = NEG_INF;
+                    mx[r >> 1] = fmaxf(mx[r >> 1], s[n][r]);
                 }
             float corr[2];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                mx[i] = row_max4(mx[i]);  // finite: every row sees key 0 in tile 0, the first one processed
-                corr[i] = exp2_approx(m[i] - mx[i]);
-                m[i] = mx[i];
+                // finite: every row sees key 0 in the first step (scale > 0 keeps the order)
+                const float m_new = fmaxf(m[i], row_max4(mx[i]) * s2);
+                corr[i] = exp2_approx(m[i] - m_new);
+                m[i] = m_new;
                 l[i] *= corr[i];
             }
 #pragma unroll
             for (int n = 0; n < 8; n++)
 #pragma unroll
+                for (int r = 0; r < 4; r++) o[n][r] *= corr[r >> 1];
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
                 for (int r = 0; r < 4; r++) {
-                    const float p = exp2_approx(s[n][r] - m[r >> 1]);
+                    const float p = exp2_approx(fmaf(s[n][r], s2, -m[r >> 1]));  // masked: 2^-inf = 0
                     s[n][r] = p;
                     l[r >> 1] += p;
-                    o[n][r] *= corr[r >> 1];
                 }
-            unsigned pf[4][4];  // P as A fragments, k-steps over the tile's 64 keys
 #pragma unroll
-            for (int kc = 0; kc < 4; kc++) pack_a(pf[kc], s[2 * kc], s[2 * kc + 1]);
-#pragma unroll
-            for (int kc = 0; kc < 4; kc++)
+            for (int kc = 0; kc < 2; kc++) {
+                unsigned pf[4];  // P as the A fragment of keys 16 kc .. 16 kc + 15 of the half
+                pack_a(pf, s[2 * kc], s[2 * kc + 1]);
 #pragma unroll
                 for (int np = 0; np < 4; np++) {  // columns 16 np .. 16 np + 15 of V
                     unsigned b[4];
-                    ldsm_trans(b, rows_first(Vs, 16 * kc, np, lane));
-                    mma_bf16(o[2 * np], pf[kc], b[0], b[1]);
-                    mma_bf16(o[2 * np + 1], pf[kc], b[2], b[3]);
+                    ldsm_trans(b, rows_first(Vs, 32 * half + 16 * kc, np, lane));
+                    mma_bf16(o[2 * np], pf, b[0], b[1]);
+                    mma_bf16(o[2 * np + 1], pf, b[2], b[3]);
                 }
+            }
         }
         __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
     }
@@ -410,8 +422,9 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
         __syncthreads();
         const unsigned Ks = KV + (kt & 1) * 2 * ATTN_BF16_TILE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
         if (wrow < T) {
-            // 16 keys at a time: S and dP of the warp's 16 rows x 16 keys, then dS, then dQ += dS K.
-#pragma unroll
+            // 16 keys at a time: S and dP of the warp's 16 rows x 16 keys, then dS, then dQ += dS K. Not unrolled:
+            // one chunk at a time keeps the registers (Q and dY fragments, dQ) well inside the budget.
+#pragma unroll 1
             for (int c = 0; c < 4; c++) {
                 const int kb = kt * ATTN_BF16_STREAM + 16 * c;  // the chunk's first key
                 if (kb > wrow + 15) break;  // this and later chunks lie past every row of the warp
@@ -450,10 +463,11 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
         __syncthreads();
     }
     const float sc[2] = {scale, scale};
-    store_rows<true>(dqkv + head_of(block_x(), B, T, C, H).seq, dq, sc, row0, T, C, t);  // offsets recomputed, as in the forward
+    const Head hs = head_of(block_x(), B, T, C, H);  // offsets recomputed, as in the forward
+    store_rows<true>(dqkv + hs.seq, dq, sc, row0, T, C, t);
 }
 
-// ---- backward, second kernel: dK and dV, one block per (b, h) and 128-key tile, query tiles of 64 -----------------
+// ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile, query tiles of 64 ------------------
 // Runs after k_attn_bwd_dq_bf16, whose D it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
@@ -490,10 +504,11 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
     // those queries' Q and dY rows are zero too (so are their dS and their share of dV).
     auto load_queries = [&](int qt, int s) {
         const unsigned buf = QY + s * 2 * ATTN_BF16_TILE_BYTES;
-        load_tile<ATTN_BF16_STREAM, ATTN_BF16_KV_THREADS>(buf, q_src, qkv, qt * ATTN_BF16_STREAM, T, C);
-        load_tile<ATTN_BF16_STREAM, ATTN_BF16_KV_THREADS>(buf + ATTN_BF16_TILE_BYTES, y_src, dout, qt * ATTN_BF16_STREAM, T, C);
+        const int row0 = qt * ATTN_BF16_STREAM;
+        load_tile<ATTN_BF16_STREAM, ATTN_BF16_KV_THREADS>(buf, q_src, qkv, row0, T, C);
+        load_tile<ATTN_BF16_STREAM, ATTN_BF16_KV_THREADS>(buf + ATTN_BF16_TILE_BYTES, y_src, dout, row0, T, C);
         {  // lse by threads 0-63, D by threads 64-127
-            const int i = threadIdx.x % ATTN_BF16_STREAM, row = qt * ATTN_BF16_STREAM + i;
+            const int i = threadIdx.x % ATTN_BF16_STREAM, row = row0 + i;
             const bool inside = row < T;
             const float* src = (threadIdx.x < ATTN_BF16_STREAM ? lse : delta) + hh.stat + (inside ? row : 0);
             cp_async4(ST + s * ATTN_BF16_STAT_BYTES + (threadIdx.x / ATTN_BF16_STREAM) * (ATTN_BF16_STREAM * 4) + i * 4,

@@ -33,7 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from andrea.kernels_build import kernel_source  # noqa: E402
+from andrea.kernels_build import kernel_source
 
 HD = 64
 SHAPES = [(2, 1024, 12), (1, 200, 2), (3, 64, 1), (2, 77, 3), (8, 1024, 12)]  # (B, T, H)
@@ -315,7 +315,7 @@ def check_shapes(attn: Attn) -> dict:
             again = run_once(attn, dev, B, T, H)
             r["deterministic"] = all(np.array_equal(got[k].view(np.uint8), again[k].view(np.uint8)) for k in got)
             r["pass"] = r["pass"] and r["deterministic"]
-        except Exception:
+        except Exception:  # noqa: BLE001 (reported, and the other sections still run)
             r = {"pass": False, "error": traceback.format_exc()}
         res[name] = r
         errs = " ".join(f"{k} {v:.2e}" for k, v in r.get("errors", {}).items())
@@ -352,10 +352,14 @@ def bench(attn: Attn) -> dict:
                    "dout": cp.asarray(to_bf16_bits(rng.standard_normal((B, T, C), dtype=np.float32))),
                    "out": cp.zeros((B, T, C), dtype=cp.uint16), "lse": cp.zeros((B, H, T), dtype=cp.float32),
                    "delta": cp.zeros((B, H, T), dtype=cp.float32), "dqkv": cp.zeros((3, B, T, C), dtype=cp.uint16)}
-            attn.fwd(dev["out"], dev["lse"], dev["qkv"], B, T, H)
-            fwd = time_ms(cp, lambda: attn.fwd(dev["out"], dev["lse"], dev["qkv"], B, T, H))
-            bwd = time_ms(cp, lambda: attn.bwd(dev["dqkv"], dev["delta"], dev["dout"], dev["out"], dev["qkv"],
-                                               dev["lse"], B, T, H))
+            def fwd_run(d=dev, s=(B, T, H)):
+                attn.fwd(d["out"], d["lse"], d["qkv"], *s)
+
+            def bwd_run(d=dev, s=(B, T, H)):
+                attn.bwd(d["dqkv"], d["delta"], d["dout"], d["out"], d["qkv"], d["lse"], *s)
+
+            fwd_run()
+            fwd, bwd = time_ms(cp, fwd_run), time_ms(cp, bwd_run)
             product = B * H * T * T * HD  # 2 B H T^2 hd / 2: one causal product
             r = {"fwd_ms": fwd, "bwd_ms": bwd,
                  "fwd_tflops": FWD_PRODUCTS * product / (fwd * 1e-3) / 1e12,
@@ -363,7 +367,7 @@ def bench(attn: Attn) -> dict:
             if (B, T, H) == (8, 1024, 12):
                 r["fwd_target_met"] = fwd <= TARGET_MS["fwd"]
                 r["bwd_target_met"] = bwd <= TARGET_MS["bwd"]
-        except Exception:
+        except Exception:  # noqa: BLE001 (reported, and the other sections still run)
             r = {"error": traceback.format_exc()}
         res[name] = r
         log(f"{name:>16}: " + (f"fwd {r['fwd_ms']:.4f} ms ({r['fwd_tflops']:.0f} TFLOP/s), "
@@ -388,9 +392,10 @@ def main() -> int:
     ok = True
     try:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-        report["device"] = {"name": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                            "cc": f"{props['major']}.{props['minor']}", "sms": props["multiProcessorCount"],
-                            "runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        report["device"] = {"name": name, "cc": f"{props['major']}.{props['minor']}",
+                            "sms": props["multiProcessorCount"], "runtime": cp.cuda.runtime.runtimeGetVersion(),
+                            "driver": cp.cuda.runtime.driverGetVersion()}
         log(f"device: {report['device']}")
         attn = Attn(cp)
         report["launch"] = attn.cfg
@@ -399,7 +404,7 @@ def main() -> int:
             log(f"{name}: {a}")
             if a["local_bytes"]:
                 log(f"  note: {name} uses {a['local_bytes']} bytes of local memory (register spills)")
-    except Exception:
+    except Exception:  # noqa: BLE001 (reported)
         report["build_error"] = traceback.format_exc()
         log(report["build_error"])
         attn, ok = None, False
@@ -418,7 +423,7 @@ def main() -> int:
     for name, r in report.get("correctness", {}).items():
         e = r.get("errors", {})
         cells = " ".join(f"{e[k]:9.2e}" if k in e else f"{'-':>9}" for k in ("Y", "lse", "D", "dQ", "dK", "dV"))
-        log(f"{name:>16} {cells}  {str(r.get('deterministic', '-')):5} {'ok' if r['pass'] else 'FAIL'}")
+        log(f"{name:>16} {cells}  {r.get('deterministic', '-')!s:5} {'ok' if r['pass'] else 'FAIL'}")
     log(f"{'limits':>16} " + " ".join(f"{LIMITS[k]:9.1e}" for k in ("Y", "lse", "D", "dQ", "dK", "dV")))
     for name, r in report.get("timing", {}).items():
         if "error" not in r:
@@ -427,6 +432,9 @@ def main() -> int:
                 + (f"   targets (fwd <= {TARGET_MS['fwd']} ms, bwd <= {TARGET_MS['bwd']} ms): "
                    f"{'met' if r['fwd_target_met'] else 'missed'} / {'met' if r['bwd_target_met'] else 'missed'}"
                    if "fwd_target_met" in r else ""))
+    for name, a in report.get("kernels", {}).items():
+        log(f"{name:>20}: {a['registers']} registers, {a['local_bytes']} bytes local memory (spills), "
+            f"{a['static_shared_bytes']} bytes static shared memory")
     log(f"overall: {'PASS' if ok else 'FAIL'}")
 
     out = Path(args.out)

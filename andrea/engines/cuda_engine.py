@@ -54,10 +54,11 @@ LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
 ATTN_BWD_SMEM = 4 * ATTN_TILE * ATTN_LD * 4 + 2 * ATTN_TILE * 4  # Q, dY, K, V tiles; a query tile's lse and D
-# kernels/attn_bf16.cu (bf16 activations, head width 64): its launch shape.
+# kernels/attn_bf16.cu (bf16 activations, head width 64): its launch shapes (static shared memory only).
+# The forward and the dQ kernel take 128-query tiles with 8 warps, the dK/dV kernel 64-key tiles with 4.
 ATTN_BF16_HEAD = 64
-ATTN_BF16_THREADS, ATTN_BF16_TILE = 128, 64
-ATTN_BF16_SMEM = {}  # dynamic shared memory of the kernels that take over 48 KB
+ATTN_BF16_THREADS, ATTN_BF16_ROWS = 256, 128
+ATTN_BF16_KV_THREADS, ATTN_BF16_KV_ROWS = 128, 64
 ELEMENTWISE_THREADS = 256
 NORM_THREADS = 512
 
@@ -83,10 +84,11 @@ def _load_kernels(precision: str) -> dict:
         functions.update({name: _modules[key].get_function(name) for name in names})
     # Over 48 KB of dynamic shared memory needs the limit raised per kernel; the largest shared-memory
     # carveout lets 3-4 attention blocks share an SM.
-    for name, smem in (("k_attn_fwd", ATTN_FWD_SMEM), ("k_attn_bwd_dq", ATTN_BWD_SMEM), ("k_attn_bwd", ATTN_BWD_SMEM),
-                       *ATTN_BF16_SMEM.items()):
+    for name, smem in (("k_attn_fwd", ATTN_FWD_SMEM), ("k_attn_bwd_dq", ATTN_BWD_SMEM), ("k_attn_bwd", ATTN_BWD_SMEM)):
+        functions[name].max_dynamic_shared_size_bytes = smem
+        functions[name].preferred_shared_memory_carveout = 100
+    for name in KERNELS["attn_bf16"]:
         if name in functions:
-            functions[name].max_dynamic_shared_size_bytes = smem
             functions[name].preferred_shared_memory_carveout = 100
     return functions
 
@@ -317,19 +319,18 @@ class CudaEngine:
                       np.int32(split))
 
     def _bf16_attention(self, qkv, n_head) -> tuple | None:
-        """Grid and arguments of kernels/attn_bf16.cu when it takes this shape (bf16, head width 64)."""
+        """Arguments of kernels/attn_bf16.cu when it takes this shape (bf16, head width 64), else None."""
         _, B, T, C = qkv.shape
-        if self.precision != "bf16" or C // n_head != ATTN_BF16_HEAD or C % n_head:
+        if self.precision != "bf16" or C != ATTN_BF16_HEAD * n_head:
             return None
-        grid = (B * n_head, -(-T // ATTN_BF16_TILE))
-        return grid, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head), np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
+        return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
+                               np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
 
     def attn_fwd(self, out, att, qkv, n_head):
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
-            grid, dims = bf16
-            self.k["k_attn_fwd_bf16"](grid, (ATTN_BF16_THREADS,), (out, att, qkv, *dims),
-                                      shared_mem=ATTN_BF16_SMEM.get("k_attn_fwd_bf16", 0))
+            heads, T, dims = bf16
+            self.k["k_attn_fwd_bf16"]((heads, -(-T // ATTN_BF16_ROWS)), (ATTN_BF16_THREADS,), (out, att, qkv, *dims))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (ATTN_THREADS,), (out, att, qkv, *dims), shared_mem=ATTN_FWD_SMEM)
@@ -337,11 +338,11 @@ class CudaEngine:
     def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head):
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
-            grid, dims = bf16
-            self.k["k_attn_bwd_dq_bf16"](grid, (ATTN_BF16_THREADS,), (dqkv, datt, dout, out, qkv, att, *dims),
-                                         shared_mem=ATTN_BF16_SMEM.get("k_attn_bwd_dq_bf16", 0))
-            self.k["k_attn_bwd_bf16"](grid, (ATTN_BF16_THREADS,), (dqkv, datt, dout, qkv, att, *dims),
-                                      shared_mem=ATTN_BF16_SMEM.get("k_attn_bwd_bf16", 0))
+            heads, T, dims = bf16
+            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // ATTN_BF16_ROWS)), (ATTN_BF16_THREADS,),
+                                         (dqkv, datt, dout, out, qkv, att, *dims))
+            self.k["k_attn_bwd_bf16"]((heads, -(-T // ATTN_BF16_KV_ROWS)), (ATTN_BF16_KV_THREADS,),
+                                      (dqkv, datt, dout, qkv, att, *dims))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
