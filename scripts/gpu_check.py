@@ -170,7 +170,7 @@ def ceilings():
     out = {}
     for precision in PRECISIONS:
         blas = CudaEngine(precision=precision).blas
-        x, y, z = (a, b, c) if precision != "bf16" else (a.astype("bfloat16"), b.astype("bfloat16"), c.astype("bfloat16"))
+        x, y, z = (a, b, c) if precision != "bf16" else (cupy.asarray(cupy.asnumpy(m).astype("bfloat16")) for m in (a, b, c))
         ms = median_ms(lambda: blas.gemm(z, x, y, n, n, n), reps=5)
         out[f"{precision}_tflops"] = round(2 * n**3 / ms / 1e9, 1)
     src = cupy.random.standard_normal(2**29 // 4 * 4, dtype=np.float32)  # 2 GiB

@@ -28,6 +28,7 @@ import ctypes
 import math
 
 import cupy
+import ml_dtypes  # noqa: F401  (registers NumPy's "bfloat16" dtype, which the bf16 buffers use)
 import numpy as np
 
 from andrea.errors import AndreaError
