@@ -56,8 +56,12 @@ class Model:
     """Buffers from the memory plan plus the forward/backward schedule over one engine."""
 
     def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None,
-                 recompute: tuple[str, ...] = ()):
+                 recompute: tuple[str, ...] = (), graphs: bool = True):
         self.engine = engine
+        # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
+        # engine can record one: the same kernels in the same order, without the host's per-launch cost.
+        self.graphs = graphs and hasattr(engine, "capture")
+        self._step_graph = None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
         self.layout = ParameterLayout(shape)
@@ -110,9 +114,16 @@ class Model:
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         """Run the forward pass on one micro-batch; returns the mean loss (saves what backward needs)."""
+        self._upload(tokens, targets)
+        self._forward_ops()
+        return self.engine.mean_loss(self.buf["losses"])
+
+    def _upload(self, tokens: np.ndarray, targets: np.ndarray) -> None:
+        self.engine.upload(self.buf["tokens"], tokens)
+        self.engine.upload(self.buf["targets"], targets)
+
+    def _forward_ops(self) -> None:
         e, b, P, W, H = self.engine, self.buf, self.P, self.W, self.shape.n_head
-        e.upload(b["tokens"], tokens)
-        e.upload(b["targets"], targets)
         res = b["residual"]
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
         for l, (p, w) in enumerate(zip(P["layers"], W["layers"])):
@@ -127,7 +138,6 @@ class Model:
             e.residual_add(res[l + 1], b["residual_mid"][l], b["branch"])
         e.layernorm_fwd(b["lnf"], b["lnf_mean"], b["lnf_rstd"], res[-1], P["LNf.gamma"], P["LNf.beta"])
         e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"])
-        return e.mean_loss(b["losses"])
 
     RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act": ("gelu", "mlp_act")}
 
@@ -175,6 +185,16 @@ class Model:
                             b["ln1_mean"][l], b["ln1_rstd"][l])
         e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
 
+    def _forward_backward(self) -> None:
+        """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed."""
+        if not self.graphs:
+            self._forward_ops()
+            self.backward()
+            return
+        if self._step_graph is None:
+            self._step_graph = self.engine.capture(lambda: (self._forward_ops(), self.backward()))
+        self.engine.replay(self._step_graph)
+
     # ---- optimizer step --------------------------------------------------------------------
     def grad_norm(self) -> float:
         e, b = self.engine, self.buf
@@ -190,8 +210,9 @@ class Model:
         e, b = self.engine, self.buf
         losses = []
         for tokens, targets in micro_batches:
-            losses.append(self.forward(tokens, targets))
-            self.backward()
+            self._upload(tokens, targets)
+            self._forward_backward()
+            losses.append(e.mean_loss(b["losses"]))
         loss = float(np.mean(losses))
         n = len(micro_batches)
         if self.data_parallel is not None:

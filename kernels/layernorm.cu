@@ -4,15 +4,15 @@
 //             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 //             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout
 // Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
-// One warp per row. dgamma and dbeta are column sums: instead of atomics, the backward launch has
-// extra blocks that each own a few columns and sum every row in a fixed order (same bits every run).
+// One warp per row. dgamma and dbeta are column sums: instead of atomics, the backward launch has extra
+// blocks that each sum one chunk of rows for a run of columns (coalesced), and a second launch adds the
+// chunks' partial sums in chunk order (same bits every run).
 #include "common.cuh"
 
 #define LN_EPS 1e-5f
 #define LN_THREADS 1024
-// Backward column blocks: LN_COLS columns each, LN_THREADS / LN_COLS row groups.
-#define LN_COLS 8
-#define LN_GROUPS (LN_THREADS / LN_COLS)
+// Row chunks of the dgamma/dbeta partial sums (the engine's ln_partials holds 2 * LN_CHUNKS * C floats).
+#define LN_CHUNKS 128
 
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* inp, const float* gamma, const float* beta,
@@ -61,42 +61,44 @@ __device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* i
     }
 }
 
-__device__ void layernorm_bwd_params(float* dgamma, float* dbeta, const float* dout, const act_t* inp,
-                                     const float* mean, const float* rstd, long long n_rows, int C, int col_block) {
-    __shared__ float part_gamma[LN_GROUPS][LN_COLS];
-    __shared__ float part_beta[LN_GROUPS][LN_COLS];
-    const int col = threadIdx.x % LN_COLS, group = threadIdx.x / LN_COLS;
-    const int c = col_block * LN_COLS + col;
+// dgamma and dbeta partial sums over one chunk of rows, one thread per column (consecutive threads read
+// consecutive columns of a row): partials[chunk] holds the chunk's dgamma, partials[n_chunks + chunk] its dbeta.
+__device__ void layernorm_bwd_params(float* partials, const float* dout, const act_t* inp, const float* mean,
+                                     const float* rstd, long long n_rows, int C, int block) {
+    const int col_blocks = (C + LN_THREADS - 1) / LN_THREADS;
+    const int chunk = block / col_blocks, c = (block % col_blocks) * LN_THREADS + threadIdx.x;
+    if (c >= C) return;
+    const long long rows_per_chunk = (n_rows + LN_CHUNKS - 1) / LN_CHUNKS;
+    const long long end = min(n_rows, (chunk + 1) * rows_per_chunk);
     float dg = 0.0f, db = 0.0f;
-    if (c < C) {
-        for (long long row = group; row < n_rows; row += LN_GROUPS) {
-            const float dy = dout[row * C + c];
-            dg += dy * ((to_f32(inp[row * C + c]) - mean[row]) * rstd[row]);
-            db += dy;
-        }
+    for (long long row = chunk * rows_per_chunk; row < end; row++) {
+        const float dy = dout[row * C + c];
+        dg += dy * ((to_f32(inp[row * C + c]) - mean[row]) * rstd[row]);
+        db += dy;
     }
-    part_gamma[group][col] = dg;
-    part_beta[group][col] = db;
-    __syncthreads();
-    for (int stride = LN_GROUPS / 2; stride > 0; stride >>= 1) {
-        if (group < stride) {
-            part_gamma[group][col] += part_gamma[group + stride][col];
-            part_beta[group][col] += part_beta[group + stride][col];
-        }
-        __syncthreads();
-    }
-    if (group == 0 && c < C) {
-        dgamma[c] += part_gamma[0][col];
-        dbeta[c] += part_beta[0][col];
-    }
+    partials[(long long)chunk * C + c] = dg;
+    partials[(long long)(LN_CHUNKS + chunk) * C + c] = db;
 }
 
-// Blocks [0, row_blocks) do dinp, one warp per row; the rest do dgamma/dbeta, LN_COLS columns each.
+// Blocks [0, row_blocks) do dinp, one warp per row; the rest do the dgamma/dbeta partials of LN_CHUNKS row
+// chunks, LN_THREADS columns a block. k_layernorm_bwd_sum then adds the chunks, in chunk order.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_bwd(float* dinp, float* dgamma, float* dbeta, const float* dout, const act_t* inp, const float* gamma,
+k_layernorm_bwd(float* dinp, float* partials, const float* dout, const act_t* inp, const float* gamma,
                 const float* mean, const float* rstd, long long n_rows, int C, int row_blocks) {
     if (blockIdx.x < row_blocks)
         layernorm_bwd_row(dinp, dout, inp, gamma, mean, rstd, n_rows, C);
     else
-        layernorm_bwd_params(dgamma, dbeta, dout, inp, mean, rstd, n_rows, C, blockIdx.x - row_blocks);
+        layernorm_bwd_params(partials, dout, inp, mean, rstd, n_rows, C, blockIdx.x - row_blocks);
+}
+
+extern "C" __global__ void k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float dg = 0.0f, db = 0.0f;
+    for (int k = 0; k < LN_CHUNKS; k++) {
+        dg += partials[(long long)k * C + c];
+        db += partials[(long long)(LN_CHUNKS + k) * C + c];
+    }
+    dgamma[c] += dg;
+    dbeta[c] += db;
 }

@@ -11,29 +11,73 @@
 
 #define LOSS_THREADS 1024
 
+// 16 bytes of activations as floats: 4 floats or 8 bf16 (vectorised row passes when V is a multiple).
+#define LOSS_VEC (16 / (int)sizeof(act_t))
+__device__ __forceinline__ void unpack(const uint4 raw, const float*, float (&v)[4]) {
+    v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y), v[2] = __uint_as_float(raw.z), v[3] = __uint_as_float(raw.w);
+}
+__device__ __forceinline__ void unpack(const uint4 raw, const bf16*, float (&v)[8]) {
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[4], const float*) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[8], const bf16*) {
+    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+}
+
+// Folds values into a running (max, sum of exp(v - max)) pair.
+__device__ __forceinline__ void online_add(float& m, float& sum, const float* v, int n) {
+    float top = m;
+    for (int i = 0; i < n; i++) top = fmaxf(top, v[i]);
+    sum *= expf(m - top);  // exp(-inf) = 0 while the sum is still empty
+    m = top;
+    for (int i = 0; i < n; i++) sum += expf(v[i] - m);
+}
+
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, int V) {
     __shared__ float scratch[WARP_SIZE];
     const long long row = blockIdx.x;
     act_t* x = probs + row * V;
+    const bool vec = V % LOSS_VEC == 0;  // rows start 16-byte aligned too
     // One pass for max and sum: each thread keeps a running max and a sum rescaled to it.
     float m = NEG_INF, sum = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        const float v = to_f32(x[j]);
-        if (v > m) {
-            sum = sum * expf(m - v) + 1.0f;
-            m = v;
-        } else {
-            sum += expf(v - m);
+    if (vec) {
+        for (int j = threadIdx.x * LOSS_VEC; j < V; j += blockDim.x * LOSS_VEC) {
+            float v[LOSS_VEC];
+            unpack(*reinterpret_cast<const uint4*>(x + j), x, v);
+            online_add(m, sum, v, LOSS_VEC);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            const float v = to_f32(x[j]);
+            online_add(m, sum, &v, 1);
         }
     }
     const int target = targets[row];
     const float picked = to_f32(x[target]);  // read before the reductions' barriers: the row is rewritten after
     const float row_max = block_max(m, scratch);
-    const float row_sum = block_sum(sum * expf(m - row_max), scratch);
+    const float row_sum = block_sum(m == NEG_INF ? 0.0f : sum * expf(m - row_max), scratch);
     if (threadIdx.x == 0) losses[row] = row_max + logf(row_sum) - picked;
     const float inv = 1.0f / row_sum;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) store(x + j, expf(to_f32(x[j]) - row_max) * inv);
+    if (vec) {
+        for (int j = threadIdx.x * LOSS_VEC; j < V; j += blockDim.x * LOSS_VEC) {
+            uint4* p = reinterpret_cast<uint4*>(x + j);
+            float v[LOSS_VEC];
+            unpack(*p, x, v);
+#pragma unroll
+            for (int i = 0; i < LOSS_VEC; i++) v[i] = expf(v[i] - row_max) * inv;
+            *p = pack(v, x);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) store(x + j, expf(to_f32(x[j]) - row_max) * inv);
+    }
 }
 
 // dlogits is a buffer of its own: copy the probabilities, less one at the target.

@@ -121,6 +121,12 @@ def median_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def graph_ms(engine, fn, reps: int = 5, inner: int = 10) -> float:
+    """Median device time of one fn() call, fn recorded `inner` times in one CUDA graph (no launch gaps)."""
+    graph = engine.capture(lambda: [fn() for _ in range(inner)])
+    return median_ms(lambda: engine.replay(graph), reps) / inner
+
+
 # ---- sections --------------------------------------------------------------------------------
 @section("device")
 def device_info():
@@ -519,8 +525,10 @@ def bench(baseline: str | None):
     for shape_name, micro in BENCH.items():
         shape = SHAPES[shape_name]
         tokens = micro * shape.seq_len
-        for precision in PRECISIONS:
-            model = Model(CudaEngine(precision=precision), shape, micro,
+        # "bf16-eager": the same step launched op by op from the host instead of replayed as a CUDA graph
+        for variant in (*PRECISIONS, "bf16-eager"):
+            precision = variant.split("-")[0]
+            model = Model(CudaEngine(precision=precision), shape, micro, graphs=variant != "bf16-eager",
                           recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
             model.load_state(init_params(model.layout, 0))
             batches = [synthetic_micro_batches(shape, micro, 1, s) for s in range(4)]
@@ -531,12 +539,17 @@ def bench(baseline: str | None):
                 model.engine.synchronize()
                 times.append(time.perf_counter() - t0)
             ms = statistics.median(times[3:]) * 1e3
-            out["engine"][f"{shape_name}/{precision}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),
-                                                          "tokens_per_s": round(tokens / ms * 1e3)}
+            out["engine"][f"{shape_name}/{variant}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),
+                                                        "tokens_per_s": round(tokens / ms * 1e3)}
+            if variant == "bf16-eager":
+                log(f"{shape_name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s")
+                del model
+                free_device_memory()
+                continue
             ops_ms = {}
             for op, fn in op_calls(model).items():
                 flops, nbytes = op_cost(op, shape, micro, model.layout.n_params, 2 if precision == "bf16" else 4)
-                t = median_ms(fn, reps=5)
+                t = graph_ms(model.engine, fn)
                 ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
                               "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
                               "calls_per_step": per_step_calls(op, shape.n_layer)}
@@ -645,7 +658,7 @@ def table() -> str:
         add(f"{'shape':14}{'precision v peer':22}{'ANDREA ms':>10}{'tokens/s':>12}{'PyTorch ms':>12}{'tokens/s':>12}{'ratio':>8}")
         for key, e in b["engine"].items():
             shape_name, precision = key.split("/")
-            base = b.get("baseline", {}).get(key, {})
+            base = b.get("baseline", {}).get(key.replace("-eager", ""), {})
             peers = [(precision, base)]
             if precision == "bf16":  # the peer that counts: bf16 + torch.compile
                 peers.append(("bf16-compile", b.get("baseline", {}).get(f"{shape_name}/bf16-compile", {})))

@@ -54,8 +54,10 @@ def test_recompute_keeps_one_layer(recompute):
 
 def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     """120M at B 8 under the PyTorch bf16 + torch.compile peak (5.1 GiB); 12M at B 32 within the seed's 1.4 GB
-    (the engine's own 32 MiB cuBLAS workspace included)."""
-    own = 32 * 2**20 + 16 * 2**10
+    (the CUDA engine's own buffers included: cuBLAS workspace, decay ranges, LayerNorm partial sums)."""
+    from andrea.engines.cuda_engine import CUBLAS_WORKSPACE_BYTES, LN_CHUNKS, LN_MAX_C, MAX_DECAY_RANGES
+
+    own = CUBLAS_WORKSPACE_BYTES + 2 * MAX_DECAY_RANGES * 8 + 2 * LN_CHUNKS * LN_MAX_C * 4
     big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=("gelu",))
     small = plan_model(ParameterLayout(SHAPE_12M), 32, attention="lse", act_dtype="bfloat16",
                        recompute=("gelu", "layernorm"))

@@ -39,7 +39,7 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 ACT_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16"}
 KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLAS products only)
     "embed": ("k_embed_fwd", "k_embed_bwd"),
-    "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd"),
+    "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum"),
     "attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
     "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16"),
     "mlp": ("k_mlp_fwd", "k_mlp_bwd"),
@@ -50,7 +50,8 @@ KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLA
 }
 # Launch shapes the kernels are written for (the #defines of the same names in kernels/*.cu).
 EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
-LN_THREADS, LN_COLS = 1024, 8
+LN_THREADS, LN_CHUNKS = 1024, 128
+LN_MAX_C = 4096  # widest row the LayerNorm backward's partial sums (ln_partials) hold
 LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
@@ -179,6 +180,11 @@ def _ptr(a) -> int:
     return a.data.ptr
 
 
+def _adjacent(a, b, c) -> bool:
+    """Three equal matrices back to back in memory (W_Q, W_K, W_V in the parameter layout)."""
+    return _ptr(b) - _ptr(a) == _ptr(c) - _ptr(b) == a.nbytes
+
+
 def _blocks(n: int, threads: int) -> int:
     return max(1, -(-n // threads))
 
@@ -204,9 +210,12 @@ class CudaEngine:
         # here, once (the engine runs ops before any plan exists); a model's plan lists them by name.
         self.cublas_workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=np.uint8)
         self.decay_table = cupy.zeros(2 * MAX_DECAY_RANGES, dtype=np.int64)
+        self.ln_partials = cupy.zeros(2 * LN_CHUNKS * LN_MAX_C, dtype=np.float32)
         self._decay_ranges: tuple = ()
-        self._own = {"cublas_workspace": self.cublas_workspace, "decay_ranges": self.decay_table}
+        self._own = {"cublas_workspace": self.cublas_workspace, "decay_ranges": self.decay_table,
+                     "ln_partials": self.ln_partials}
         self.blas = _Cublas(precision, self.cublas_workspace)
+        self._capture_streams: list = []
 
     @property
     def own_buffers(self) -> tuple[BufferSpec, ...]:
@@ -235,6 +244,28 @@ class CudaEngine:
         bufs = {b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=arena + off) for b, off in zip(carved, offsets)}
         bufs.update({b.name: self._own[b.name] for b in plan.buffers if b.name in self._own})
         return bufs
+
+    # ---- graphs ------------------------------------------------------------------------------
+    def capture(self, fn):
+        """Record the launches fn() makes as a CUDA graph instead of running them (replay() runs it).
+
+        Capture needs a stream of its own; the graph replays on the current stream, after the uploads
+        made there. cuBLAS runs on the engine's handle with its preallocated workspace, which capture
+        allows (CuPy's own cuBLAS calls it refuses); nothing in fn() may allocate or wait on the host."""
+        current = cupy.cuda.get_current_stream()
+        current.synchronize()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = stream.end_capture()
+        self._capture_streams.append(stream)  # the graph's launches were recorded on it; keep it alive
+        return graph
+
+    def replay(self, graph) -> None:
+        graph.launch(stream=cupy.cuda.get_current_stream())
 
     def to_host(self, a) -> np.ndarray:
         return cupy.asnumpy(a)
@@ -284,17 +315,21 @@ class CudaEngine:
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
         C = inp.shape[-1]
+        if C > LN_MAX_C:
+            raise AndreaError(f"d_model {C} is wider than the LayerNorm backward's {LN_MAX_C} columns")
         rows = inp.size // C
         row_blocks = _blocks(rows, LN_THREADS // 32)
-        self._launch("k_layernorm_bwd", row_blocks + _blocks(C, LN_COLS), LN_THREADS,
-                     dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+        self._launch("k_layernorm_bwd", row_blocks + LN_CHUNKS * _blocks(C, LN_THREADS), LN_THREADS,
+                     dinp, self.ln_partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
                      np.int32(row_blocks))
+        self._launch("k_layernorm_bwd_sum", _blocks(C, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                     dgamma, dbeta, self.ln_partials, np.int32(C))
 
     # ---- attn_qkv: Q, K, V projections ----------------------------------------------------
     def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
         C = inp.shape[-1]
         N = inp.size // C
-        if _ptr(W_K) - _ptr(W_Q) == _ptr(W_V) - _ptr(W_K) == W_Q.nbytes:  # adjacent, as the parameter layout has them
+        if _adjacent(W_Q, W_K, W_V):
             self.blas.gemm(qkv, inp, W_Q, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
             return
         for i, W in enumerate((W_Q, W_K, W_V)):
@@ -303,8 +338,12 @@ class CudaEngine:
     def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V):
         C = inp.shape[-1]
         N = inp.size // C
-        for i, (W, dW) in enumerate(((W_Q, dW_Q), (W_K, dW_K), (W_V, dW_V))):
-            self.blas.gemm(dW, inp, dqkv[i], C, C, N, trans_a=True, beta=1.0)
+        if _adjacent(dW_Q, dW_K, dW_V):  # the three C x C weight gradients as one batched product
+            self.blas.gemm(dW_Q, inp, dqkv, C, C, N, trans_a=True, beta=1.0, batch=3, stride_b=N * C, stride_c=C * C)
+        else:
+            for i, dW in enumerate((dW_Q, dW_K, dW_V)):
+                self.blas.gemm(dW, inp, dqkv[i], C, C, N, trans_a=True, beta=1.0)
+        for i, W in enumerate((W_Q, W_K, W_V)):
             self.blas.gemm(dinp, dqkv[i], W, N, C, C, trans_b=True, beta=1.0)
 
     # ---- attn: causal scaled dot-product attention (fused; kernels/attn.cu) ----------------

@@ -1,0 +1,98 @@
+"""Every matrix product of one ANDREA training step, timed alone through the CUDA engine's cuBLAS handle.
+
+    PYTHONPATH=. python3 scripts/bench_gemm.py [--shape 120M] [--batch 8] [--precision bf16]
+
+Each product runs 20 times inside one CUDA graph (no host launch cost in the numbers); the table gives
+the median time per product over 5 graph launches and the rate it reaches. Run on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from andrea.config import ModelShape  # noqa: E402
+
+REPEATS = 20
+
+
+def products(shape: ModelShape, B: int) -> list[tuple]:
+    """(name, m, n, k, trans_a, trans_b, batch, output is fp32) of each product, as the engine calls them."""
+    C, V, N, F = shape.d_model, shape.vocab_size, B * shape.seq_len, 4 * shape.d_model
+    return [
+        ("qkv fwd (x3 batched)", N, C, C, False, False, 3, False),
+        ("attn_out fwd", N, C, C, False, False, 1, False),
+        ("mlp up fwd", N, F, C, False, False, 1, False),
+        ("mlp down fwd", N, C, F, False, False, 1, False),
+        ("classifier fwd", N, V, C, False, True, 1, False),
+        ("classifier dwte", V, C, N, True, False, 1, True),
+        ("classifier dinp", N, C, V, False, False, 1, True),
+        ("mlp down dW", F, C, N, True, False, 1, True),
+        ("mlp down dinp", N, F, C, False, True, 1, False),
+        ("mlp up dW", C, F, N, True, False, 1, True),
+        ("mlp up dinp", N, C, F, False, True, 1, True),
+        ("attn_out dW", C, C, N, True, False, 1, True),
+        ("attn_out dinp", N, C, C, False, True, 1, False),
+        ("qkv dW (x3 batched)", C, C, N, True, False, 3, True),
+        ("qkv dinp (one of 3)", N, C, C, False, True, 1, True),
+    ]
+
+
+def main() -> int:
+    import cupy
+
+    from andrea.engines.cuda_engine import CudaEngine
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="120M", choices=("12M", "120M"))
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch (default: 8 for 120M, 32 for 12M)")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    raw = json.loads((REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json").read_text())
+    shape = ModelShape(**raw["model"])
+    B = args.batch or {"120M": 8, "12M": 32}[args.shape]
+    engine = CudaEngine(precision=args.precision)
+    act = engine.act_dtype
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, m, n, k, ta, tb, batch, out32 in products(shape, B):
+        a_shape = (k, m) if ta else (m, k)
+        b_shape = (batch, n, k) if tb else (batch, k, n)
+        a = cupy.asarray(rng.standard_normal(a_shape, dtype=np.float32).astype(act))
+        b = cupy.asarray(rng.standard_normal(b_shape, dtype=np.float32).astype(act))
+        c = cupy.asarray(rng.standard_normal((batch, m, n), dtype=np.float32).astype("float32" if out32 else act))
+        kw = dict(trans_a=ta, trans_b=tb, beta=1.0 if out32 else 0.0)
+        if batch > 1:
+            kw.update(batch=batch, stride_a=0, stride_b=b[0].size, stride_c=c[0].size)
+        graph = engine.capture(lambda: [engine.blas.gemm(c, a, b, m, n, k, **kw) for _ in range(REPEATS)])
+        times = []
+        for _ in range(6):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            engine.replay(graph)
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / REPEATS)
+        ms = statistics.median(times[1:])
+        flops = 2 * m * n * k * batch
+        rows.append({"product": name, "m": m, "n": n, "k": k, "batch": batch, "ms": round(ms, 4),
+                     "tflop_s": round(flops / ms / 1e9, 1)})
+        print(f"{name:24} {m:>6} x {n:>6} x {k:>6} (x{batch})  {ms:8.4f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+    total = sum(r["ms"] * (3 if "one of 3" in r["product"] else 1) for r in rows)
+    print(f"per layer-step total of these products (classifier once): see rows; all rows summed {total:.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
