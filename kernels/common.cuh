@@ -73,3 +73,57 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return bf16_to_f32(x); }
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store(bf16* p, float x) { *p = f32_to_bf16(x); }
+
+// 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 bf16). Elementwise kernels move 16
+// bytes per load and store where every pointer they touch is 16-byte aligned (aligned16), else one element.
+#define ACT_VEC (16 / (int)sizeof(act_t))
+__device__ __forceinline__ bool aligned16(const void* a, const void* b = nullptr, const void* c = nullptr) {
+    return ((reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b) |
+             reinterpret_cast<unsigned long long>(c)) & 15ull) == 0;
+}
+__device__ __forceinline__ void load_vec(const float* p, float (&v)[4]) {
+    const float4 u = *reinterpret_cast<const float4*>(p);
+    v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+}
+__device__ __forceinline__ void load_vec(const bf16* p, float (&v)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void store_vec(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_vec(bf16* p, const float (&v)[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
+                                              pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+}
+// ACT_VEC floats of an fp32 tensor (a gradient beside act_t activations): ACT_VEC / 4 float4s.
+__device__ __forceinline__ void load_f32(const float* p, float (&v)[ACT_VEC]) {
+#pragma unroll
+    for (int i = 0; i < ACT_VEC; i += 4) {
+        const float4 u = *reinterpret_cast<const float4*>(p + i);
+        v[i] = u.x, v[i + 1] = u.y, v[i + 2] = u.z, v[i + 3] = u.w;
+    }
+}
+__device__ __forceinline__ void store_f32(float* p, const float (&v)[ACT_VEC]) {
+#pragma unroll
+    for (int i = 0; i < ACT_VEC; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+}
+
+// Elementwise over [0, n): `vector(i)` for each whole group of ACT_VEC starting at i (when `vec`), then
+// `scalar(i)` for every element left; grid-stride, any grid size.
+template <typename Vector, typename Scalar>
+__device__ __forceinline__ void elementwise(long long n, bool vec, Vector vector, Scalar scalar) {
+    const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (vec) {
+        const long long groups = n / ACT_VEC;
+        for (long long g = start; g < groups; g += stride) vector(g * ACT_VEC);
+        done = groups * ACT_VEC;
+    }
+    for (long long i = done + start; i < n; i += stride) scalar(i);
+}

@@ -14,6 +14,17 @@
 // Row chunks of the dgamma/dbeta partial sums (the engine's ln_partials holds 2 * LN_CHUNKS * C floats).
 #define LN_CHUNKS 128
 
+// A row's ACT_VEC-wide groups go to lanes in turn when C is a whole number of groups and the row and
+// gamma / beta are 16-byte aligned; else its elements do. Either way a row's sums run in a fixed order.
+template <typename Group, typename One>
+__device__ __forceinline__ void row_loop(bool vec, int C, int lane, Group group, One one) {
+    if (vec) {
+        for (int c = lane * ACT_VEC; c < C; c += WARP_SIZE * ACT_VEC) group(c);
+    } else {
+        for (int c = lane; c < C; c += WARP_SIZE) one(c);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* inp, const float* gamma, const float* beta,
                 long long n_rows, int C) {
@@ -22,16 +33,35 @@ k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* inp, const fl
     if (row >= n_rows) return;
     const act_t* x = inp + row * C;
     act_t* y = out + row * C;
+    const bool vec = C % ACT_VEC == 0 && aligned16(x, y) && aligned16(gamma, beta);
     float sum = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) sum += to_f32(x[c]);
+    row_loop(vec, C, lane, [&](int c) {
+        float v[ACT_VEC];
+        load_vec(x + c, v);
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) sum += v[k];
+    }, [&](int c) { sum += to_f32(x[c]); });
     const float m = warp_sum(sum) / C;
     float sq = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) {
+    row_loop(vec, C, lane, [&](int c) {
+        float v[ACT_VEC];
+        load_vec(x + c, v);
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) sq += (v[k] - m) * (v[k] - m);
+    }, [&](int c) {
         const float d = to_f32(x[c]) - m;
         sq += d * d;
-    }
+    });
     const float r = 1.0f / sqrtf(warp_sum(sq) / C + LN_EPS);
-    for (int c = lane; c < C; c += WARP_SIZE) store(y + c, (to_f32(x[c]) - m) * r * gamma[c] + beta[c]);
+    row_loop(vec, C, lane, [&](int c) {
+        float v[ACT_VEC], g[ACT_VEC], b[ACT_VEC];
+        load_vec(x + c, v);
+        load_f32(gamma + c, g);
+        load_f32(beta + c, b);
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) v[k] = (v[k] - m) * r * g[k] + b[k];
+        store_vec(y + c, v);
+    }, [&](int c) { store(y + c, (to_f32(x[c]) - m) * r * gamma[c] + beta[c]); });
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -47,18 +77,39 @@ __device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* i
     const float* dy = dout + row * C;
     float* dx = dinp + row * C;
     const float m = mean[row], r = rstd[row];
+    const bool vec = C % ACT_VEC == 0 && aligned16(x, dy, dx) && aligned16(gamma);
     float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) {
+    row_loop(vec, C, lane, [&](int c) {
+        float v[ACT_VEC], d[ACT_VEC], g[ACT_VEC];
+        load_vec(x + c, v);
+        load_f32(dy + c, d);
+        load_f32(gamma + c, g);
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) {
+            const float dxhat = d[k] * g[k];
+            sum_dxhat += dxhat;
+            sum_dxhat_xhat += dxhat * ((v[k] - m) * r);
+        }
+    }, [&](int c) {
         const float dxhat = dy[c] * gamma[c];
         sum_dxhat += dxhat;
         sum_dxhat_xhat += dxhat * ((to_f32(x[c]) - m) * r);
-    }
+    });
     const float mean_dxhat = warp_sum(sum_dxhat) / C;
     const float mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
-    for (int c = lane; c < C; c += WARP_SIZE) {
+    row_loop(vec, C, lane, [&](int c) {
+        float v[ACT_VEC], d[ACT_VEC], g[ACT_VEC], o[ACT_VEC];
+        load_vec(x + c, v);
+        load_f32(dy + c, d);
+        load_f32(gamma + c, g);
+        load_f32(dx + c, o);
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) o[k] += r * (d[k] * g[k] - mean_dxhat - ((v[k] - m) * r) * mean_dxhat_xhat);
+        store_f32(dx + c, o);
+    }, [&](int c) {
         const float xhat = (to_f32(x[c]) - m) * r;
         dx[c] += r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
-    }
+    });
 }
 
 // dgamma and dbeta partial sums over one chunk of rows, one thread per column (consecutive threads read

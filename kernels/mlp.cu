@@ -8,20 +8,36 @@
 #define GELU_K 0.7978845608028654f  // sqrt(2 / pi)
 #define GELU_C 0.044715f
 
-// Also the backward's recomputation of act when only pre is kept (recompute_gelu).
+__device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + tanhf(GELU_K * (x + GELU_C * x * x * x))); }
+
+__device__ __forceinline__ float gelu_grad(float x) {
+    const float th = tanhf(GELU_K * (x + GELU_C * x * x * x));
+    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
+}
+
+// Also the backward's recomputation of act when only pre is kept (recompute "gelu").
 extern "C" __global__ void k_mlp_fwd(act_t* act, const act_t* pre, long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        const float x = to_f32(pre[i]);
-        store(act + i, 0.5f * x * (1.0f + tanhf(GELU_K * (x + GELU_C * x * x * x))));
-    }
+    elementwise(n, aligned16(act, pre),
+        [&](long long i) {
+            float v[ACT_VEC];
+            load_vec(pre + i, v);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) v[k] = gelu(v[k]);
+            store_vec(act + i, v);
+        },
+        [&](long long i) { store(act + i, gelu(to_f32(pre[i]))); });
 }
 
 // dpre holds dout @ W_2^T on entry and the gradient at pre on return.
 extern "C" __global__ void k_mlp_bwd(act_t* dpre, const act_t* pre, long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        const float x = to_f32(pre[i]);
-        const float th = tanhf(GELU_K * (x + GELU_C * x * x * x));
-        const float grad = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-        store(dpre + i, to_f32(dpre[i]) * grad);
-    }
+    elementwise(n, aligned16(dpre, pre),
+        [&](long long i) {
+            float x[ACT_VEC], d[ACT_VEC];
+            load_vec(pre + i, x);
+            load_vec(dpre + i, d);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) d[k] *= gelu_grad(x[k]);
+            store_vec(dpre + i, d);
+        },
+        [&](long long i) { store(dpre + i, to_f32(dpre[i]) * gelu_grad(to_f32(pre[i]))); });
 }

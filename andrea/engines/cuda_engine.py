@@ -205,6 +205,7 @@ class CudaEngine:
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.act_dtype = ACT_DTYPES[precision]  # the memory plan's activation dtype
+        self.act_vec = 16 // np.dtype(self.act_dtype).itemsize  # ACT_VEC: activations per 16-byte access
         self.k = _load_kernels(precision)
         # The engine's own device memory: cuBLAS's workspace and the AdamW decay-range table, allocated
         # here, once (the engine runs ops before any plan exists); a model's plan lists them by name.
@@ -226,6 +227,10 @@ class CudaEngine:
     def own_bytes(self) -> int:
         """Device bytes of the engine's own buffers."""
         return sum(a.nbytes for a in self._own.values())
+
+    def _vec_blocks(self, n: int) -> int:
+        """Blocks of an elementwise kernel over n activations: a thread per ACT_VEC of them."""
+        return _blocks(-(-n // self.act_vec), ELEMENTWISE_THREADS)
 
     def _launch(self, name: str, blocks: int, threads: int, *args) -> None:
         self.k[name]((blocks,), (threads,), args)
@@ -405,7 +410,7 @@ class CudaEngine:
         C, F = W_1.shape
         N = inp.size // C
         self.blas.gemm(pre, inp, W_1, N, F, C)
-        self._launch("k_mlp_fwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+        self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
         self.blas.gemm(out, act, W_2, N, C, F)
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
@@ -413,20 +418,20 @@ class CudaEngine:
         C, F = W_1.shape
         N = inp.size // C
         if recompute:
-            self._launch("k_mlp_fwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+            self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
         self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
         self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
-        self._launch("k_mlp_bwd", _blocks(N * F, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
+        self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
         self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
         self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=1.0)
 
     # ---- residual_add ----------------------------------------------------------------------
     def residual_add(self, out, a, b):
-        self._launch("k_residual_add", _blocks(out.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+        self._launch("k_residual_add", self._vec_blocks(out.size), ELEMENTWISE_THREADS,
                      out, a, b, np.int64(out.size))
 
     def residual_add_bwd(self, da, db, dout):
-        self._launch("k_residual_add_bwd", _blocks(dout.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+        self._launch("k_residual_add_bwd", self._vec_blocks(dout.size), ELEMENTWISE_THREADS,
                      da, db, dout, np.int64(dout.size))
 
     # ---- loss: tied projection + softmax cross-entropy ------------------------------------
