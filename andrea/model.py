@@ -124,19 +124,25 @@ class Model:
 
     def _forward_ops(self) -> None:
         e, b, P, W, H = self.engine, self.buf, self.P, self.W, self.shape.n_head
-        res = b["residual"]
+        res, L = b["residual"], self.shape.n_layer
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
+        p0 = P["layers"][0]
+        e.layernorm_fwd(self._saved("ln1", 0), b["ln1_mean"][0], b["ln1_rstd"][0], res[0], p0["LN1.gamma"], p0["LN1.beta"])
+        # Each residual add runs with the LayerNorm that reads its sum (residual_add, then layernorm_fwd).
         for l, (p, w) in enumerate(zip(P["layers"], W["layers"])):
-            e.layernorm_fwd(self._saved("ln1", l), b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
             e.attn_qkv_fwd(b["qkv"][l], self._saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
             e.attn_fwd(b["atty"][l], b["att"][l], b["qkv"][l], H)
             e.attn_out_fwd(b["branch"], b["atty"][l], w["W_O"])
-            e.residual_add(b["residual_mid"][l], res[l], b["branch"])
-            e.layernorm_fwd(self._saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l],
-                            p["LN2.gamma"], p["LN2.beta"])
+            e.residual_layernorm_fwd(b["residual_mid"][l], self._saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
+                                     res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"])
             e.mlp_fwd(b["branch"], b["mlp_pre"][l], self._saved("mlp_act", l), self._saved("ln2", l), w["W_1"], w["W_2"])
-            e.residual_add(res[l + 1], b["residual_mid"][l], b["branch"])
-        e.layernorm_fwd(b["lnf"], b["lnf_mean"], b["lnf_rstd"], res[-1], P["LNf.gamma"], P["LNf.beta"])
+            if l + 1 < L:
+                q = P["layers"][l + 1]
+                e.residual_layernorm_fwd(res[l + 1], self._saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
+                                         b["residual_mid"][l], b["branch"], q["LN1.gamma"], q["LN1.beta"])
+            else:
+                e.residual_layernorm_fwd(res[L], b["lnf"], b["lnf_mean"], b["lnf_rstd"], b["residual_mid"][l], b["branch"],
+                                         P["LNf.gamma"], P["LNf.beta"])
         e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"])
 
     RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act": ("gelu", "mlp_act")}

@@ -4,6 +4,8 @@
 //             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 //             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout
 // Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
+// The forward also takes the residual connection in front of it (residual_add then layernorm_fwd, one
+// pass): inp = a + residual, written and normalised.
 // One warp per row. dgamma and dbeta are column sums: instead of atomics, the backward launch has extra
 // blocks that each sum one chunk of rows for a run of columns (coalesced), and a second launch adds the
 // chunks' partial sums in chunk order (same bits every run).
@@ -25,22 +27,39 @@ __device__ __forceinline__ void row_loop(bool vec, int C, int lane, Group group,
     }
 }
 
+// With `residual` (the residual connection fused in front): inp = a + residual is written first, in act_t,
+// and normalised as written; the lanes read back only what they wrote themselves.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* inp, const float* gamma, const float* beta,
-                long long n_rows, int C) {
+k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma, const float* beta,
+                long long n_rows, int C, const act_t* a, const act_t* residual, int fused) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= n_rows) return;
-    const act_t* x = inp + row * C;
+    act_t* x = inp + row * C;
     act_t* y = out + row * C;
-    const bool vec = C % ACT_VEC == 0 && aligned16(x, y) && aligned16(gamma, beta);
+    const act_t* xa = a + row * C;
+    const act_t* xb = residual + row * C;
+    const bool vec = C % ACT_VEC == 0 && aligned16(x, y) && aligned16(gamma, beta) && (!fused || aligned16(xa, xb));
     float sum = 0.0f;
     row_loop(vec, C, lane, [&](int c) {
         float v[ACT_VEC];
-        load_vec(x + c, v);
+        if (fused) {
+            float w[ACT_VEC];
+            load_vec(xa + c, v);
+            load_vec(xb + c, w);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) v[k] += w[k];
+            store_vec(x + c, v);
+            load_vec(x + c, v);  // as stored (rounded to act_t)
+        } else {
+            load_vec(x + c, v);
+        }
 #pragma unroll
         for (int k = 0; k < ACT_VEC; k++) sum += v[k];
-    }, [&](int c) { sum += to_f32(x[c]); });
+    }, [&](int c) {
+        if (fused) store(x + c, to_f32(xa[c]) + to_f32(xb[c]));
+        sum += to_f32(x[c]);
+    });
     const float m = warp_sum(sum) / C;
     float sq = 0.0f;
     row_loop(vec, C, lane, [&](int c) {

@@ -452,7 +452,9 @@ def op_calls(model) -> dict:
         "attn_qkv_fwd": lambda: e.attn_qkv_fwd(b["qkv"][0], ln1, w["W_Q"], w["W_K"], w["W_V"]),
         "attn_fwd": lambda: e.attn_fwd(b["atty"][0], b["att"][0], b["qkv"][0], H),
         "attn_out_fwd": lambda: e.attn_out_fwd(b["branch"], b["atty"][0], w["W_O"]),
-        "residual_add": lambda: e.residual_add(b["residual_mid"][0], res[0], b["branch"]),
+        "residual_layernorm_fwd": lambda: e.residual_layernorm_fwd(b["residual_mid"][0], ln2, b["ln2_mean"][0],
+                                                                   b["ln2_rstd"][0], res[0], b["branch"],
+                                                                   p["LN2.gamma"], p["LN2.beta"]),
         "mlp_fwd": lambda: e.mlp_fwd(b["branch"], b["mlp_pre"][0], act, ln2, w["W_1"], w["W_2"]),
         "loss_fwd": lambda: e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"]),
         "loss_bwd": lambda: e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"],
@@ -496,7 +498,7 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 
         "attn_out_bwd": (4 * N * C * C, f * (4 * N * C + 3 * C * C)),
         "mlp_fwd": (4 * N * C * F + 20 * N * F, f * (2 * N * C + 2 * N * F + 2 * C * F)),
         "mlp_bwd": (8 * N * C * F + 30 * N * F, f * (3 * N * C + 3 * N * F + 6 * C * F)),
-        "residual_add": (N * C, f * 3 * N * C),
+        "residual_layernorm_fwd": (9 * N * C, f * 4 * N * C),
         "residual_add_bwd": (2 * N * C, f * 5 * N * C),
         "loss_fwd": (2 * N * C * V + 5 * N * V, f * (N * C + V * C + N * V)),
         "loss_bwd": (4 * N * C * V + 2 * N * V, f * (2 * N * V + N * C * 2 + 3 * V * C)),
@@ -507,11 +509,11 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 
 
 # calls of each op in one training step of one micro-batch (grad_norm and AdamW once per step)
 def per_step_calls(op: str, L: int) -> int:
-    if op in ("embed_fwd", "embed_bwd", "loss_fwd", "loss_bwd", "grad_norm", "adamw_step"):
+    if op in ("embed_fwd", "embed_bwd", "layernorm_fwd", "loss_fwd", "loss_bwd", "grad_norm", "adamw_step"):
         return 1
-    if op in ("layernorm_fwd", "layernorm_bwd"):
+    if op == "layernorm_bwd":
         return 2 * L + 1
-    if op in ("residual_add", "residual_add_bwd"):
+    if op in ("residual_layernorm_fwd", "residual_add_bwd"):
         return 2 * L
     return L
 

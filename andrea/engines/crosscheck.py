@@ -20,7 +20,7 @@ from andrea.layout import ParameterLayout
 from andrea.memory import GRAD_NORM_PARTIALS
 from andrea.model import Model, init_params
 
-OPS = ("embed", "layernorm", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute", "residual_add", "loss",
+OPS = ("embed", "layernorm", "residual_layernorm", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute", "residual_add", "loss",
        "loss_in_place", "grad_norm", "adamw")
 OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 WARMUP_STEPS = 5
@@ -96,6 +96,14 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"])
 
         return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out"))
+    if op == "residual_layernorm":  # residual_add and the layernorm_fwd after it, as one call
+        a = {"a": _randn(rng, B, T, C) * 3 + 1, "b": _randn(rng, B, T, C), "gamma": _randn(rng, C),
+             "beta": _randn(rng, C), "res": _nan(B, T, C), "out": _nan(B, T, C), "mean": _nan(B, T), "rstd": _nan(B, T)}
+
+        def run(E, x):
+            E.residual_layernorm_fwd(x["res"], x["out"], x["mean"], x["rstd"], x["a"], x["b"], x["gamma"], x["beta"])
+
+        return OpCase(a, run, ("res", "out", "mean", "rstd"), act=("a", "b", "res", "out"))
     if op == "attn_qkv":
         a = {"inp": _randn(rng, B, T, C), "W_Q": _randn(rng, C, C, scale=w), "W_K": _randn(rng, C, C, scale=w),
              "W_V": _randn(rng, C, C, scale=w), "qkv": _nan(3, B, T, C), "dinp": _randn(rng, B, T, C),

@@ -313,10 +313,17 @@ class CudaEngine:
 
     # ---- layernorm -------------------------------------------------------------------------
     def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta):
+        self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0)
+
+    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta):
+        """residual_add(res_out, a, b) then layernorm_fwd(out, mean, rstd, res_out, ...), in one pass."""
+        self._layernorm_fwd(out, mean, rstd, res_out, gamma, beta, a, b, 1)
+
+    def _layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, a, b, fused):
         C = inp.shape[-1]
         rows = inp.size // C
         self._launch("k_layernorm_fwd", _blocks(rows, LN_THREADS // 32), LN_THREADS,
-                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C))
+                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
         C = inp.shape[-1]
@@ -485,7 +492,7 @@ class CudaEngine:
                 self.decay_table[:2 * len(ranges)].set(np.array(ranges, dtype=np.int64).reshape(-1))
             self._decay_ranges = ranges
         f32 = np.float32
-        self._launch("k_adamw", _blocks(params.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+        self._launch("k_adamw", _blocks(-(-params.size // 4), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
                      params, grads, m, v, np.int64(params.size), self.decay_table, np.int32(len(ranges)),
                      f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
                      f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),

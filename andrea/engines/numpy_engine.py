@@ -92,6 +92,12 @@ class NumpyEngine:
         np.multiply(xc * rstd[..., None], gamma, out=out)
         out += beta
 
+    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta):
+        """residual_add(res_out, a, b) then layernorm_fwd(out, mean, rstd, res_out, ...): the residual
+        connection and the LayerNorm after it (an engine may run them as one pass)."""
+        self.residual_add(res_out, a, b)
+        self.layernorm_fwd(out, mean, rstd, res_out, gamma, beta)
+
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
         xhat = (inp - mean[..., None]) * rstd[..., None]
         dbeta += dout.sum(axis=(0, 1))
