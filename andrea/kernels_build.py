@@ -22,7 +22,7 @@ COMMON_HEADER = "common.cuh"
 ARCHS = ("sm_80", "sm_89", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17",)
 # Each precision is its own build of the same sources: the activation type act_t (common.cuh).
-BUILDS = {"fp32": (), "tf32": (), "bf16": ("-DACT_BF16",)}
+BUILDS = {"fp32": (), "tf32": (), "bf16": ("-DACT_BF16",), "fp16": ("-DACT_FP16",)}
 
 
 def build_options(precision: str) -> tuple[str, ...]:

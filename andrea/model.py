@@ -22,6 +22,35 @@ class NonFiniteStep(Exception):
     """A micro-batch produced a NaN/inf loss or gradient; the step made no update."""
 
 
+class LossScaleOverflow(NonFiniteStep):
+    """Under a dynamic loss scale, the scaled gradients overflowed: no update, and the scale was halved."""
+
+
+class LossScale:
+    """Dynamic loss scale (fp16): the loss gradient is multiplied by `scale` before the backward and the
+    gradients divided by it after; an overflow halves the scale and skips the step, `growth_interval`
+    good steps in a row double it. Its state goes into the run's .state.json, so a resumed run continues
+    with the same scale (bit-exact)."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale, self.good_steps, self.growth_interval = scale, 0, growth_interval
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale, self.good_steps = self.scale * 2, 0
+
+    def state(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "growth_interval": self.growth_interval}
+
+    def load(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+
+
 def init_params(layout: ParameterLayout, seed: int) -> np.ndarray:
     """GPT-2 init: N(0, 0.02) matrices, residual projections (W_O, W_2) scaled by 1/sqrt(2L),
     LayerNorm gamma 1 and beta 0. Drawn on the host in layout order, so every engine starts equal."""
@@ -62,6 +91,7 @@ class Model:
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and hasattr(engine, "capture")
         self._step_graph = None
+        self.loss_scale = LossScale() if getattr(engine, "loss_scaling", False) and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
         self.layout = ParameterLayout(shape)
@@ -160,10 +190,9 @@ class Model:
         e, b, P, W, G, H = self.engine, self.buf, self.P, self.W, self.G, self.shape.n_head
         res = b["residual"]
         dres, dres_next = b["d_residual"], b["d_residual_next"]
-        n_positions = self.micro_batch * self.shape.seq_len
         for name in ("d_residual", "d_ln"):
             e.zero(b[name])
-        e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], 1.0 / n_positions)
+        e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], self._loss_grad_scale())
         e.layernorm_bwd(dres, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"], b["lnf_mean"], b["lnf_rstd"])
         for l in reversed(range(self.shape.n_layer)):
             p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
@@ -191,15 +220,22 @@ class Model:
                             b["ln1_mean"][l], b["ln1_rstd"][l])
         e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
 
+    def _loss_grad_scale(self) -> float:
+        """d(loss)/d(losses): the mean's 1 / (B * T), times the loss scale when there is one."""
+        n_positions = self.micro_batch * self.shape.seq_len
+        return (self.loss_scale.scale if self.loss_scale else 1.0) / n_positions
+
     def _forward_backward(self) -> None:
-        """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed."""
+        """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed
+        (again after the loss scale, which the recorded backward holds, changes)."""
         if not self.graphs:
             self._forward_ops()
             self.backward()
             return
-        if self._step_graph is None:
-            self._step_graph = self.engine.capture(lambda: (self._forward_ops(), self.backward()))
-        self.engine.replay(self._step_graph)
+        key = self._loss_grad_scale()
+        if self._step_graph is None or self._step_graph[0] != key:
+            self._step_graph = key, self.engine.capture(lambda: (self._forward_ops(), self.backward()))
+        self.engine.replay(self._step_graph[1])
 
     # ---- optimizer step --------------------------------------------------------------------
     def grad_norm(self) -> float:
@@ -224,9 +260,16 @@ class Model:
         if self.data_parallel is not None:
             loss = self.data_parallel.reduce_gradients(b["grads"], loss)
             n *= self.data_parallel.world
-        if n > 1:
-            e.grad_scale(b["grads"], 1.0 / n)
+        unscale = 1.0 / (n * (self.loss_scale.scale if self.loss_scale else 1.0))
+        if unscale != 1.0:
+            e.grad_scale(b["grads"], unscale)
         norm = self.grad_norm()
+        if self.loss_scale is not None and math.isfinite(loss):
+            self.loss_scale.update(overflow=not math.isfinite(norm))
+            if not math.isfinite(norm):
+                e.zero_grads(b["grads"])
+                raise LossScaleOverflow(f"gradients overflowed at loss scale {2 * self.loss_scale.scale:g}; "
+                                        f"the scale is now {self.loss_scale.scale:g}")
         if not (math.isfinite(loss) and math.isfinite(norm)):
             bad = self.nonfinite_grad_tensors()
             e.zero_grads(b["grads"])

@@ -283,6 +283,8 @@ class Trainer:
             )
         step, params, m, v = self._read_verified(files.ckpt)
         self.model.load_state(params, m, v)
+        if self.model.loss_scale is not None and "loss_scale" in state:
+            self.model.loss_scale.load(state["loss_scale"])
         self.recent_checkpoints = [c for c in state.get("checkpoints", []) if c["step"] <= step]
         matched = [c for c in self.recent_checkpoints if c["step"] == step]
         self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
@@ -338,6 +340,7 @@ class Trainer:
             "n_params": self.model.layout.n_params,
             "checkpoints": self.recent_checkpoints,
             "skipped_steps": self.skipped_steps,
+            **({"loss_scale": self.model.loss_scale.state()} if self.model.loss_scale else {}),
             "restarts": int(os.environ.get(RESTARTS_ENV, "0")),
             "elapsed_s": elapsed,
             "written_at": datetime.now(timezone.utc).isoformat(),
@@ -355,7 +358,7 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
         from andrea.evaluate import validation_loss
-        from andrea.model import NonFiniteStep, lr_at
+        from andrea.model import LossScaleOverflow, NonFiniteStep, lr_at
 
         exp, model = self.exp, self.model
         stop = self.total_steps if self.args.max_steps is None else min(self.total_steps, self.args.max_steps)
@@ -372,6 +375,12 @@ class Trainer:
                 lr = lr_at(exp, step, self.total_steps)
                 try:
                     loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
+                except LossScaleOverflow as overflow:  # fp16: part of the loss scale's working, not a fault
+                    self.skipped_steps.append(step + 1)
+                    self.event("overflow", step=step + 1, detail=str(overflow), action="skip")
+                    self.log(f"step {step + 1}: {overflow}; step skipped (no update)")
+                    step += 1
+                    continue
                 except NonFiniteStep as fault:
                     if self.args.on_nonfinite == "stop":
                         last = self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None

@@ -41,17 +41,19 @@ __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__
     }
 }
 
-// Four consecutive activations as floats (16-byte aligned for float, 8-byte for bf16).
+// Four consecutive activations as floats (16-byte aligned for float, 8-byte for lowp).
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 load4(const bf16* p) {
+__device__ __forceinline__ float4 load4(const lowp* p) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);
-    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
-                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+    float4 v;
+    unpack_lowp2(u.x, v.x, v.y);
+    unpack_lowp2(u.y, v.z, v.w);
+    return v;
 }
 
-// The same tile from bf16 activations, widened to float as it lands (plain loads; the bf16 build with a
-// head width other than 64, which has no kernels of its own in attn_bf16.cu).
-__device__ __forceinline__ void load_tile(float* tile, const bf16* __restrict__ src, int row0, int T, int C, int hd) {
+// The same tile from 16-bit activations, widened to float as it lands (plain loads: the fp16 build, and the
+// bf16 build with a head width other than 64, which has no kernels of its own in attn_bf16.cu).
+__device__ __forceinline__ void load_tile(float* tile, const lowp* __restrict__ src, int row0, int T, int C, int hd) {
     constexpr int GROUPS = ATTN_TILE / 4, ROWS_PER_PASS = ATTN_THREADS / GROUPS;
     const int c = (threadIdx.x % GROUPS) * 4;
 #pragma unroll
@@ -178,14 +180,15 @@ __device__ __forceinline__ void store2(float* p, float x, float y) {
     *q = make_float2(x, y);
 }
 template <bool ADD>
-__device__ __forceinline__ void store2(bf16* p, float x, float y) {
+__device__ __forceinline__ void store2(lowp* p, float x, float y) {
     unsigned* q = reinterpret_cast<unsigned*>(p);
     if (ADD) {
-        const unsigned old = *q;
-        x += __uint_as_float(old << 16);
-        y += __uint_as_float(old & 0xffff0000u);
+        float ox, oy;
+        unpack_lowp2(*q, ox, oy);
+        x += ox;
+        y += oy;
     }
-    *q = pack_bf16x2(x, y);
+    *q = pack_lowp2(x, y);
 }
 
 // dst[row, 8n + 2t .. +1] (+)= scale * acc for the warp's rows below T and columns below hd.

@@ -61,20 +61,53 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// fp16 storage the same way (IEEE half bits); conversions round to nearest even.
+__device__ __forceinline__ float f16_to_f32(unsigned short x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // act_t: the element type of activations and of the activation gradients that feed matrix products,
-// fixed per build (-DACT_BF16 for precision bf16; float otherwise). Statistics (LayerNorm mean and rstd,
+// fixed per build: -DACT_BF16 (precision bf16) or -DACT_FP16 (fp16) make it a 16-bit `lowp`, read and
+// written through the build's conversions below; float otherwise. Statistics (LayerNorm mean and rstd,
 // attention lse, losses), parameters and their gradients stay float; arithmetic is float throughout.
-#ifdef ACT_BF16
-typedef bf16 act_t;
+typedef unsigned short lowp;  // a 16-bit activation of this build: bf16 bits, or fp16 bits under ACT_FP16
+#ifdef ACT_FP16
+__device__ __forceinline__ float lowp_to_f32(lowp x) { return f16_to_f32(x); }
+__device__ __forceinline__ lowp f32_to_lowp(float x) { return f32_to_f16(x); }
+__device__ __forceinline__ unsigned pack_lowp2(float lo, float hi) { return pack_f16x2(lo, hi); }
+#else
+__device__ __forceinline__ float lowp_to_f32(lowp x) { return bf16_to_f32(x); }
+__device__ __forceinline__ lowp f32_to_lowp(float x) { return f32_to_bf16(x); }
+__device__ __forceinline__ unsigned pack_lowp2(float lo, float hi) { return pack_bf16x2(lo, hi); }
+#endif
+// The two 16-bit values of a 32-bit word: the lower address first.
+__device__ __forceinline__ void unpack_lowp2(unsigned w, float& lo, float& hi) {
+    lo = lowp_to_f32(static_cast<lowp>(w & 0xffffu));
+    hi = lowp_to_f32(static_cast<lowp>(w >> 16));
+}
+#if defined(ACT_BF16) || defined(ACT_FP16)
+typedef lowp act_t;
 #else
 typedef float act_t;
 #endif
 __device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(bf16 x) { return bf16_to_f32(x); }
+__device__ __forceinline__ float to_f32(lowp x) { return lowp_to_f32(x); }
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store(bf16* p, float x) { *p = f32_to_bf16(x); }
+__device__ __forceinline__ void store(lowp* p, float x) { *p = f32_to_lowp(x); }
 
-// 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 bf16). Elementwise kernels move 16
+// 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 lowp). Elementwise kernels move 16
 // bytes per load and store where every pointer they touch is 16-byte aligned (aligned16), else one element.
 #define ACT_VEC (16 / (int)sizeof(act_t))
 __device__ __forceinline__ bool aligned16(const void* a, const void* b = nullptr, const void* c = nullptr) {
@@ -85,21 +118,18 @@ __device__ __forceinline__ void load_vec(const float* p, float (&v)[4]) {
     const float4 u = *reinterpret_cast<const float4*>(p);
     v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
 }
-__device__ __forceinline__ void load_vec(const bf16* p, float (&v)[8]) {
+__device__ __forceinline__ void load_vec(const lowp* p, float (&v)[8]) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    for (int i = 0; i < 4; i++) unpack_lowp2(w[i], v[2 * i], v[2 * i + 1]);
 }
 __device__ __forceinline__ void store_vec(float* p, const float (&v)[4]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
-__device__ __forceinline__ void store_vec(bf16* p, const float (&v)[8]) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
-                                              pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+__device__ __forceinline__ void store_vec(lowp* p, const float (&v)[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_lowp2(v[0], v[1]), pack_lowp2(v[2], v[3]),
+                                              pack_lowp2(v[4], v[5]), pack_lowp2(v[6], v[7]));
 }
 // ACT_VEC floats of an fp32 tensor (a gradient beside act_t activations): ACT_VEC / 4 float4s.
 __device__ __forceinline__ void load_f32(const float* p, float (&v)[ACT_VEC]) {

@@ -11,24 +11,21 @@
 
 #define LOSS_THREADS 1024
 
-// 16 bytes of activations as floats: 4 floats or 8 bf16 (vectorised row passes when V is a multiple).
+// 16 bytes of activations as floats: 4 floats or 8 lowp (vectorised row passes when V is a multiple).
 #define LOSS_VEC (16 / (int)sizeof(act_t))
 __device__ __forceinline__ void unpack(const uint4 raw, const float*, float (&v)[4]) {
     v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y), v[2] = __uint_as_float(raw.z), v[3] = __uint_as_float(raw.w);
 }
-__device__ __forceinline__ void unpack(const uint4 raw, const bf16*, float (&v)[8]) {
+__device__ __forceinline__ void unpack(const uint4 raw, const lowp*, float (&v)[8]) {
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    for (int i = 0; i < 4; i++) unpack_lowp2(w[i], v[2 * i], v[2 * i + 1]);
 }
 __device__ __forceinline__ uint4 pack(const float (&v)[4], const float*) {
     return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
 }
-__device__ __forceinline__ uint4 pack(const float (&v)[8], const bf16*) {
-    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+__device__ __forceinline__ uint4 pack(const float (&v)[8], const lowp*) {
+    return make_uint4(pack_lowp2(v[0], v[1]), pack_lowp2(v[2], v[3]), pack_lowp2(v[4], v[5]), pack_lowp2(v[6], v[7]));
 }
 
 // Folds values into a running (max, sum of exp(v - max)) pair.

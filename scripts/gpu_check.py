@@ -53,11 +53,12 @@ SHAPES = {name: ModelShape(**json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.jso
 # NumPy reference micro-batches for the op checks: 120M at B=1 keeps the float64 reference (a
 # [1024, 768] x [768, 50304] product and its two backward products) to seconds on the host.
 OP_BATCH = {"tiny": 4, "12M": 4, "120M": 1}
-PRECISIONS = ("fp32", "tf32", "bf16")
-LIMITS = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}  # relative error ||got - ref|| / ||ref|| against float64
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+LOW = ("bf16", "fp16")  # 16-bit activations: these run the experiment's "recompute"
+LIMITS = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2, "fp16": 1e-2}  # relative error ||got - ref|| / ||ref|| against float64
 TRAIN = {"tiny": (4, 2), "12M": (2, 2)}  # (micro-batch, micro-batches) for the 20-step comparison
 TRAIN_STEPS = 20
-TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2, "bf16": 3e-2}  # max |loss - numpy loss| / numpy loss over the steps
+TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2, "bf16": 3e-2, "fp16": 2e-2}  # max |loss - numpy loss| / numpy loss over the steps
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
 # What each experiment recomputes in the backward (its "recompute"): the bf16 runs use it.
 RECOMPUTE = {name: tuple(json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.json").read_text()).get("recompute", ()))
@@ -151,7 +152,7 @@ def build():
 
     arch = f"sm_{cupy.cuda.Device(0).compute_capability}"
     t0 = time.time()
-    compiled = {p: compile_kernels(arch, precision=p) for p in ("fp32", "bf16")}
+    compiled = {p: compile_kernels(arch, precision=p) for p in ("fp32", "bf16", "fp16")}
     nvrtc_s = time.time() - t0
     t0 = time.time()
     for p in PRECISIONS:
@@ -176,7 +177,8 @@ def ceilings():
     out = {}
     for precision in PRECISIONS:
         blas = CudaEngine(precision=precision).blas
-        x, y, z = (a, b, c) if precision != "bf16" else (cupy.asarray(cupy.asnumpy(m).astype("bfloat16")) for m in (a, b, c))
+        low = {"bf16": "bfloat16", "fp16": "float16"}.get(precision)
+        x, y, z = (a, b, c) if low is None else (cupy.asarray(cupy.asnumpy(m).astype(low)) for m in (a, b, c))
         ms = median_ms(lambda: blas.gemm(z, x, y, n, n, n), reps=5)
         out[f"{precision}_tflops"] = round(2 * n**3 / ms / 1e9, 1)
     src = cupy.random.standard_normal(2**29 // 4 * 4, dtype=np.float32)  # 2 GiB
@@ -230,7 +232,7 @@ def train():
                  "numpy_seconds": round(numpy_s, 1)}
         for precision in PRECISIONS:
             run = train_run(CudaEngine(precision=precision), shape, micro, n_micro, TRAIN_STEPS,
-                            recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
+                            recompute=RECOMPUTE[shape_name] if precision in LOW else ())
             rel = [abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses)]
             params_rel = float(np.linalg.norm(run.params.astype(np.float64) - ref.params) / np.linalg.norm(ref.params))
             entry[precision] = {"losses": run.losses, "max_rel_loss_diff": max(rel), "final_params_rel": params_rel,
@@ -274,7 +276,7 @@ def determinism():
     out = {}
     for shape_name, micro, steps in (("12M", 8, 10), ("120M", 2, 3)):
         for precision in PRECISIONS:
-            recompute = RECOMPUTE[shape_name] if precision == "bf16" else ()
+            recompute = RECOMPUTE[shape_name] if precision in LOW else ()
             digests = [train_run(CudaEngine(precision=precision), SHAPES[shape_name], micro, 2, steps,
                                  recompute=recompute).digest for _ in range(2)]
             free_device_memory()
@@ -301,7 +303,7 @@ def memory():
         free_device_memory()
         dev0, pool0 = device_used(), pool.total_bytes()
         engine = CudaEngine(precision=precision)
-        model = Model(engine, SHAPES[shape_name], micro, recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
+        model = Model(engine, SHAPES[shape_name], micro, recompute=RECOMPUTE[shape_name] if precision in LOW else ())
         model.load_state(init_params(model.layout, 0))
         step_allocations(model, step=0)
         counts = step_allocations(model, step=1)
@@ -531,7 +533,7 @@ def bench(baseline: str | None):
         for variant in (*PRECISIONS, "bf16-eager"):
             precision = variant.split("-")[0]
             model = Model(CudaEngine(precision=precision), shape, micro, graphs=variant != "bf16-eager",
-                          recompute=RECOMPUTE[shape_name] if precision == "bf16" else ())
+                          recompute=RECOMPUTE[shape_name] if precision in LOW else ())
             model.load_state(init_params(model.layout, 0))
             batches = [synthetic_micro_batches(shape, micro, 1, s) for s in range(4)]
             times = []
@@ -550,7 +552,7 @@ def bench(baseline: str | None):
                 continue
             ops_ms = {}
             for op, fn in op_calls(model).items():
-                flops, nbytes = op_cost(op, shape, micro, model.layout.n_params, 2 if precision == "bf16" else 4)
+                flops, nbytes = op_cost(op, shape, micro, model.layout.n_params, 2 if precision in LOW else 4)
                 t = graph_ms(model.engine, fn)
                 ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
                               "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
@@ -589,7 +591,7 @@ def table() -> str:
     c = report.get("ceilings", {})
     if "copy_tb_s" in c:
         add(f"ceilings measured here: cuBLAS 8192^3 fp32 {c['fp32_tflops']} TFLOP/s, tf32 {c['tf32_tflops']}, "
-            f"bf16 {c.get('bf16_tflops')} TFLOP/s; "
+            f"bf16 {c.get('bf16_tflops')}, fp16 {c.get('fp16_tflops')} TFLOP/s; "
             f"device copy {c['copy_tb_s']} TB/s")
     for name in ("build", "ops", "train", "parity", "determinism", "memory", "resume", "cross", "bench"):
         if "error" in report.get(name, {}):

@@ -18,7 +18,7 @@ ODD = ModelShape(n_layer=1, d_model=40, n_head=5, vocab_size=301, seq_len=37)
 # Several 64-row tiles of the fused attention, the last one ragged, at its widest head (64).
 LONG = ModelShape(n_layer=1, d_model=128, n_head=2, vocab_size=64, seq_len=150)
 # ||got - ref|| / ||ref|| against float64 on the same inputs (bf16: activations rounded to bf16 first)
-REL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 1.5e-2}
+REL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 1.5e-2, "fp16": 1e-2}
 PRECISIONS = tuple(REL)
 # Head width 64, the bf16 engine's own attention kernels (kernels/attn_bf16.cu): 3 query tiles, the last ragged.
 WIDE = ModelShape(n_layer=2, d_model=128, n_head=2, vocab_size=300, seq_len=150)
@@ -56,9 +56,9 @@ def test_training_steps_match_numpy(engines, shape):
     from andrea.engines.numpy_engine import NumpyEngine
 
     ref = train_run(NumpyEngine(), shape, micro_batch=4, n_micro=2, steps=8)
-    for precision, limit in (("fp32", 1e-4), ("tf32", 1e-2), ("bf16", 2e-2)):
+    for precision, limit in (("fp32", 1e-4), ("tf32", 1e-2), ("bf16", 2e-2), ("fp16", 1e-2)):
         run = train_run(engines[precision], shape, micro_batch=4, n_micro=2, steps=8,
-                        recompute=("gelu", "layernorm") if precision == "bf16" else ())
+                        recompute=("gelu", "layernorm") if precision in ("bf16", "fp16") else ())
         np.testing.assert_allclose(run.losses, ref.losses, rtol=limit, err_msg=precision)
         np.testing.assert_allclose(run.norms, ref.norms, rtol=10 * limit, err_msg=precision)
 
@@ -105,8 +105,30 @@ def test_plan_is_one_allocation(engines):
     assert carved <= grown <= carved + 256 * len(model.plan.buffers) + 512
 
 
-def test_fp16_is_refused():
+def test_unknown_precision_is_refused():
     from andrea.engines.cuda_engine import CudaEngine
 
-    with pytest.raises(AndreaError, match="fp16"):
-        CudaEngine(precision="fp16")
+    with pytest.raises(AndreaError, match="fp8"):
+        CudaEngine(precision="fp8")
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(engines):
+    """A loss scale far too large overflows fp16: no update, gradients cleared, the scale halved; the
+    next steps train normally."""
+    from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
+    from andrea.model import LossScaleOverflow, Model, init_params
+
+    model = Model(engines["fp16"], WIDE, micro_batch=2)
+    start = init_params(model.layout, 0)
+    model.load_state(start)
+    model.loss_scale.scale = 2.0**60
+    with pytest.raises(LossScaleOverflow):
+        model.train_step(synthetic_micro_batches(WIDE, 2, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
+    assert model.loss_scale.scale == 2.0**59
+    params, m, v = model.host_state()
+    assert np.array_equal(params, start) and not m.any() and not v.any()
+    assert not engines["fp16"].to_host(model.buf["grads"]).any()
+    model.loss_scale.scale = 2.0**10
+    loss, norm = model.train_step(synthetic_micro_batches(WIDE, 2, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
+    assert np.isfinite(loss) and np.isfinite(norm) and model.loss_scale.good_steps == 1
+    assert not np.array_equal(model.host_state()[0], start)

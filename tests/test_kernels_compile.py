@@ -1,17 +1,18 @@
-"""Every kernel file compiles with NVRTC for each target architecture (no GPU needed), and every
-kernel the CUDA engine launches is in the compiled code under its seed name."""
+"""Every kernel file compiles with NVRTC for each target architecture and each precision's build (no GPU
+needed), and every kernel the CUDA engine launches is in the compiled code under its seed name."""
 
 import pytest
 
-from andrea.kernels_build import ARCHS, KERNEL_FILES, compile_kernel, kernel_dir, kernel_source
+from andrea.kernels_build import ARCHS, BUILDS, KERNEL_FILES, compile_kernel, kernel_dir, kernel_source
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("op", KERNEL_FILES)
-def test_kernel_compiles(op, arch):
+def test_kernel_compiles(op, arch, precision):
     from andrea.engines.cuda_engine import KERNELS
 
-    compiled = compile_kernel(op, arch)
+    compiled = compile_kernel(op, arch, precision=precision)
     assert compiled.cubin
     for name in KERNELS.get(op, ()):
         assert name.encode() in compiled.cubin, f"{name} missing from kernels/{op}.cu ({arch})"
@@ -27,3 +28,9 @@ def test_header_is_spliced_into_the_source():
     source = kernel_source("layernorm")
     assert '#include "common.cuh"' not in source
     assert "block_sum" in source
+
+
+def test_every_precision_has_a_build():
+    from andrea.engines.cuda_engine import PRECISIONS
+
+    assert set(PRECISIONS) == set(BUILDS)

@@ -237,7 +237,9 @@ def compare_op(engines: dict, op: str, s: OpShape, rng, reference=None) -> dict:
                 if v.dtype.kind == "i":
                     return v
                 v = v.astype(np.float32)
-                return (round_bf16(v) if act_dtype == "bfloat16" and k in case.act else v).astype(np.float64)
+                if k in case.act and act_dtype != "float32":
+                    v = round_bf16(v) if act_dtype == "bfloat16" else v.astype(act_dtype).astype(np.float32)
+                return v.astype(np.float64)
 
             inputs = {k: start_value(k, v) for k, v in case.arrays.items()}
             ref = {k: v.copy() for k, v in inputs.items()}

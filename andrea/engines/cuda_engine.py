@@ -13,10 +13,11 @@ reads copy into host memory. Every reduction runs in a fixed order: the same inp
 bits on every run.
 
 Precision: "fp32" (the reference), "tf32" (the matrix products on tensor cores with TF32 inputs and
-FP32 accumulation) or "bf16" (mixed precision: activations, the activation gradients that feed products
+FP32 accumulation), "bf16" (mixed precision: activations, the activation gradients that feed products
 and a copy of the weights in bfloat16, FP32 accumulation in every product and FP32 arithmetic in every
 kernel; LayerNorm, softmax and loss statistics, the residual-stream gradients, weights, gradients, m
-and v stay FP32). Weights, m and v are FP32 in every precision: the checkpoint is the same. The fp32
+and v stay FP32) or "fp16" (the same in IEEE half, the seed's cuBLAS FP16 route; its narrow range needs
+the model's dynamic loss scale, and its attention runs the generic kernels of attn.cu on TF32 products). Weights, m and v are FP32 in every precision: the checkpoint is the same. The fp32
 attention kernels use the tensor cores too, in "3xTF32" (each operand split into two TF32 parts, three
 products: FP32-level accuracy, the same arithmetic as PyTorch's fp32 memory-efficient attention).
 Each precision is its own build of kernels/*.cu (the activation type act_t, kernels/common.cuh).
@@ -35,8 +36,8 @@ from andrea.errors import AndreaError
 from andrea.kernels_build import build_options, kernel_dir, kernel_source
 from andrea.memory import BufferSpec
 
-PRECISIONS = ("fp32", "tf32", "bf16")
-ACT_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16"}
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+ACT_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLAS products only)
     "embed": ("k_embed_fwd", "k_embed_bwd"),
     "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum"),
@@ -102,10 +103,10 @@ class _Cublas:
     handle's workspace to cuBLAS's internal pool; this handle keeps the engine's preallocated one."""
 
     OP_N, OP_T = 0, 1
-    TYPES = {"float32": 0, "bfloat16": 14}  # CUDA_R_32F, CUDA_R_16BF
+    TYPES = {"float32": 0, "bfloat16": 14, "float16": 2}  # CUDA_R_32F, CUDA_R_16BF, CUDA_R_16F
     COMPUTE_32F = 68
-    # FP32 operands: CUBLAS_COMPUTE_32F or CUBLAS_COMPUTE_32F_FAST_TF32; bf16 operands: CUBLAS_COMPUTE_32F.
-    COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 68}
+    # FP32 operands: CUBLAS_COMPUTE_32F or CUBLAS_COMPUTE_32F_FAST_TF32; 16-bit operands: CUBLAS_COMPUTE_32F.
+    COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 68, "fp16": 68}
     GEMM_DEFAULT = -1
 
     def __init__(self, precision: str, workspace):
@@ -198,14 +199,13 @@ class CudaEngine:
         if dtype != "float32":
             raise AndreaError(f"dtype '{dtype}': the CUDA engine runs float32 (float64 is the NumPy engine's, for gradient checks)")
         if precision not in PRECISIONS:
-            if precision == "fp16":
-                raise AndreaError("precision 'fp16' is not in the CUDA engine yet; set the experiment's "
-                                  "'precision' to bf16, tf32 or fp32")
             raise AndreaError(f"unknown precision '{precision}'; the CUDA engine runs {', '.join(PRECISIONS)}")
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.act_dtype = ACT_DTYPES[precision]  # the memory plan's activation dtype
         self.act_vec = 16 // np.dtype(self.act_dtype).itemsize  # ACT_VEC: activations per 16-byte access
+        # fp16's narrow range needs the loss scaled up before the backward (Model's dynamic loss scale)
+        self.loss_scaling = precision == "fp16"
         self.k = _load_kernels(precision)
         # The engine's own device memory: cuBLAS's workspace and the AdamW decay-range table, allocated
         # here, once (the engine runs ops before any plan exists); a model's plan lists them by name.
