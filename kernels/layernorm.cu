@@ -15,6 +15,9 @@
 #define LN_THREADS 1024
 // Row chunks of the dgamma/dbeta partial sums (the engine's ln_partials holds 2 * LN_CHUNKS * C floats).
 #define LN_CHUNKS 128
+#define LN_LANES (LN_THREADS / WARP_SIZE)  // row lanes of a partial-sum block: 32 columns x 32 lanes
+#define LN_SUM_THREADS 256
+#define LN_SUM_LANES (LN_SUM_THREADS / WARP_SIZE)
 
 // A row's ACT_VEC-wide groups go to lanes in turn when C is a whole number of groups and the row and
 // gamma / beta are 16-byte aligned; else its elements do. Either way a row's sums run in a fixed order.
@@ -112,27 +115,45 @@ __device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* i
     }
 }
 
-// dgamma and dbeta partial sums over one chunk of rows, one thread per column (consecutive threads read
-// consecutive columns of a row): partials[chunk] holds the chunk's dgamma, partials[n_chunks + chunk] its dbeta.
+// dgamma and dbeta partial sums over one chunk of rows for 32 columns: thread (cx, ry) of the 32 x 32 block
+// takes column cx and rows ry, ry + 32, ... of the chunk (a warp reads 32 consecutive columns of a row); the 32
+// row lanes are then added in a fixed tree. partials[chunk] holds the chunk's dgamma, partials[LN_CHUNKS + chunk]
+// its dbeta.
 __device__ void layernorm_bwd_params(float* partials, const float* dout, const act_t* inp, const float* mean,
                                      const float* rstd, long long n_rows, int C, int block) {
-    const int col_blocks = (C + LN_THREADS - 1) / LN_THREADS;
-    const int chunk = block / col_blocks, c = (block % col_blocks) * LN_THREADS + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float part[2][LN_LANES][WARP_SIZE + 1];
+    const int col_blocks = (C + WARP_SIZE - 1) / WARP_SIZE;
+    const int chunk = block / col_blocks, cx = threadIdx.x % WARP_SIZE, ry = threadIdx.x / WARP_SIZE;
+    const int c = (block % col_blocks) * WARP_SIZE + cx;
     const long long rows_per_chunk = (n_rows + LN_CHUNKS - 1) / LN_CHUNKS;
     const long long end = min(n_rows, (chunk + 1) * rows_per_chunk);
     float dg = 0.0f, db = 0.0f;
-    for (long long row = chunk * rows_per_chunk; row < end; row++) {
-        const float dy = dout[row * C + c];
-        dg += dy * ((to_f32(inp[row * C + c]) - mean[row]) * rstd[row]);
-        db += dy;
+    if (c < C) {
+#pragma unroll 4
+        for (long long row = chunk * rows_per_chunk + ry; row < end; row += LN_LANES) {
+            const float dy = dout[row * C + c];
+            dg += dy * ((to_f32(inp[row * C + c]) - mean[row]) * rstd[row]);
+            db += dy;
+        }
     }
-    partials[(long long)chunk * C + c] = dg;
-    partials[(long long)(LN_CHUNKS + chunk) * C + c] = db;
+    part[0][ry][cx] = dg;
+    part[1][ry][cx] = db;
+    __syncthreads();
+    for (int half = LN_LANES / 2; half > 0; half >>= 1) {
+        if (ry < half) {
+            part[0][ry][cx] += part[0][ry + half][cx];
+            part[1][ry][cx] += part[1][ry + half][cx];
+        }
+        __syncthreads();
+    }
+    if (ry == 0 && c < C) {
+        partials[(long long)chunk * C + c] = part[0][0][cx];
+        partials[(long long)(LN_CHUNKS + chunk) * C + c] = part[1][0][cx];
+    }
 }
 
 // Blocks [0, row_blocks) do dinp, one warp per row; the rest do the dgamma/dbeta partials of LN_CHUNKS row
-// chunks, LN_THREADS columns a block. k_layernorm_bwd_sum then adds the chunks, in chunk order.
+// chunks, 32 columns a block. k_layernorm_bwd_sum then adds the chunks in a fixed order.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_bwd(float* dinp, float* partials, const float* dout, const act_t* inp, const float* gamma,
                 const float* mean, const float* rstd, long long n_rows, int C, int row_blocks) {
@@ -142,14 +163,32 @@ k_layernorm_bwd(float* dinp, float* partials, const float* dout, const act_t* in
         layernorm_bwd_params(partials, dout, inp, mean, rstd, n_rows, C, blockIdx.x - row_blocks);
 }
 
-extern "C" __global__ void k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+// dgamma += the chunks' partial sums (likewise dbeta): 32 columns a block of LN_SUM_THREADS; lane ly of a column
+// adds chunks ly, ly + LN_SUM_LANES, ..., then the lanes are added in a fixed tree.
+extern "C" __global__ void __launch_bounds__(LN_SUM_THREADS)
+k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C) {
+    __shared__ float part[2][LN_SUM_LANES][WARP_SIZE + 1];
+    const int cx = threadIdx.x % WARP_SIZE, ly = threadIdx.x / WARP_SIZE;
+    const int c = blockIdx.x * WARP_SIZE + cx;
     float dg = 0.0f, db = 0.0f;
-    for (int k = 0; k < LN_CHUNKS; k++) {
-        dg += partials[(long long)k * C + c];
-        db += partials[(long long)(LN_CHUNKS + k) * C + c];
+    if (c < C) {
+        for (int k = ly; k < LN_CHUNKS; k += LN_SUM_LANES) {
+            dg += partials[(long long)k * C + c];
+            db += partials[(long long)(LN_CHUNKS + k) * C + c];
+        }
     }
-    dgamma[c] += dg;
-    dbeta[c] += db;
+    part[0][ly][cx] = dg;
+    part[1][ly][cx] = db;
+    __syncthreads();
+    for (int half = LN_SUM_LANES / 2; half > 0; half >>= 1) {
+        if (ly < half) {
+            part[0][ly][cx] += part[0][ly + half][cx];
+            part[1][ly][cx] += part[1][ly + half][cx];
+        }
+        __syncthreads();
+    }
+    if (ly == 0 && c < C) {
+        dgamma[c] += part[0][0][cx];
+        dbeta[c] += part[1][0][cx];
+    }
 }

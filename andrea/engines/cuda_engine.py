@@ -33,7 +33,7 @@ import ml_dtypes  # noqa: F401  (registers NumPy's "bfloat16" dtype, which the b
 import numpy as np
 
 from andrea.errors import AndreaError
-from andrea.kernels_build import build_options, kernel_dir, kernel_source
+from andrea.kernels_build import build_options, kernel_defines, kernel_dir, kernel_source
 from andrea.memory import BufferSpec
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -51,17 +51,18 @@ KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLA
 }
 # Launch shapes the kernels are written for (the #defines of the same names in kernels/*.cu).
 EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
-LN_THREADS, LN_CHUNKS = 1024, 128
+LN_THREADS, LN_CHUNKS, LN_SUM_THREADS = 1024, 128, 256
 LN_MAX_C = 4096  # widest row the LayerNorm backward's partial sums (ln_partials) hold
 LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
 ATTN_BWD_SMEM = 4 * ATTN_TILE * ATTN_LD * 4 + 2 * ATTN_TILE * 4  # Q, dY, K, V tiles; a query tile's lse and D
-# kernels/attn_bf16.cu (bf16 activations, head width 64): its launch shapes (static shared memory only).
-# The forward and the dQ kernel take 128-query tiles with 8 warps, the dK/dV kernel 64-key tiles with 4.
-ATTN_BF16_HEAD = 64
-ATTN_BF16_THREADS, ATTN_BF16_ROWS = 256, 128
-ATTN_BF16_KV_THREADS, ATTN_BF16_KV_ROWS = 128, 64
+# kernels/attn_bf16.cu (bf16 activations, head width 64; static shared memory only): its launch shapes, as
+# its #defines set them: threads and query rows of a forward / dQ block, threads and key rows of a dK/dV block.
+_ATTN_BF16 = kernel_defines("attn_bf16")
+ATTN_BF16_HEAD = _ATTN_BF16["ATTN_BF16_HD"]
+ATTN_BF16_THREADS, ATTN_BF16_ROWS = _ATTN_BF16["ATTN_BF16_THREADS"], _ATTN_BF16["ATTN_BF16_ROWS"]
+ATTN_BF16_KV_THREADS, ATTN_BF16_KV_ROWS = _ATTN_BF16["ATTN_BF16_KV_THREADS"], _ATTN_BF16["ATTN_BF16_KV_ROWS"]
 ELEMENTWISE_THREADS = 256
 NORM_THREADS = 512
 
@@ -331,11 +332,10 @@ class CudaEngine:
             raise AndreaError(f"d_model {C} is wider than the LayerNorm backward's {LN_MAX_C} columns")
         rows = inp.size // C
         row_blocks = _blocks(rows, LN_THREADS // 32)
-        self._launch("k_layernorm_bwd", row_blocks + LN_CHUNKS * _blocks(C, LN_THREADS), LN_THREADS,
+        self._launch("k_layernorm_bwd", row_blocks + LN_CHUNKS * _blocks(C, 32), LN_THREADS,
                      dinp, self.ln_partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
                      np.int32(row_blocks))
-        self._launch("k_layernorm_bwd_sum", _blocks(C, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
-                     dgamma, dbeta, self.ln_partials, np.int32(C))
+        self._launch("k_layernorm_bwd_sum", _blocks(C, 32), LN_SUM_THREADS, dgamma, dbeta, self.ln_partials, np.int32(C))
 
     # ---- attn_qkv: Q, K, V projections ----------------------------------------------------
     def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
