@@ -520,8 +520,12 @@ def per_step_calls(op: str, L: int) -> int:
     return L
 
 
+BENCH_VARIANTS = (*PRECISIONS, "bf16-eager")
+PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
+
+
 @section("bench")
-def bench(baseline: str | None):
+def bench(baseline: str | None, variants=BENCH_VARIANTS, peers=PEER_VARIANTS):
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.model import Model, init_params
 
@@ -530,7 +534,7 @@ def bench(baseline: str | None):
         shape = SHAPES[shape_name]
         tokens = micro * shape.seq_len
         # "bf16-eager": the same step launched op by op from the host instead of replayed as a CUDA graph
-        for variant in (*PRECISIONS, "bf16-eager"):
+        for variant in variants:
             precision = variant.split("-")[0]
             model = Model(CudaEngine(precision=precision), shape, micro, graphs=variant != "bf16-eager",
                           recompute=RECOMPUTE[shape_name] if precision in LOW else ())
@@ -564,7 +568,7 @@ def bench(baseline: str | None):
             free_device_memory()
     if baseline:
         for shape_name in BENCH:
-            for variant in ("fp32", "tf32", "bf16", "bf16-compile"):
+            for variant in peers:
                 r = subprocess.run([sys.executable, baseline, BASELINE_SHAPE[shape_name], variant, "20"],
                                    capture_output=True, text=True, timeout=500)
                 lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -683,12 +687,15 @@ def main() -> int:
     parser.add_argument("--baseline", default=str(REPO / ".device" / "bench" / "torch_baseline.py"),
                         help="the PyTorch peer baseline script (skipped if missing)")
     parser.add_argument("--sections", default="device,build,ceilings,ops,train,parity,determinism,memory,resume,cross,bench")
+    parser.add_argument("--bench", default=",".join(BENCH_VARIANTS), help="engine variants the bench section times")
+    parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = {"device": device_info, "build": build, "ceilings": ceilings, "ops": ops, "train": train,
              "parity": parity, "determinism": determinism, "memory": memory, "resume": resume, "cross": cross,
-             "bench": lambda: bench(args.baseline if Path(args.baseline).is_file() else None)}
+             "bench": lambda: bench(args.baseline if Path(args.baseline).is_file() else None,
+                                    args.bench.split(","), args.peers.split(","))}
     for name in args.sections.split(","):
         steps[name]()
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
