@@ -50,16 +50,6 @@ def kernel_source(op: str, folder: Path | None = None) -> str:
     return path.read_text().replace(include, f"// ---- {COMMON_HEADER} ----\n{header}// ---- end {COMMON_HEADER} ----", 1)
 
 
-def kernel_defines(op: str, folder: Path | None = None) -> dict[str, int]:
-    """The integer `#define NAME value` lines of kernels/<op>.cu: launch shapes the host mirrors, read from
-    the one place they are set."""
-    import re
-
-    folder = folder or kernel_dir()
-    text = (folder / f"{op}.cu").read_text()
-    return {m[1]: int(m[2]) for m in re.finditer(r"^#define\s+(\w+)\s+(\d+)\b", text, re.MULTILINE)}
-
-
 def cuda_include_dir() -> str:
     """Folder with the CUDA runtime headers (cuda_bf16.h and friends), from the cudart wheel."""
     from cuda import pathfinder

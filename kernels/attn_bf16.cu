@@ -41,6 +41,9 @@
 #define ATTN_BF16_FWD_SMEM (ATTN_BF16_OWN_BYTES + 4 * ATTN_BF16_TILE_BYTES)       // 49152: Q; K and V twice
 #define ATTN_BF16_DQ_SMEM (4 * ATTN_BF16_TILE_BYTES)                              // 32768: K, V twice (Q, dY first)
 #define ATTN_BF16_BWD_SMEM (4 * ATTN_BF16_TILE_BYTES + 2 * ATTN_BF16_STAT_BYTES)  // 33792: Q, dY, lse, D twice
+// The launch shape, for the host: {THREADS, ROWS, KV_THREADS, KV_ROWS}.
+extern "C" __constant__ int attn_bf16_launch[4] = {ATTN_BF16_THREADS, ATTN_BF16_ROWS, ATTN_BF16_KV_THREADS,
+                                                   ATTN_BF16_KV_ROWS};
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define POS_INF __int_as_float(0x7f800000)

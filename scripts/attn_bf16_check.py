@@ -1,9 +1,21 @@
 """Checks and times the bf16 attention kernels (kernels/attn_bf16.cu) on a CUDA machine.
 
-    PYTHONPATH=. python3 scripts/attn_bf16_check.py [--out DIR]
+    PYTHONPATH=. python3 scripts/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3]
     python3 scripts/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
 
-Needs cupy and numpy only (of the repository it imports andrea.kernels_build.kernel_source). Sections:
+Needs cupy and numpy only (of the repository it imports andrea.kernels_build). Each build is compiled with NVRTC
+as the engine compiles it (kernels/common.cuh spliced in, -std=c++17) and launched as the engine launches it
+(largest shared-memory carveout); its launch shape comes from the module's int[4] constant attn_bf16_launch
+{THREADS, ROWS, KV_THREADS, KV_ROWS} when it has one, else from the source's #defines of those names. Builds:
+  --source PATH   a kernel file with the three kernels of kernels/attn_bf16.cu (same names and arguments);
+                  repeatable; default the repository's kernels/attn_bf16.cu (through kernel_source(), so
+                  ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
+  --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro is built once per
+                  k with -DATTN_BF16_VARIANT=k; a source that does not is built once.
+Every build goes through every section; the inputs and the float64 references are made once and shared. With
+more than one build a comparison table closes the run: one row per (source, variant), its verdict, times and
+TFLOP/s at each timed shape, registers and spills; "*" marks the fastest build (fwd + bwd at the first timed
+shape) among those that pass every check. Sections:
   correctness  for each shape (B, T, H), head width 64: fresh random bf16 qkv and dY, dqkv pre-filled with random
                bf16 values R (the backward adds into it), out / lse / D poisoned with NaN; fwd, bwd_dq, bwd against
                a float64 NumPy reference from the same bf16 inputs: relative error ||got - ref|| / ||ref|| of Y,
@@ -11,14 +23,17 @@ Needs cupy and numpy only (of the repository it imports andrea.kernels_build.ker
                (bf16) Y, which is what the kernel is specified to compute; any NaN fails.
   determinism  the full fwd + bwd twice on the same inputs: identical bits of Y, lse, D and dqkv.
   timing       median of 20 runs after 5 warm-ups (CUDA events): fwd, and bwd (both kernels), in ms and TFLOP/s
-               over the causal half (one product = B H T^2 hd FLOP; fwd = 2 products, bwd = 5).
-Prints a table last, writes DIR/attn_bf16_check.json (DIR: --out, else $OUT, else results/attn_bf16_check) and
-exits nonzero if any check fails. The timing targets are reported, not enforced.
+               over the causal half (one product = B H T^2 hd FLOP; fwd = 2 products, bwd = 5); the two backward
+               kernels are also timed alone (dq, kv).
+Prints a table last, writes DIR/attn_bf16_check.json (DIR: --out, else $OUT, else results/attn_bf16_check; with
+several builds its "builds" list holds one report per build) and exits nonzero if any check of any build fails.
+The timing targets are reported, not enforced.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -33,17 +48,20 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from andrea.kernels_build import kernel_source
+from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source
 
 HD = 64
 SHAPES = [(2, 1024, 12), (1, 200, 2), (3, 64, 1), (2, 77, 3), (8, 1024, 12)]  # (B, T, H)
 BENCH_SHAPES = [(8, 1024, 12), (32, 512, 6)]
+BENCH_NAMES = [f"B{B}_T{T}_H{H}" for B, T, H in BENCH_SHAPES]
 LIMITS = {"Y": 1.5e-2, "lse": 1e-3, "D": 1e-3, "dQ": 1.5e-2, "dK": 1.5e-2, "dV": 1.5e-2}
 QK_STD = 1.5  # Q and K entries ~ N(0, 1.5^2): S = Q K^T / 8 has std ~2.25
 WARMUP, REPEAT = 5, 20
 TARGET_MS = {"fwd": 0.10, "bwd": 0.30}  # at (8, 1024, 12)
 FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
 KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")
+LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
+CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
 
 
 def log(msg: str) -> None:
@@ -243,8 +261,37 @@ def selftest_reference() -> bool:
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
-def launch_config(source: str) -> dict:
-    """The launch configuration, read from the kernel file's #defines."""
+def source_text(path: str | None) -> tuple[str, str]:
+    """(label, text) of a kernel file with common.cuh spliced in, as andrea.kernels_build.kernel_source() does;
+    None: the repository's kernels/attn_bf16.cu."""
+    if path is None:
+        return "kernels/attn_bf16.cu", kernel_source("attn_bf16")
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--source {path}: no such file")
+    folder = kernel_dir()
+    if file.resolve().parent == folder.resolve():
+        return str(path), kernel_source(file.stem, folder)
+    include = f'#include "{COMMON_HEADER}"'
+    text = file.read_text()
+    if include not in text:
+        raise RuntimeError(f"--source {path}: no line {include}")
+    header = (folder / COMMON_HEADER).read_text()
+    return str(path), text.replace(include, f"// ---- {COMMON_HEADER} ----\n{header}// ---- end {COMMON_HEADER} ----", 1)
+
+
+def launch_config(source: str, module=None, cp=None) -> dict:
+    """The launch configuration: the module's attn_bf16_launch constant where it has one (it is what the compiler
+    saw, variants included), else the kernel file's #defines."""
+    if module is not None:
+        try:
+            ptr = module.get_global(LAUNCH_SYMBOL)
+        except Exception:  # noqa: BLE001 (a file without the constant)
+            ptr = None
+        if ptr is not None:
+            v = [int(x) for x in cp.ndarray((4,), dtype=cp.int32, memptr=ptr).get()]
+            return {"threads": v[0], "rows": v[1], "kv_threads": v[2], "kv_rows": v[3]}
+
     def define(name):
         m = re.search(rf"#define {name} (\d+)", source)
         if not m:
@@ -255,13 +302,16 @@ def launch_config(source: str) -> dict:
 
 
 class Attn:
-    def __init__(self, cp):
+    def __init__(self, cp, source: str | None = None, options: tuple[str, ...] = ()):
         self.cp = cp
-        source = kernel_source("attn_bf16")
-        self.cfg = launch_config(source)
-        self.mod = cp.RawModule(code=source, options=("-std=c++17",), backend="nvrtc")
+        source = kernel_source("attn_bf16") if source is None else source
+        self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
         self.k = {name: self.mod.get_function(name) for name in KERNELS}
-        # Static shared memory only (at most 48 KB a block): no attribute to set.
+        self.cfg = launch_config(source, self.mod, cp)
+        # Static shared memory only (at most 48 KB a block): no attribute to set. The carveout as the engine sets it,
+        # so that as many blocks share an SM as there.
+        for f in self.k.values():
+            f.preferred_shared_memory_carveout = CARVEOUT
         self.attrs = {name: {"registers": int(f.num_regs), "local_bytes": int(f.local_size_bytes),
                              "static_shared_bytes": int(f.shared_size_bytes),
                              "max_threads_per_block": int(f.max_threads_per_block)} for name, f in self.k.items()}
@@ -273,13 +323,21 @@ class Attn:
         self.k["k_attn_fwd_bf16"](grid, (cfg["threads"],),
                                   (out, lse, qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD))))
 
-    def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
+    def bwd_dq(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["k_attn_bwd_dq_bf16"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
                                      (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale))
+
+    def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
+        cfg, i32 = self.cfg, np.int32
+        C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["k_attn_bwd_bf16"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
                                   (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale))
+
+    def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
+        self.bwd_dq(dqkv, delta, dout, y, qkv, lse, B, T, H)
+        self.bwd_kv(dqkv, delta, dout, qkv, lse, B, T, H)
 
 
 def run_once(attn: Attn, dev: dict, B: int, T: int, H: int) -> dict:
@@ -303,17 +361,22 @@ def device_arrays(cp, inp: dict, B: int, T: int, H: int) -> dict:
             "delta": cp.empty((B, H, T), dtype=cp.float32), "dqkv": cp.empty((3, B, T, C), dtype=cp.uint16)}
 
 
-def check_shapes(attn: Attn) -> dict:
+def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
+    """`inputs`: a cache of make_inputs() by shape, shared by the builds of one run."""
     res = {}
+    inputs = {} if inputs is None else inputs
     for n, (B, T, H) in enumerate(SHAPES):
         name = f"B{B}_T{T}_H{H}"
         try:
-            inp = make_inputs(B, T, H, seed=1000 + n)
+            if name not in inputs:
+                inputs[name] = make_inputs(B, T, H, seed=1000 + n)
+            inp = inputs[name]
             dev = device_arrays(attn.cp, inp, B, T, H)
             got = run_once(attn, dev, B, T, H)
             r = compare(inp, got, H)
             again = run_once(attn, dev, B, T, H)
             r["deterministic"] = all(np.array_equal(got[k].view(np.uint8), again[k].view(np.uint8)) for k in got)
+            r["digest"] = hashlib.sha1(b"".join(np.ascontiguousarray(got[k]).tobytes() for k in sorted(got))).hexdigest()
             r["pass"] = r["pass"] and r["deterministic"]
         except Exception:  # noqa: BLE001 (reported, and the other sections still run)
             r = {"pass": False, "error": traceback.format_exc()}
@@ -358,10 +421,17 @@ def bench(attn: Attn) -> dict:
             def bwd_run(d=dev, s=(B, T, H)):
                 attn.bwd(d["dqkv"], d["delta"], d["dout"], d["out"], d["qkv"], d["lse"], *s)
 
+            def dq_run(d=dev, s=(B, T, H)):
+                attn.bwd_dq(d["dqkv"], d["delta"], d["dout"], d["out"], d["qkv"], d["lse"], *s)
+
+            def kv_run(d=dev, s=(B, T, H)):
+                attn.bwd_kv(d["dqkv"], d["delta"], d["dout"], d["qkv"], d["lse"], *s)
+
             fwd_run()
             fwd, bwd = time_ms(cp, fwd_run), time_ms(cp, bwd_run)
+            dq, kv = time_ms(cp, dq_run), time_ms(cp, kv_run)
             product = B * H * T * T * HD  # 2 B H T^2 hd / 2: one causal product
-            r = {"fwd_ms": fwd, "bwd_ms": bwd,
+            r = {"fwd_ms": fwd, "bwd_ms": bwd, "bwd_dq_ms": dq, "bwd_kv_ms": kv,
                  "fwd_tflops": FWD_PRODUCTS * product / (fwd * 1e-3) / 1e12,
                  "bwd_tflops": BWD_PRODUCTS * product / (bwd * 1e-3) / 1e12}
             if (B, T, H) == (8, 1024, 12):
@@ -371,15 +441,106 @@ def bench(attn: Attn) -> dict:
             r = {"error": traceback.format_exc()}
         res[name] = r
         log(f"{name:>16}: " + (f"fwd {r['fwd_ms']:.4f} ms ({r['fwd_tflops']:.0f} TFLOP/s), "
-                               f"bwd {r['bwd_ms']:.4f} ms ({r['bwd_tflops']:.0f} TFLOP/s)" if "error" not in r
+                               f"bwd {r['bwd_ms']:.4f} ms ({r['bwd_tflops']:.0f} TFLOP/s; alone: dq "
+                               f"{r['bwd_dq_ms']:.4f} ms, kv {r['bwd_kv_ms']:.4f} ms)" if "error" not in r
                                else r["error"]))
     return res
+
+
+def run_build(cp, source: str, options: tuple[str, ...], inputs: dict) -> dict:
+    """Builds one kernel source and runs every section on it; the report of that build."""
+    rep: dict = {}
+    ok = True
+    try:
+        attn = Attn(cp, source, options)
+        rep["launch"] = attn.cfg
+        rep["kernels"] = attn.attrs
+        log(f"launch: {attn.cfg}")
+        for name, a in attn.attrs.items():
+            log(f"{name}: {a}")
+            if a["local_bytes"]:
+                log(f"  note: {name} uses {a['local_bytes']} bytes of local memory (register spills)")
+    except Exception:  # noqa: BLE001 (reported)
+        rep["build_error"] = traceback.format_exc()
+        log(rep["build_error"])
+        attn, ok = None, False
+
+    if attn is not None:
+        log("\n== correctness and determinism ==")
+        rep["correctness"] = check_shapes(attn, inputs)
+        ok &= all(r["pass"] for r in rep["correctness"].values())
+        log("\n== timing ==")
+        rep["timing"] = bench(attn)
+        ok &= not any("error" in r for r in rep["timing"].values())
+    rep["pass"] = bool(ok)
+    return rep
+
+
+def print_summary(rep: dict) -> None:
+    log(f"{'shape':>16} {'Y':>9} {'lse':>9} {'D':>9} {'dQ':>9} {'dK':>9} {'dV':>9}  det   result")
+    for name, r in rep.get("correctness", {}).items():
+        e = r.get("errors", {})
+        cells = " ".join(f"{e[k]:9.2e}" if k in e else f"{'-':>9}" for k in ("Y", "lse", "D", "dQ", "dK", "dV"))
+        log(f"{name:>16} {cells}  {r.get('deterministic', '-')!s:5} {'ok' if r['pass'] else 'FAIL'}")
+    log(f"{'limits':>16} " + " ".join(f"{LIMITS[k]:9.1e}" for k in ("Y", "lse", "D", "dQ", "dK", "dV")))
+    for name, r in rep.get("timing", {}).items():
+        if "error" not in r:
+            log(f"{name:>16}  fwd {r['fwd_ms']:.4f} ms {r['fwd_tflops']:6.1f} TFLOP/s   "
+                f"bwd {r['bwd_ms']:.4f} ms {r['bwd_tflops']:6.1f} TFLOP/s"
+                + (f"   targets (fwd <= {TARGET_MS['fwd']} ms, bwd <= {TARGET_MS['bwd']} ms): "
+                   f"{'met' if r['fwd_target_met'] else 'missed'} / {'met' if r['bwd_target_met'] else 'missed'}"
+                   if "fwd_target_met" in r else ""))
+    for name, a in rep.get("kernels", {}).items():
+        log(f"{name:>20}: {a['registers']} registers, {a['local_bytes']} bytes local memory (spills), "
+            f"{a['static_shared_bytes']} bytes static shared memory")
+
+
+def print_comparison(builds: list[dict]) -> None:
+    """One row per build: verdict, times (fwd, bwd and its two kernels alone) and TFLOP/s at each timed shape,
+    registers (spill bytes) of fwd / dq / kv, the speed-up of fwd and bwd at the first timed shape over the first
+    build, and a letter per distinct set of output bits over the checked shapes (same letter: identical outputs);
+    "*" marks the fastest passing build by fwd + bwd at the first timed shape."""
+    def total(b):
+        r = b.get("timing", {}).get(BENCH_NAMES[0], {})
+        return r["fwd_ms"] + r["bwd_ms"] if b["pass"] and "fwd_ms" in r else math.inf
+    best = min(range(len(builds)), key=lambda i: total(builds[i]))
+    best = best if math.isfinite(total(builds[best])) else -1
+    width = max(len(b["label"]) for b in builds)
+    head = f"{'build':<{width}}  result"
+    for name in BENCH_NAMES:
+        head += f" | {name}: fwd ms  bwd ms (dq + kv alone)    TFLOP/s f/b"
+    head += f" | registers (spill bytes) fwd / dq / kv | vs {builds[0]['label']} at {BENCH_NAMES[0]} | bits"
+    log(head)
+    letters: dict = {}
+    base = builds[0].get("timing", {}).get(BENCH_NAMES[0], {})
+    for i, b in enumerate(builds):
+        row = f"{b['label']:<{width}}  {'ok  ' if b['pass'] else 'FAIL'}  "
+        for name in BENCH_NAMES:
+            r = b.get("timing", {}).get(name, {})
+            row += (f" | {r['fwd_ms']:7.4f} {r['bwd_ms']:7.4f} ({r['bwd_dq_ms']:.4f} + {r['bwd_kv_ms']:.4f}) "
+                    f"{r['fwd_tflops']:5.0f}/{r['bwd_tflops']:<4.0f}" if "fwd_ms" in r else f" | {'-':<52}")
+        k = b.get("kernels", {})
+        row += " | " + " / ".join(f"{k[n]['registers']} ({k[n]['local_bytes']})" if n in k else "-" for n in KERNELS)
+        r = b.get("timing", {}).get(BENCH_NAMES[0], {})
+        if "fwd_ms" in r and "fwd_ms" in base:
+            row += f" | fwd x{base['fwd_ms'] / r['fwd_ms']:.2f}, bwd x{base['bwd_ms'] / r['bwd_ms']:.2f}"
+        else:
+            row += " | -"
+        digest = tuple(c.get("digest") for c in b.get("correctness", {}).values())
+        row += " | " + (letters.setdefault(digest, "ABCDEFGHIJ"[len(letters) % 10]) if digest and all(digest) else "-")
+        log(row + ("  *" if i == best else ""))
+    if best < 0:
+        log("no build passes every check")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results" / "attn_bf16_check"))
     ap.add_argument("--selftest-reference", action="store_true", help="check the float64 reference on the CPU and exit")
+    ap.add_argument("--source", action="append", metavar="PATH",
+                    help="kernel file to build and check (repeatable; default kernels/attn_bf16.cu)")
+    ap.add_argument("--variants", metavar="LIST",
+                    help="comma-separated ATTN_BF16_VARIANT values to build each source with that reads the macro")
     args = ap.parse_args()
     if args.selftest_reference:
         ok = selftest_reference()
@@ -387,6 +548,19 @@ def main() -> int:
         return 0 if ok else 1
 
     import cupy as cp
+
+    # The builds: (label, source text, compile options), in order; the first is the baseline of the comparison.
+    builds: list[dict] = []
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else []
+    for path in args.source or [None]:
+        label, text = source_text(path)
+        if variants and "ATTN_BF16_VARIANT" in text:
+            builds += [{"label": f"{label} [variant {v}]", "source": label, "variant": v, "text": text,
+                        "options": (f"-DATTN_BF16_VARIANT={v}",)} for v in variants]
+        else:
+            if variants:
+                log(f"note: {label} does not read ATTN_BF16_VARIANT; built once")
+            builds.append({"label": label, "source": label, "variant": None, "text": text, "options": ()})
 
     report: dict = {"limits": LIMITS, "shapes": [list(s) for s in SHAPES]}
     ok = True
@@ -397,44 +571,30 @@ def main() -> int:
                             "sms": props["multiProcessorCount"], "runtime": cp.cuda.runtime.runtimeGetVersion(),
                             "driver": cp.cuda.runtime.driverGetVersion()}
         log(f"device: {report['device']}")
-        attn = Attn(cp)
-        report["launch"] = attn.cfg
-        report["kernels"] = attn.attrs
-        for name, a in attn.attrs.items():
-            log(f"{name}: {a}")
-            if a["local_bytes"]:
-                log(f"  note: {name} uses {a['local_bytes']} bytes of local memory (register spills)")
     except Exception:  # noqa: BLE001 (reported)
-        report["build_error"] = traceback.format_exc()
-        log(report["build_error"])
-        attn, ok = None, False
+        report["device_error"] = traceback.format_exc()
+        log(report["device_error"])
+        ok = False
 
-    if attn is not None:
-        log("\n== correctness and determinism ==")
-        report["correctness"] = check_shapes(attn)
-        ok &= all(r["pass"] for r in report["correctness"].values())
-        log("\n== timing ==")
-        report["timing"] = bench(attn)
-        ok &= not any("error" in r for r in report["timing"].values())
+    inputs: dict = {}  # make_inputs() by shape, shared by the builds
+    for b in builds:
+        if len(builds) > 1:
+            log(f"\n==== {b['label']} ====")
+        b.update(run_build(cp, b.pop("text"), b["options"], inputs))
+        ok &= b["pass"]
+        if len(builds) > 1:
+            log(f"\n== summary: {b['label']} ==")
+            print_summary(b)
+    if len(builds) == 1:
+        b = builds[0]
+        report.update({k: v for k, v in b.items() if k in ("launch", "kernels", "build_error", "correctness", "timing")})
+        log("\n== summary ==")
+        print_summary(b)
+    else:
+        report["builds"] = builds
+        log("\n== comparison ==")
+        print_comparison(builds)
     report["pass"] = bool(ok)
-
-    log("\n== summary ==")
-    log(f"{'shape':>16} {'Y':>9} {'lse':>9} {'D':>9} {'dQ':>9} {'dK':>9} {'dV':>9}  det   result")
-    for name, r in report.get("correctness", {}).items():
-        e = r.get("errors", {})
-        cells = " ".join(f"{e[k]:9.2e}" if k in e else f"{'-':>9}" for k in ("Y", "lse", "D", "dQ", "dK", "dV"))
-        log(f"{name:>16} {cells}  {r.get('deterministic', '-')!s:5} {'ok' if r['pass'] else 'FAIL'}")
-    log(f"{'limits':>16} " + " ".join(f"{LIMITS[k]:9.1e}" for k in ("Y", "lse", "D", "dQ", "dK", "dV")))
-    for name, r in report.get("timing", {}).items():
-        if "error" not in r:
-            log(f"{name:>16}  fwd {r['fwd_ms']:.4f} ms {r['fwd_tflops']:6.1f} TFLOP/s   "
-                f"bwd {r['bwd_ms']:.4f} ms {r['bwd_tflops']:6.1f} TFLOP/s"
-                + (f"   targets (fwd <= {TARGET_MS['fwd']} ms, bwd <= {TARGET_MS['bwd']} ms): "
-                   f"{'met' if r['fwd_target_met'] else 'missed'} / {'met' if r['bwd_target_met'] else 'missed'}"
-                   if "fwd_target_met" in r else ""))
-    for name, a in report.get("kernels", {}).items():
-        log(f"{name:>20}: {a['registers']} registers, {a['local_bytes']} bytes local memory (spills), "
-            f"{a['static_shared_bytes']} bytes static shared memory")
     log(f"overall: {'PASS' if ok else 'FAIL'}")
 
     out = Path(args.out)

@@ -33,7 +33,7 @@ import ml_dtypes  # noqa: F401  (registers NumPy's "bfloat16" dtype, which the b
 import numpy as np
 
 from andrea.errors import AndreaError
-from andrea.kernels_build import build_options, kernel_defines, kernel_dir, kernel_source
+from andrea.kernels_build import build_options, kernel_dir, kernel_source
 from andrea.memory import BufferSpec
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -57,12 +57,10 @@ LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
 ATTN_BWD_SMEM = 4 * ATTN_TILE * ATTN_LD * 4 + 2 * ATTN_TILE * 4  # Q, dY, K, V tiles; a query tile's lse and D
-# kernels/attn_bf16.cu (bf16 activations, head width 64; static shared memory only): its launch shapes, as
-# its #defines set them: threads and query rows of a forward / dQ block, threads and key rows of a dK/dV block.
-_ATTN_BF16 = kernel_defines("attn_bf16")
-ATTN_BF16_HEAD = _ATTN_BF16["ATTN_BF16_HD"]
-ATTN_BF16_THREADS, ATTN_BF16_ROWS = _ATTN_BF16["ATTN_BF16_THREADS"], _ATTN_BF16["ATTN_BF16_ROWS"]
-ATTN_BF16_KV_THREADS, ATTN_BF16_KV_ROWS = _ATTN_BF16["ATTN_BF16_KV_THREADS"], _ATTN_BF16["ATTN_BF16_KV_ROWS"]
+# kernels/attn_bf16.cu: bf16 activations, head width 64 only, static shared memory only; its launch shape is
+# the module's constant attn_bf16_launch (threads and query rows of a forward / dQ block, threads and key rows
+# of a dK/dV block), read when the module loads.
+ATTN_BF16_HEAD = 64
 ELEMENTWISE_THREADS = 256
 NORM_THREADS = 512
 
@@ -86,6 +84,9 @@ def _load_kernels(precision: str) -> dict:
         if key not in _modules:
             _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc")
         functions.update({name: _modules[key].get_function(name) for name in names})
+        if op == "attn_bf16":
+            launch = cupy.ndarray((4,), np.int32, memptr=_modules[key].get_global("attn_bf16_launch")).get()
+            functions["attn_bf16_launch"] = tuple(int(x) for x in launch)
     # Over 48 KB of dynamic shared memory needs the limit raised per kernel; the largest shared-memory
     # carveout lets 3-4 attention blocks share an SM.
     for name, smem in (("k_attn_fwd", ATTN_FWD_SMEM), ("k_attn_bwd_dq", ATTN_BWD_SMEM), ("k_attn_bwd", ATTN_BWD_SMEM)):
@@ -382,7 +383,8 @@ class CudaEngine:
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
-            self.k["k_attn_fwd_bf16"]((heads, -(-T // ATTN_BF16_ROWS)), (ATTN_BF16_THREADS,), (out, att, qkv, *dims))
+            threads, rows, _, _ = self.k["attn_bf16_launch"]
+            self.k["k_attn_fwd_bf16"]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (ATTN_THREADS,), (out, att, qkv, *dims), shared_mem=ATTN_FWD_SMEM)
@@ -391,10 +393,9 @@ class CudaEngine:
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
-            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // ATTN_BF16_ROWS)), (ATTN_BF16_THREADS,),
-                                         (dqkv, datt, dout, out, qkv, att, *dims))
-            self.k["k_attn_bwd_bf16"]((heads, -(-T // ATTN_BF16_KV_ROWS)), (ATTN_BF16_KV_THREADS,),
-                                      (dqkv, datt, dout, qkv, att, *dims))
+            threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
+            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims))
+            self.k["k_attn_bwd_bf16"]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
