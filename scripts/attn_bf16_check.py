@@ -277,7 +277,8 @@ def source_text(path: str | None) -> tuple[str, str]:
     if include not in text:
         raise RuntimeError(f"--source {path}: no line {include}")
     header = (folder / COMMON_HEADER).read_text()
-    return str(path), text.replace(include, f"// ---- {COMMON_HEADER} ----\n{header}// ---- end {COMMON_HEADER} ----", 1)
+    spliced = f"// ---- {COMMON_HEADER} ----\n{header}// ---- end {COMMON_HEADER} ----"
+    return str(path), text.replace(include, spliced, 1)
 
 
 def launch_config(source: str, module=None, cp=None) -> dict:
@@ -376,7 +377,8 @@ def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
             r = compare(inp, got, H)
             again = run_once(attn, dev, B, T, H)
             r["deterministic"] = all(np.array_equal(got[k].view(np.uint8), again[k].view(np.uint8)) for k in got)
-            r["digest"] = hashlib.sha1(b"".join(np.ascontiguousarray(got[k]).tobytes() for k in sorted(got))).hexdigest()
+            bits = b"".join(np.ascontiguousarray(got[k]).tobytes() for k in sorted(got))
+            r["digest"] = hashlib.sha1(bits).hexdigest()
             r["pass"] = r["pass"] and r["deterministic"]
         except Exception:  # noqa: BLE001 (reported, and the other sections still run)
             r = {"pass": False, "error": traceback.format_exc()}
@@ -587,7 +589,8 @@ def main() -> int:
             print_summary(b)
     if len(builds) == 1:
         b = builds[0]
-        report.update({k: v for k, v in b.items() if k in ("launch", "kernels", "build_error", "correctness", "timing")})
+        keys = ("launch", "kernels", "build_error", "correctness", "timing")
+        report.update({k: v for k, v in b.items() if k in keys})
         log("\n== summary ==")
         print_summary(b)
     else:
