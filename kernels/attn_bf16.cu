@@ -14,39 +14,95 @@
 // writes D and loops over key tiles to add dQ; then k_attn_bwd_bf16, one block per key tile, reads D and loops over
 // query tiles to add dK and dV.
 //
-// Launch configuration (the host mirrors these #defines), in launch order:
-//   k_attn_fwd_bf16     block ATTN_BF16_THREADS (256)     grid (B * H, ceil(T / ATTN_BF16_ROWS))     (ROWS = 128)
-//   k_attn_bwd_dq_bf16  block ATTN_BF16_THREADS (256)     grid (B * H, ceil(T / ATTN_BF16_ROWS))
-//   k_attn_bwd_bf16     block ATTN_BF16_KV_THREADS (128)  grid (B * H, ceil(T / ATTN_BF16_KV_ROWS))  (KV_ROWS = 64)
-// Shared memory is static only (ATTN_BF16_FWD_SMEM, _DQ_SMEM, _BWD_SMEM = 49152, 32768, 33792 bytes): launch with 0
-// dynamic bytes, no attribute to set. Each block owns a tile of queries (keys in k_attn_bwd_bf16); warp w owns its
-// rows 16 w .. 16 w + 15, held in registers as mma A operands, while the other operand streams through shared memory
-// in 64-row tiles, double-buffered with cp.async. k_attn_bwd_bf16 keeps the dK and dV accumulators besides K and V
-// (about 170 registers a thread), hence its smaller blocks.
+// Launch configuration (the host, andrea/engines/cuda_engine.py, mirrors these #defines; the module also exports them
+// as the int[4] constant attn_bf16_launch = {THREADS, ROWS, KV_THREADS, KV_ROWS}), in launch order:
+//   k_attn_fwd_bf16     block ATTN_BF16_THREADS     grid (B * H, ceil(T / ATTN_BF16_ROWS))
+//   k_attn_bwd_dq_bf16  block ATTN_BF16_THREADS     grid (B * H, ceil(T / ATTN_BF16_ROWS))
+//   k_attn_bwd_bf16     block ATTN_BF16_KV_THREADS  grid (B * H, ceil(T / ATTN_BF16_KV_ROWS))
+// with, by ATTN_BF16_VARIANT (default 1; the variants compute the same bits and differ in speed only):
+//   1: THREADS 256, ROWS 128: 8 warps of 16 query rows, 2 blocks an SM (128 registers);
+//      KV_THREADS 128, KV_ROWS 64: 4 warps of 16 keys, 3 blocks an SM (168 registers). The launch shapes of the
+//      first version of this file.
+//   2: THREADS 128, ROWS 128: 4 warps of 32 rows, 2 blocks an SM (255 registers);
+//      KV_THREADS 64, KV_ROWS 64: 2 warps of 32 keys, 4 blocks an SM (255 registers), V kept in shared memory.
+//   3: THREADS 128, ROWS 64: 4 warps of 16 rows, 4 blocks an SM (128 registers); k_attn_bwd_bf16 as in 1.
+// Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM, _DQ_SMEM = 49152 bytes, _BWD_SMEM =
+// 33792 bytes (41984 in variant 2). Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
+// carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
+//
+// Each block owns a tile of queries (keys in k_attn_bwd_bf16); warp w owns WT m-tiles of 16 rows (WT =
+// ATTN_BF16_WARP_TILES, _KV_WARP_TILES), rows 16 WT w .. 16 WT (w + 1) - 1 of the tile, held in registers as mma A
+// operands, while the other operand streams through shared memory in tiles of 64 rows, filled with cp.async: three
+// stages in the forward and dQ kernels (the next two tiles in flight), two in k_attn_bwd_bf16; one barrier a tile
+// (a stage is refilled right after the barrier that follows the last reads of it). A tile that lies wholly at or
+// below the diagonal for a warp takes a path without masks or bounds tests; the warp's one diagonal tile takes a
+// masked path that also skips the 16-row blocks wholly past the diagonal. The forward takes 64 keys a softmax step
+// and skips the rescaling of its accumulators in steps where no row maximum of the warp moves.
 #include "common.cuh"
 
-#define ATTN_BF16_THREADS 256     // k_attn_fwd_bf16, k_attn_bwd_dq_bf16: 8 warps
-#define ATTN_BF16_BLOCKS 2        // their blocks per SM the register budget is set for: at most 128 registers a thread
-#define ATTN_BF16_ROWS 128        // their query tile: grid.y = ceil(T / 128)
-#define ATTN_BF16_KV_THREADS 128  // k_attn_bwd_bf16: 4 warps
-#define ATTN_BF16_KV_BLOCKS 3     // its blocks per SM: at most 168 registers a thread
-#define ATTN_BF16_KV_ROWS 64      // its key tile: grid.y = ceil(T / 64)
-#define ATTN_BF16_STREAM 64       // rows of a streamed tile: keys (fwd, bwd_dq) or queries (bwd)
-#define ATTN_BF16_HD 64           // head width, the only one these kernels take
-#define ATTN_BF16_ROW_BYTES 128                                         // one row of 64 bf16
-#define ATTN_BF16_TILE_BYTES (ATTN_BF16_STREAM * ATTN_BF16_ROW_BYTES)  // 8 KB: a streamed tile (or a 64-key tile)
-#define ATTN_BF16_OWN_BYTES (ATTN_BF16_ROWS * ATTN_BF16_ROW_BYTES)     // 16 KB: a 128-query tile
-#define ATTN_BF16_STAT_BYTES (2 * ATTN_BF16_STREAM * 4)                // a query tile's lse and D (fp32)
+#ifndef ATTN_BF16_VARIANT
+#define ATTN_BF16_VARIANT 3
+#endif
+
+#if ATTN_BF16_VARIANT == 1
+#define ATTN_BF16_THREADS 256       // k_attn_fwd_bf16, k_attn_bwd_dq_bf16: 8 warps
+#define ATTN_BF16_ROWS 128          // their query tile: grid.y = ceil(T / ROWS)
+#define ATTN_BF16_WARP_TILES 1      // their 16-row m-tiles a warp: ROWS = 16 WARP_TILES THREADS / 32
+#define ATTN_BF16_BLOCKS 2          // their blocks per SM the register budget is set for (128 registers a thread)
+#define ATTN_BF16_KV_THREADS 128    // k_attn_bwd_bf16: 4 warps
+#define ATTN_BF16_KV_ROWS 64        // its key tile: grid.y = ceil(T / KV_ROWS)
+#define ATTN_BF16_KV_WARP_TILES 1   // its 16-key m-tiles a warp
+#define ATTN_BF16_KV_BLOCKS 3       // its blocks per SM (168 registers a thread)
+#define ATTN_BF16_KV_V_SMEM 0       // 1: V stays in shared memory (its A fragments loaded per use), not in registers
+#elif ATTN_BF16_VARIANT == 2
+#define ATTN_BF16_THREADS 128
+#define ATTN_BF16_ROWS 128
+#define ATTN_BF16_WARP_TILES 2
+#define ATTN_BF16_BLOCKS 2
+#define ATTN_BF16_KV_THREADS 64
+#define ATTN_BF16_KV_ROWS 64
+#define ATTN_BF16_KV_WARP_TILES 2
+#define ATTN_BF16_KV_BLOCKS 4
+#define ATTN_BF16_KV_V_SMEM 1
+#elif ATTN_BF16_VARIANT == 3
+#define ATTN_BF16_THREADS 128
+#define ATTN_BF16_ROWS 64
+#define ATTN_BF16_WARP_TILES 1
+#define ATTN_BF16_BLOCKS 4
+#define ATTN_BF16_KV_THREADS 128
+#define ATTN_BF16_KV_ROWS 64
+#define ATTN_BF16_KV_WARP_TILES 1
+#define ATTN_BF16_KV_BLOCKS 3
+#define ATTN_BF16_KV_V_SMEM 0
+#else
+#error "ATTN_BF16_VARIANT: 1, 2 or 3"
+#endif
+
+#define ATTN_BF16_STREAM 64           // rows of a streamed tile: keys (fwd, bwd_dq) or queries (bwd)
+#define ATTN_BF16_HD 64               // head width, the only one these kernels take
+#define ATTN_BF16_ROW_BYTES 128       // one row of 64 bf16
+#define ATTN_BF16_TILE_BYTES (ATTN_BF16_STREAM * ATTN_BF16_ROW_BYTES)  // 8 KB: a streamed tile
+#define ATTN_BF16_STAGE_BYTES (2 * ATTN_BF16_TILE_BYTES)              // 16 KB: K and V, or Q and dY, of one tile
+#define ATTN_BF16_STAT_BYTES (2 * ATTN_BF16_STREAM * 4)               // a query tile's lse and D (fp32)
 // Static shared memory of each kernel, in bytes:
-#define ATTN_BF16_FWD_SMEM (ATTN_BF16_OWN_BYTES + 4 * ATTN_BF16_TILE_BYTES)       // 49152: Q; K and V twice
-#define ATTN_BF16_DQ_SMEM (4 * ATTN_BF16_TILE_BYTES)                              // 32768: K, V twice (Q, dY first)
-#define ATTN_BF16_BWD_SMEM (4 * ATTN_BF16_TILE_BYTES + 2 * ATTN_BF16_STAT_BYTES)  // 33792: Q, dY, lse, D twice
-// The launch shape, for the host: {THREADS, ROWS, KV_THREADS, KV_ROWS}.
-extern "C" __constant__ int attn_bf16_launch[4] = {ATTN_BF16_THREADS, ATTN_BF16_ROWS, ATTN_BF16_KV_THREADS,
-                                                   ATTN_BF16_KV_ROWS};
+#define ATTN_BF16_FWD_SMEM (3 * ATTN_BF16_STAGE_BYTES)  // 49152: K and V three times (Q first, over stage 2)
+#define ATTN_BF16_DQ_SMEM (3 * ATTN_BF16_STAGE_BYTES)   // 49152: K and V three times (Q, dY first, over stages 1, 2)
+#define ATTN_BF16_BWD_SMEM (2 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES) + \
+                            ATTN_BF16_KV_V_SMEM * ATTN_BF16_KV_ROWS * ATTN_BF16_ROW_BYTES)  // Q, dY, lse, D twice (+ V)
+#ifndef ATTN_BF16_SLACK
+#define ATTN_BF16_SLACK 0.0f  // forward: how far (base 2) a step's row maximum may pass the running one unrescaled
+#endif
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define POS_INF __int_as_float(0x7f800000)
+
+static_assert(ATTN_BF16_ROWS == 16 * ATTN_BF16_WARP_TILES * (ATTN_BF16_THREADS / 32), "ROWS: 16-row m-tiles of warps");
+static_assert(ATTN_BF16_KV_ROWS == 16 * ATTN_BF16_KV_WARP_TILES * (ATTN_BF16_KV_THREADS / 32), "KV_ROWS likewise");
+static_assert(ATTN_BF16_ROWS * ATTN_BF16_ROW_BYTES <= ATTN_BF16_STAGE_BYTES, "Q (and dY) fit one stage each");
+static_assert(2 * ATTN_BF16_KV_ROWS * ATTN_BF16_ROW_BYTES <= ATTN_BF16_BWD_SMEM, "K and V fit the bwd buffers");
+
+extern "C" __constant__ int attn_bf16_launch[4] = {ATTN_BF16_THREADS, ATTN_BF16_ROWS, ATTN_BF16_KV_THREADS,
+                                                   ATTN_BF16_KV_ROWS};
 
 // ---- fragments -------------------------------------------------------------------------------------------------
 // mma.m16n8k16.row.col, bf16 operands (two per 32-bit register, the lower k-index or column in the low half),
@@ -79,12 +135,19 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// This lane's row address for an ldmatrix.x4 over rows band .. band+15 and chunks 2x, 2x+1 (see above).
-__device__ __forceinline__ unsigned rows_first(unsigned tile, int band, int x, int lane) {
-    return tile + tile_offset(band + (lane & 15), 2 * x + (lane >> 4));
+// A lane's ldmatrix.x4 row address, split in a part fixed per lane and a part fixed at compile time. Every band
+// starts at a multiple of 8 rows, so the swizzle only sees the lane's row within the band; chunk 2x + e (e = 0, 1
+// from the lane) lands at (2x + e) ^ (row % 8) = 2x ^ (e ^ row % 8), i.e. byte offset (16 (e ^ row % 8)) ^ 32x.
+// With base = tile + part (the tile 128-byte aligned, so the sum has the part's bits 0-6), the address of band,
+// k-step x is (base ^ 32x) + 128 band: the XOR touches bits 5-6 only and the band adds multiples of 128.
+__device__ __forceinline__ unsigned rows_first_part(int lane) {  // row lane % 16, chunk e = lane / 16
+    return (lane & 15) * ATTN_BF16_ROW_BYTES + ((((lane >> 4) ^ lane) & 7) << 4);
 }
-__device__ __forceinline__ unsigned chunks_first(unsigned tile, int band, int x, int lane) {
-    return tile + tile_offset(band + ((lane >> 4) << 3) + (lane & 7), 2 * x + ((lane >> 3) & 1));
+__device__ __forceinline__ unsigned chunks_first_part(int lane) {  // row 8 (lane / 16) + lane % 8, e = lane / 8 % 2
+    return (((lane >> 4) << 3) + (lane & 7)) * ATTN_BF16_ROW_BYTES + (((((lane >> 3) & 1) ^ lane) & 7) << 4);
+}
+__device__ __forceinline__ unsigned lds_at(unsigned base, int band, int x) {
+    return (base ^ (x << 5)) + band * ATTN_BF16_ROW_BYTES;
 }
 
 __device__ __forceinline__ void ldsm(unsigned (&r)[4], unsigned addr) {
@@ -138,26 +201,25 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Starts copying rows [row0, row0 + ROWS) of one head's [T, 64] slice (row stride C) into the swizzled tile at shared
-// address `tile`; rows at or past T read as zero. Thread i copies chunk i % 8 of rows i / 8, i / 8 + THREADS / 8, ...;
-// `src` is the slice's start plus this thread's offset (i / 8) C + 8 (i % 8), from slice_of(); rows past T copy
-// nothing from `valid`, any address inside the tensor.
-template <int ROWS, int THREADS = ATTN_BF16_THREADS>
-__device__ __forceinline__ void load_tile(unsigned tile, const bf16* src, const bf16* valid, int row0, int T, int C) {
+// base + 64 off: the start of a head's slice.
+__device__ __forceinline__ const bf16* at64(const bf16* base, unsigned off) { return base + ((size_t)off << 6); }
+__device__ __forceinline__ bf16* at64(bf16* base, unsigned off) { return base + ((size_t)off << 6); }
+
+// Starts copying rows [row0, row0 + ROWS) of one head's [T, 64] slice at64(base, off) (row stride C) into the
+// swizzled tile at shared address `tile`; rows at or past T read as zero (their copies name row T - 1, inside the
+// slice, and read nothing). Thread i copies chunk i % 8 of rows i / 8, i / 8 + THREADS / 8, ... Offsets within a
+// slice are 32-bit (T C < 2^31; the slice's start is 64-bit).
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(unsigned tile, const bf16* base, unsigned off, int row0, int T, int C) {
     constexpr int ROWS_PER_PASS = THREADS / 8;
+    static_assert(ROWS % ROWS_PER_PASS == 0, "whole passes");
     const int r = threadIdx.x / 8, c = threadIdx.x % 8;
+    const bf16* src = at64(base, off);
 #pragma unroll
     for (int k = 0; k < ROWS / ROWS_PER_PASS; k++) {
         const int row = row0 + r + k * ROWS_PER_PASS;
-        const bool inside = row < T;
-        const bf16* from = inside ? src + (long long)(row0 + k * ROWS_PER_PASS) * C : valid;
-        cp_async16(tile + tile_offset(r + k * ROWS_PER_PASS, c), from, inside);
+        cp_async16(tile + tile_offset(r + k * ROWS_PER_PASS, c), src + (min(row, T - 1) * C + 8 * c), row < T);
     }
-}
-
-// `base` (a head's [T, 64] slice) plus this thread's offset in load_tile(); dereferenced only for rows below T.
-__device__ __forceinline__ const bf16* slice_of(const bf16* base, int C) {
-    return base + (threadIdx.x / 8) * C + (threadIdx.x % 8) * 8;
 }
 
 // ---- small helpers ---------------------------------------------------------------------------------------------
@@ -222,368 +284,552 @@ __device__ __forceinline__ int block_x() {
     return static_cast<int>(x);
 }
 
-struct Head {  // one (b, h): the head's column offset into the [B, T, C] activations and its lse row
-    long long seq;  // offset of element [b, 0, 64 h] in a [B, T, C] tensor
-    long long stat;  // offset of row [b, h, 0] in a [B, H, T] tensor
-    long long plane;  // B * T * C: Q, K, V (and dQ, dK, dV) are consecutive planes of qkv
+// One (b, h), as offsets in units of 64 elements (every row of a head starts at a multiple of 64; 32-bit offsets in
+// these units cover tensors of up to 2^38 elements): the head's columns in the [B, T, C] activations, and the
+// distance between the planes of qkv (and dqkv). `stat` is the offset of its row [b, h, 0] in a [B, H, T] tensor.
+struct Head {
+    unsigned seq;    // element [b, 0, 64 h] of a [B, T, C] tensor, / 64
+    unsigned plane;  // B T C / 64: Q, K, V (and dQ, dK, dV) are consecutive planes of qkv
+    unsigned stat;
 };
 
-__device__ __forceinline__ Head head_of(int bh, int B, int T, int C, int H) {
-    const int b = bh / H, h = bh % H;
-    return {(long long)b * T * C + (long long)h * ATTN_BF16_HD, (long long)bh * T, (long long)B * T * C};
+__device__ __forceinline__ Head head_of(int bh, int B, int T, int H) {
+    const unsigned b = bh / H, h = bh % H;
+    return {b * T * H + h, (unsigned)B * T * H, (unsigned)bh * T};
 }
 
-// ---- forward: one block per (b, h) and 128-query tile, key tiles of 64 -------------------------------------------
+__device__ __forceinline__ int next_stage(int s) { return s == 2 ? 0 : s + 1; }
+
+// ---- forward: one block per (b, h) and query tile, key tiles of 64 -----------------------------------------------
+// A running maximum plus the slack it allows (see fwd_step).
+__device__ __forceinline__ float slack(float m) { return ATTN_BF16_SLACK > 0.0f ? m + ATTN_BF16_SLACK : m; }
+
+// One step of the online softmax over the 64 keys kb .. kb+63 of a K / V tile, for the warp's WT m-tiles of rows
+// R .. R + 16 WT - 1 (this thread's rows R + 16 i + g and + 8). kq: the K tile plus chunks_first_part, vq: the V tile
+// plus rows_first_part. MASK: the tile reaches past the warp's first row, so keys after a row are masked (-inf), and
+// 16-key blocks after the warp's last row are skipped (warp-uniform tests).
+template <int WT, bool MASK>
+__device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigned (&qf)[WT][4][4],
+                                         float (&o)[WT][8][4], float (&m)[WT][2], float (&l)[WT][2],
+                                         int kb, int R, int g, int t, float s2) {
+    float s[WT][8][4];
+#pragma unroll
+    for (int i = 0; i < WT; i++) zero(s[i]);
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++)
+#pragma unroll
+        for (int np = 0; np < 4; np++) {  // keys 16 np .. 16 np + 15 of the tile
+            if (MASK && kb + 16 * np >= R + 16 * WT) continue;
+            unsigned b[4];
+            ldsm(b, lds_at(kq, 16 * np, kc));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(s[i][2 * np], qf[i][kc], b[0], b[1]);
+                mma_bf16(s[i][2 * np + 1], qf[i][kc], b[2], b[3]);
+            }
+        }
+    // The running maximum m of a row (base 2) moves when the step's maximum passes it, and then the accumulators are
+    // rescaled; a step where no row of the warp moves skips the rescale (a warp-uniform test). ATTN_BF16_SLACK > 0
+    // lets a maximum pass m by up to SLACK before m moves (P stays below 2^SLACK, the sum and Y P scaled alike):
+    // fewer rescales, but the largest P of a step is then rounded to bf16 where with SLACK 0 it is exactly 1.
+    float mx[WT][2];  // the step's row maxima of S, scaled (-inf: every key masked)
+    bool move = false;
+#pragma unroll
+    for (int i = 0; i < WT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (MASK) {  // key > row: -inf (every row keeps key 0 <= row from its first tile, so m stays finite)
+                const int row = R + 16 * i + g + 8 * h;
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++)
+                        if (kb + 8 * n + 2 * t + e > row) s[i][n][2 * h + e] = NEG_INF;
+            }
+            float x[8];  // the maximum as a tree
+#pragma unroll
+            for (int n = 0; n < 8; n++) x[n] = fmaxf(s[i][n][2 * h], s[i][n][2 * h + 1]);
+#pragma unroll
+            for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+                for (int n = 0; n < w; n++) x[n] = fmaxf(x[n], x[n + w]);
+            mx[i][h] = row_max4(x[0]) * s2;  // scale > 0 keeps the order
+            move |= mx[i][h] > slack(m[i][h]);  // m = -inf: any finite maximum moves it
+        }
+    if (__any_sync(FULL_MASK, move)) {
+#pragma unroll
+        for (int i = 0; i < WT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float m_new = mx[i][h] > slack(m[i][h]) ? mx[i][h] : m[i][h];
+                const float corr = exp2_approx(m[i][h] - m_new);  // 1, or 0 from m = -inf
+                m[i][h] = m_new;
+                l[i][h] *= corr;
+#pragma unroll
+                for (int n = 0; n < 8; n++) {
+                    o[i][n][2 * h] *= corr;
+                    o[i][n][2 * h + 1] *= corr;
+                }
+            }
+    }
+#pragma unroll
+    for (int i = 0; i < WT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float ps[8];  // this step's share of the row sum, as a tree
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const float p0 = exp2_approx(fmaf(s[i][n][2 * h], s2, -m[i][h]));  // masked: 2^-inf = 0
+                const float p1 = exp2_approx(fmaf(s[i][n][2 * h + 1], s2, -m[i][h]));
+                s[i][n][2 * h] = p0;
+                s[i][n][2 * h + 1] = p1;
+                ps[n] = p0 + p1;
+            }
+#pragma unroll
+            for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+                for (int n = 0; n < w; n++) ps[n] += ps[n + w];
+            l[i][h] += ps[0];
+        }
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) {  // keys 16 kc .. 16 kc + 15 of the tile
+        if (MASK && kb + 16 * kc >= R + 16 * WT) continue;
+        unsigned pf[WT][4];  // P as A fragments
+#pragma unroll
+        for (int i = 0; i < WT; i++) pack_a(pf[i], s[i][2 * kc], s[i][2 * kc + 1]);
+#pragma unroll
+        for (int np = 0; np < 4; np++) {  // columns 16 np .. 16 np + 15 of V
+            unsigned b[4];
+            ldsm_trans(b, lds_at(vq, 16 * kc, np));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(o[i][2 * np], pf[i], b[0], b[1]);
+                mma_bf16(o[i][2 * np + 1], pf[i], b[2], b[3]);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale) {
+    constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     __shared__ __align__(128) bf16 smem[ATTN_BF16_FWD_SMEM / 2];
-    const unsigned Qs = smem_u32(smem), KV = Qs + ATTN_BF16_OWN_BYTES;  // buffer s: K at KV + 2 s TILE, V after it
-    const int n_tiles = (T + ATTN_BF16_ROWS - 1) / ATTN_BF16_ROWS;
-    const int q0 = (n_tiles - 1 - blockIdx.y) * ATTN_BF16_ROWS;  // the longest rows first
-    const Head hh = head_of(blockIdx.x, B, T, C, H);
-    const bf16* q = qkv + hh.seq;
+    // stage s: K at S0 + s STAGE, V after it; Q first, over stage 2
+    const unsigned S0 = smem_u32(smem), Qs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
+    const int n_tiles = (T + ROWS - 1) / ROWS;
+    const int q0 = (n_tiles - 1 - blockIdx.y) * ROWS;  // the longest rows first
+    const Head hh = head_of(blockIdx.x, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-    const int wrow = q0 + 16 * warp;  // the warp's first row
-    const int row0 = wrow + g;        // this thread's rows: row0 and row0 + 8
-    const int n_kt = (min(T, q0 + ATTN_BF16_ROWS) + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
+    const int R = q0 + 16 * WT * warp;  // the warp's first row
+    const int n_kt = (min(T, q0 + ROWS) + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
     const float s2 = scale * LOG2E;  // softmax in base 2: exp(x) = exp2(x log2 e)
 
-    const bf16* q_src = slice_of(q, C);  // this thread's share of the Q, K and V tile copies
-    const bf16* k_src = q_src + hh.plane;
-    const bf16* v_src = q_src + 2 * hh.plane;
-    load_tile<ATTN_BF16_ROWS>(Qs, q_src, qkv, q0, T, C);
+    const unsigned k_off = hh.seq + hh.plane;  // the head's slices of Q, K and V: at64(qkv, seq, + plane, + 2 plane)
+    load_tile<ROWS, THREADS>(Qs, qkv, hh.seq, q0, T, C);
     cp_async_commit();
-    load_tile<ATTN_BF16_STREAM>(KV, k_src, qkv, 0, T, C);
-    load_tile<ATTN_BF16_STREAM>(KV + ATTN_BF16_TILE_BYTES, v_src, qkv, 0, T, C);
-    cp_async_commit();
-    cp_async_wait<1>();  // Q (K and V of tile 0 may still be on their way)
-    __syncthreads();
-    unsigned qf[4][4];  // the warp's 16 query rows as A fragments, k-steps over the head's 64 columns
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) ldsm(qf[kc], rows_first(Qs, 16 * warp, kc, lane));
-
-    float o[8][4];
-    zero(o);
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // running max (base 2) and this lane's share of the sum
-    for (int kt = 0; kt < n_kt; kt++) {
-        if (kt + 1 < n_kt) {  // prefetch the next K and V into the other buffer (its readers passed the last barrier)
-            const unsigned nb = KV + ((kt + 1) & 1) * 2 * ATTN_BF16_TILE_BYTES;
-            load_tile<ATTN_BF16_STREAM>(nb, k_src, qkv, (kt + 1) * ATTN_BF16_STREAM, T, C);
-            load_tile<ATTN_BF16_STREAM>(nb + ATTN_BF16_TILE_BYTES, v_src, qkv, (kt + 1) * ATTN_BF16_STREAM, T, C);
+    for (int k = 0; k < 2; k++) {  // key tiles 0 and 1 into stages 0 and 1
+        if (k < n_kt) {
+            const unsigned dst = S0 + k * ATTN_BF16_STAGE_BYTES;
+            load_tile<ATTN_BF16_STREAM, THREADS>(dst, qkv, k_off, k * ATTN_BF16_STREAM, T, C);
+            load_tile<ATTN_BF16_STREAM, THREADS>(dst + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
+                                                 k * ATTN_BF16_STREAM, T, C);
         }
         cp_async_commit();
-        cp_async_wait<1>();  // tile kt
-        __syncthreads();
-        const unsigned Ks = KV + (kt & 1) * 2 * ATTN_BF16_TILE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
-        // The tile in two halves of 32 keys, each a step of the online softmax (fewer live registers than one step
-        // of 64). Warps whose rows all lie past T, or before the half's first key, skip it (warp-uniform).
+    }
+    cp_async_wait<2>();  // Q
+    __syncthreads();
+    unsigned qf[WT][4][4];  // the warp's query rows as A fragments, k-steps over the head's 64 columns
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int kb = kt * ATTN_BF16_STREAM + 32 * half;  // the half's first key
-            if (wrow >= T || kb > wrow + 15) break;
-            float s[4][4];
-            zero(s);
+    for (int i = 0; i < WT; i++)
 #pragma unroll
-            for (int kc = 0; kc < 4; kc++)
+        for (int kc = 0; kc < 4; kc++)
+            ldsm(qf[i][kc], lds_at(Qs + rows_first_part(lane), 16 * (WT * warp + i), kc));
+
+    float o[WT][8][4], m[WT][2], l[WT][2];  // running max (base 2) and this lane's share of the sum
 #pragma unroll
-                for (int np = 0; np < 2; np++) {  // keys 16 np .. 16 np + 15 of the half
-                    unsigned b[4];
-                    ldsm(b, chunks_first(Ks, 32 * half + 16 * np, kc, lane));
-                    mma_bf16(s[2 * np], qf[kc], b[0], b[1]);
-                    mma_bf16(s[2 * np + 1], qf[kc], b[2], b[3]);
-                }
-            const bool diagonal = kb + 31 > wrow;  // some key lies past some row of the warp
-            float mx[2] = {NEG_INF, NEG_INF};  // the half's row maxima of S (before scaling)
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const int col = kb + n * 8 + 2 * t + (r & 1);
-                    if (diagonal && col > row0 + 8 * (r >> 1)) s[n][r] = NEG_INF;
-                    mx[r >> 1] = fmaxf(mx[r >> 1], s[n][r]);
-                }
-            float corr[2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                // finite: every row sees key 0 in the first step (scale > 0 keeps the order)
-                const float m_new = fmaxf(m[i], row_max4(mx[i]) * s2);
-                corr[i] = exp2_approx(m[i] - m_new);
-                m[i] = m_new;
-                l[i] *= corr[i];
-            }
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) o[n][r] *= corr[r >> 1];
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const float p = exp2_approx(fmaf(s[n][r], s2, -m[r >> 1]));  // masked: 2^-inf = 0
-                    s[n][r] = p;
-                    l[r >> 1] += p;
-                }
-#pragma unroll
-            for (int kc = 0; kc < 2; kc++) {
-                unsigned pf[4];  // P as the A fragment of keys 16 kc .. 16 kc + 15 of the half
-                pack_a(pf, s[2 * kc], s[2 * kc + 1]);
-#pragma unroll
-                for (int np = 0; np < 4; np++) {  // columns 16 np .. 16 np + 15 of V
-                    unsigned b[4];
-                    ldsm_trans(b, rows_first(Vs, 32 * half + 16 * kc, np, lane));
-                    mma_bf16(o[2 * np], pf, b[0], b[1]);
-                    mma_bf16(o[2 * np + 1], pf, b[2], b[3]);
-                }
-            }
+    for (int i = 0; i < WT; i++) {
+        zero(o[i]);
+        m[i][0] = m[i][1] = NEG_INF;
+        l[i][0] = l[i][1] = 0.0f;
+    }
+    const unsigned kpart = chunks_first_part(lane), vpart = rows_first_part(lane);
+    int stage = 0;
+    for (int kt = 0; kt < n_kt; kt++) {
+        cp_async_wait<1>();  // tile kt (tile kt + 1 may still be on its way)
+        __syncthreads();     // ... for everyone; and everyone is done with tile kt - 1 (and with Q)
+        const int ps = next_stage(next_stage(stage));
+        if (kt + 2 < n_kt) {  // prefetch tile kt + 2 into the stage of tile kt - 1
+            const int row0 = (kt + 2) * ATTN_BF16_STREAM;
+            const unsigned dst = S0 + ps * ATTN_BF16_STAGE_BYTES;
+            load_tile<ATTN_BF16_STREAM, THREADS>(dst, qkv, k_off, row0, T, C);
+            load_tile<ATTN_BF16_STREAM, THREADS>(dst + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
+                                                 row0, T, C);
         }
-        __syncthreads();  // every warp is done with this buffer before the next prefetch overwrites it
+        cp_async_commit();
+        const unsigned Ks = S0 + stage * ATTN_BF16_STAGE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
+        const int kb = kt * ATTN_BF16_STREAM;  // the tile's first key
+        if (R < T) {  // warp-uniform; warps wholly past T only keep the barriers
+            if (kb + ATTN_BF16_STREAM - 1 <= R)
+                fwd_step<WT, false>(Ks + kpart, Vs + vpart, qf, o, m, l, kb, R, g, t, s2);
+            else if (kb < R + 16 * WT)
+                fwd_step<WT, true>(Ks + kpart, Vs + vpart, qf, o, m, l, kb, R, g, t, s2);
+        }
+        stage = next_stage(stage);
     }
     // The head's offsets again, from a fresh read of the block index: recomputing them is cheaper than keeping them
     // in registers through the loop.
-    const Head hs = head_of(block_x(), B, T, C, H);
-    float inv[2];
+    const Head hs = head_of(block_x(), B, T, H);
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        l[i] = row_sum4(l[i]);
-        inv[i] = 1.0f / l[i];
-        const int row = row0 + 8 * i;
-        if (t == 0 && row < T) lse[hs.stat + row] = (m[i] + log2f(l[i])) * LN2;
+    for (int i = 0; i < WT; i++) {
+        const int row0 = R + 16 * i + g;
+        float inv[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float sum = row_sum4(l[i][h]);
+            inv[h] = 1.0f / sum;
+            const int row = row0 + 8 * h;
+            if (t == 0 && row < T) lse[hs.stat + row] = (m[i][h] + log2f(sum)) * LN2;
+        }
+        store_rows<false>(at64(out, hs.seq), o[i], inv, row0, T, C, t);
     }
-    store_rows<false>(out + hs.seq, o, inv, row0, T, C, t);
 }
 
-// ---- backward, first kernel: D and dQ, one block per (b, h) and 128-query tile, key tiles of 64 -------------------
+// ---- backward, first kernel: D and dQ, one block per (b, h) and query tile, key tiles of 64 -----------------------
+// The 64 keys kb .. kb+63 of a K / V tile for the warp's rows R .. R + 16 WT - 1, 16 keys at a time: S and dP, then
+// dS, then dQ += dS K. kq, vq: the K and V tiles plus chunks_first_part; kt_: the K tile plus rows_first_part. MASK:
+// the tile reaches past the warp's first row (keys after a row give P = 0; 16-key blocks past its last row skipped).
+template <int WT, bool MASK>
+__device__ __forceinline__ void dq_step(unsigned kq, unsigned vq, unsigned kt_, const unsigned (&qf)[WT][4][4],
+                                        const unsigned (&yf)[WT][4][4], float (&dq)[WT][8][4],
+                                        const float (&lse2)[WT][2], const float (&dsum)[WT][2], int kb, int R, int g,
+                                        int t, float s2) {
+#pragma unroll(MASK ? 1 : 2)  // two blocks at a time: what the registers allow
+    for (int c = 0; c < 4; c++) {
+        if (MASK && kb + 16 * c >= R + 16 * WT) break;  // this and later blocks lie past every row of the warp
+        float s[WT][2][4], dp[WT][2][4];
+#pragma unroll
+        for (int i = 0; i < WT; i++) {
+            zero(s[i]);
+            zero(dp[i]);
+        }
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) {
+            unsigned b[4];
+            ldsm(b, lds_at(kq, 16 * c, kc));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(s[i][0], qf[i][kc], b[0], b[1]);
+                mma_bf16(s[i][1], qf[i][kc], b[2], b[3]);
+            }
+            ldsm(b, lds_at(vq, 16 * c, kc));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(dp[i][0], yf[i][kc], b[0], b[1]);
+                mma_bf16(dp[i][1], yf[i][kc], b[2], b[3]);
+            }
+        }
+        unsigned a[WT][4];  // dS, rounded to bf16
+#pragma unroll
+        for (int i = 0; i < WT; i++) {
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int h = r >> 1;
+                    float p = exp2_approx(fmaf(s[i][n][r], s2, -lse2[i][h]));  // rows past T: lse +inf, P = 0
+                    if (MASK && kb + 16 * c + 8 * n + 2 * t + (r & 1) > R + 16 * i + g + 8 * h) p = 0.0f;
+                    dp[i][n][r] = p * (dp[i][n][r] - dsum[i][h]);
+                }
+            pack_a(a[i], dp[i][0], dp[i][1]);
+        }
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            unsigned b[4];
+            ldsm_trans(b, lds_at(kt_, 16 * c, np));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(dq[i][2 * np], a[i], b[0], b[1]);
+                mma_bf16(dq[i][2 * np + 1], a[i], b[2], b[3]);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
                    int B, int T, int C, int H, float scale) {
+    constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     __shared__ __align__(128) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
-    const unsigned KV = smem_u32(smem);  // buffer s: K at KV + 2 s TILE, V after it
-    const unsigned Qs = KV, dYs = KV + ATTN_BF16_OWN_BYTES;  // the Q and dY tiles, before the first K and V
-    const int n_tiles = (T + ATTN_BF16_ROWS - 1) / ATTN_BF16_ROWS;
-    const int q0 = (n_tiles - 1 - blockIdx.y) * ATTN_BF16_ROWS;
-    const Head hh = head_of(blockIdx.x, B, T, C, H);
-    const bf16* q = qkv + hh.seq;
+    // stage s: K at S0 + s STAGE, V after it; the Q and dY tiles first, over stages 1 and 2
+    const unsigned S0 = smem_u32(smem);
+    const unsigned Qs = S0 + ATTN_BF16_STAGE_BYTES, dYs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
+    const int n_tiles = (T + ROWS - 1) / ROWS;
+    const int q0 = (n_tiles - 1 - blockIdx.y) * ROWS;
+    const Head hh = head_of(blockIdx.x, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-    const int wrow = q0 + 16 * warp, row0 = wrow + g;
-    const int n_kt = (min(T, q0 + ATTN_BF16_ROWS) + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
+    const int R = q0 + 16 * WT * warp;
+    const int n_kt = (min(T, q0 + ROWS) + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
     const float s2 = scale * LOG2E;
 
-    const bf16* q_src = slice_of(q, C);
-    const bf16* k_src = q_src + hh.plane;
-    const bf16* v_src = q_src + 2 * hh.plane;
-    load_tile<ATTN_BF16_ROWS>(Qs, q_src, qkv, q0, T, C);
-    load_tile<ATTN_BF16_ROWS>(dYs, slice_of(dout + hh.seq, C), dout, q0, T, C);
+    const unsigned k_off = hh.seq + hh.plane;
+    load_tile<ROWS, THREADS>(Qs, qkv, hh.seq, q0, T, C);
+    load_tile<ROWS, THREADS>(dYs, dout, hh.seq, q0, T, C);
     cp_async_commit();
-    // While they arrive: D and lse of the thread's two rows (rows past T: D = 0 and lse = +inf, so P = 0). Lane t
-    // takes columns 8t .. 8t+7 and 32 + 8t .. 32 + 8t + 7 of dY and Y, read from global memory.
-    float lse2[2], dsum[2];  // lse in base 2, and D
+    load_tile<ATTN_BF16_STREAM, THREADS>(S0, qkv, k_off, 0, T, C);  // key tile 0 into stage 0
+    load_tile<ATTN_BF16_STREAM, THREADS>(S0 + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane, 0, T, C);
+    cp_async_commit();
+    // While they arrive: D and lse of the thread's rows (rows past T: D = 0 and lse = +inf, so P = 0). Lane t takes
+    // columns 8t .. 8t+7 and 32 + 8t .. 32 + 8t + 7 of dY and Y, read from global memory.
+    float lse2[WT][2], dsum[WT][2];  // lse in base 2, and D
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int row = row0 + 8 * i;
-        float acc = 0.0f;
-        if (row < T) {
-            const uint4* dy_row = reinterpret_cast<const uint4*>(dout + hh.seq + (long long)row * C);
-            const uint4* y_row = reinterpret_cast<const uint4*>(y + hh.seq + (long long)row * C);
+    for (int i = 0; i < WT; i++)
 #pragma unroll
-            for (int k = 0; k < 2; k++) {
-                const uint4 a = dy_row[t + 4 * k], b = y_row[t + 4 * k];
-                const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+        for (int h = 0; h < 2; h++) {
+            const int row = R + 16 * i + g + 8 * h;
+            float acc = 0.0f;
+            if (row < T) {
+                const uint4* dy_row = reinterpret_cast<const uint4*>(at64(dout, hh.seq) + row * C);
+                const uint4* y_row = reinterpret_cast<const uint4*>(at64(y, hh.seq) + row * C);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc = fmaf(lo_f32(av[e]), lo_f32(bv[e]), acc);
-                    acc = fmaf(hi_f32(av[e]), hi_f32(bv[e]), acc);
+                for (int k = 0; k < 2; k++) {
+                    const uint4 a = dy_row[t + 4 * k], b = y_row[t + 4 * k];
+                    const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        acc = fmaf(lo_f32(av[e]), lo_f32(bv[e]), acc);
+                        acc = fmaf(hi_f32(av[e]), hi_f32(bv[e]), acc);
+                    }
                 }
             }
+            dsum[i][h] = row_sum4(acc);
+            if (t == 0 && row < T) delta[hh.stat + row] = dsum[i][h];
+            lse2[i][h] = row < T ? lse[hh.stat + row] * LOG2E : POS_INF;
         }
-        dsum[i] = row_sum4(acc);
-        if (t == 0 && row < T) delta[hh.stat + row] = dsum[i];
-        lse2[i] = row < T ? lse[hh.stat + row] * LOG2E : POS_INF;
-    }
-    cp_async_wait<0>();
+    cp_async_wait<1>();  // Q and dY (key tile 0 may still be on its way)
     __syncthreads();
-    unsigned qf[4][4], yf[4][4];  // the warp's 16 rows of Q and dY as A fragments
+    unsigned qf[WT][4][4], yf[WT][4][4];  // the warp's rows of Q and dY as A fragments
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-        ldsm(qf[kc], rows_first(Qs, 16 * warp, kc, lane));
-        ldsm(yf[kc], rows_first(dYs, 16 * warp, kc, lane));
+    for (int i = 0; i < WT; i++)
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) {
+            ldsm(qf[i][kc], lds_at(Qs + rows_first_part(lane), 16 * (WT * warp + i), kc));
+            ldsm(yf[i][kc], lds_at(dYs + rows_first_part(lane), 16 * (WT * warp + i), kc));
+        }
+    __syncthreads();  // Q and dY are in registers; their space becomes stages 1 and 2
+    if (n_kt > 1) {
+        load_tile<ATTN_BF16_STREAM, THREADS>(S0 + ATTN_BF16_STAGE_BYTES, qkv, k_off, ATTN_BF16_STREAM, T, C);
+        load_tile<ATTN_BF16_STREAM, THREADS>(S0 + ATTN_BF16_STAGE_BYTES + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
+                                             ATTN_BF16_STREAM, T, C);
     }
-    __syncthreads();  // Q and dY are in registers; their space becomes the K and V buffers
-    load_tile<ATTN_BF16_STREAM>(KV, k_src, qkv, 0, T, C);
-    load_tile<ATTN_BF16_STREAM>(KV + ATTN_BF16_TILE_BYTES, v_src, qkv, 0, T, C);
     cp_async_commit();
 
-    float dq[8][4];
-    zero(dq);
+    float dq[WT][8][4];
+#pragma unroll
+    for (int i = 0; i < WT; i++) zero(dq[i]);
+    const unsigned cpart = chunks_first_part(lane), rpart = rows_first_part(lane);
+    int stage = 0;
     for (int kt = 0; kt < n_kt; kt++) {
-        if (kt + 1 < n_kt) {
-            const unsigned nb = KV + ((kt + 1) & 1) * 2 * ATTN_BF16_TILE_BYTES;
-            load_tile<ATTN_BF16_STREAM>(nb, k_src, qkv, (kt + 1) * ATTN_BF16_STREAM, T, C);
-            load_tile<ATTN_BF16_STREAM>(nb + ATTN_BF16_TILE_BYTES, v_src, qkv, (kt + 1) * ATTN_BF16_STREAM, T, C);
-        }
-        cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const unsigned Ks = KV + (kt & 1) * 2 * ATTN_BF16_TILE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
-        if (wrow < T) {
-            // 16 keys at a time: S and dP of the warp's 16 rows x 16 keys, then dS, then dQ += dS K. Not unrolled:
-            // one chunk at a time keeps the registers (Q and dY fragments, dQ) well inside the budget.
-#pragma unroll 1
-            for (int c = 0; c < 4; c++) {
-                const int kb = kt * ATTN_BF16_STREAM + 16 * c;  // the chunk's first key
-                if (kb > wrow + 15) break;  // this and later chunks lie past every row of the warp
-                float s[2][4], dp[2][4];
-                zero(s);
-                zero(dp);
+        const int ps = next_stage(next_stage(stage));
+        if (kt + 2 < n_kt) {
+            const int row0 = (kt + 2) * ATTN_BF16_STREAM;
+            const unsigned dst = S0 + ps * ATTN_BF16_STAGE_BYTES;
+            load_tile<ATTN_BF16_STREAM, THREADS>(dst, qkv, k_off, row0, T, C);
+            load_tile<ATTN_BF16_STREAM, THREADS>(dst + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
+                                                 row0, T, C);
+        }
+        cp_async_commit();
+        const unsigned Ks = S0 + stage * ATTN_BF16_STAGE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
+        const int kb = kt * ATTN_BF16_STREAM;
+        if (R < T) {
+            if (kb + ATTN_BF16_STREAM - 1 <= R)
+                dq_step<WT, false>(Ks + cpart, Vs + cpart, Ks + rpart, qf, yf, dq, lse2, dsum, kb, R, g, t, s2);
+            else if (kb < R + 16 * WT)
+                dq_step<WT, true>(Ks + cpart, Vs + cpart, Ks + rpart, qf, yf, dq, lse2, dsum, kb, R, g, t, s2);
+        }
+        stage = next_stage(stage);
+    }
+    const float sc[2] = {scale, scale};
+    const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
 #pragma unroll
-                for (int kc = 0; kc < 4; kc++) {
-                    unsigned b[4];
-                    ldsm(b, chunks_first(Ks, 16 * c, kc, lane));
-                    mma_bf16(s[0], qf[kc], b[0], b[1]);
-                    mma_bf16(s[1], qf[kc], b[2], b[3]);
-                    ldsm(b, chunks_first(Vs, 16 * c, kc, lane));
-                    mma_bf16(dp[0], yf[kc], b[0], b[1]);
-                    mma_bf16(dp[1], yf[kc], b[2], b[3]);
-                }
+    for (int i = 0; i < WT; i++) store_rows<true>(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t);
+}
+
+// ---- backward, second kernel: dK and dV, one block per (b, h) and key tile, query tiles of 64 ---------------------
+// The 64 queries Q0 .. Q0+63 of a query tile for the warp's keys K0 .. K0 + 16 WT - 1, 16 queries at a time: S^T and
+// dP^T, then P^T and dS^T, then dV += P^T dY and dK += dS^T Q. qc, yc: the Q and dY tiles plus chunks_first_part;
+// qr, yr: the same plus rows_first_part; ls, ds: the tile's lse and D; VS: V's A fragments come from shared memory,
+// vr the warp's first V row there plus rows_first_part (else from vf). MASK: the tile holds queries before some key
+// of the warp (masked: P = 0; 16-query blocks wholly before the warp's keys skipped) or past T (blocks skipped).
+template <int WT, bool MASK, bool VS>
+__device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, unsigned yr, unsigned ls, unsigned ds,
+                                        const unsigned (&kf)[WT][4][4], const unsigned (&vf)[WT][4][4], unsigned vr,
+                                        float (&dk)[WT][8][4], float (&dv)[WT][8][4], int Q0, int K0, int T, int g,
+                                        int t, float s2) {
+#pragma unroll(WT == 1 ? 4 : 1)  // two m-tiles a warp: one block at a time, what the registers allow
+    for (int c = 0; c < 4; c++) {
+        const int qb = Q0 + 16 * c;  // the block's first query
+        if (MASK && (qb + 15 < K0 || qb >= T)) continue;
+        float s[WT][2][4], dp[WT][2][4];
 #pragma unroll
-                for (int n = 0; n < 2; n++)
+        for (int i = 0; i < WT; i++) {
+            zero(s[i]);
+            zero(dp[i]);
+        }
 #pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        const int key = kb + 8 * n + 2 * t + (r & 1), i = r >> 1;
-                        const float p = exp2_approx(key > row0 + 8 * i ? NEG_INF : fmaf(s[n][r], s2, -lse2[i]));
-                        dp[n][r] = p * (dp[n][r] - dsum[i]);
-                    }
-                unsigned a[4];  // dS, rounded to bf16
-                pack_a(a, dp[0], dp[1]);
+        for (int kc = 0; kc < 4; kc++) {
+            unsigned b[4];
+            ldsm(b, lds_at(qc, 16 * c, kc));
 #pragma unroll
-                for (int np = 0; np < 4; np++) {
-                    unsigned b[4];
-                    ldsm_trans(b, rows_first(Ks, 16 * c, np, lane));
-                    mma_bf16(dq[2 * np], a, b[0], b[1]);
-                    mma_bf16(dq[2 * np + 1], a, b[2], b[3]);
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(s[i][0], kf[i][kc], b[0], b[1]);
+                mma_bf16(s[i][1], kf[i][kc], b[2], b[3]);
+            }
+            ldsm(b, lds_at(yc, 16 * c, kc));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                if constexpr (VS) {
+                    unsigned a[4];
+                    ldsm(a, lds_at(vr, 16 * i, kc));
+                    mma_bf16(dp[i][0], a, b[0], b[1]);
+                    mma_bf16(dp[i][1], a, b[2], b[3]);
+                } else {
+                    mma_bf16(dp[i][0], vf[i][kc], b[0], b[1]);
+                    mma_bf16(dp[i][1], vf[i][kc], b[2], b[3]);
                 }
             }
         }
-        __syncthreads();
+        float l2[2][2], d[2][2];  // lse (base 2) and D of this thread's queries 16 c + 8 n + 2 t + e
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            const int col = 16 * c + 8 * n + 2 * t;
+            const float2 lv = lds_f2(ls + col * 4), dv2 = lds_f2(ds + col * 4);
+            l2[n][0] = lv.x * LOG2E;
+            l2[n][1] = lv.y * LOG2E;
+            d[n][0] = dv2.x;
+            d[n][1] = dv2.y;
+        }
+        unsigned pa[WT][4], da[WT][4];  // P^T and dS^T, rounded to bf16
+#pragma unroll
+        for (int i = 0; i < WT; i++) {
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int e = r & 1;
+                    float p = exp2_approx(fmaf(s[i][n][r], s2, -l2[n][e]));
+                    if (MASK && qb + 8 * n + 2 * t + e < K0 + 16 * i + g + 8 * (r >> 1)) p = 0.0f;
+                    s[i][n][r] = p;
+                    dp[i][n][r] = p * (dp[i][n][r] - d[n][e]);
+                }
+            pack_a(pa[i], s[i][0], s[i][1]);
+            pack_a(da[i], dp[i][0], dp[i][1]);
+        }
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            unsigned b[4];
+            ldsm_trans(b, lds_at(yr, 16 * c, np));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(dv[i][2 * np], pa[i], b[0], b[1]);
+                mma_bf16(dv[i][2 * np + 1], pa[i], b[2], b[3]);
+            }
+            ldsm_trans(b, lds_at(qr, 16 * c, np));
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                mma_bf16(dk[i][2 * np], da[i], b[0], b[1]);
+                mma_bf16(dk[i][2 * np + 1], da[i], b[2], b[3]);
+            }
+        }
     }
-    const float sc[2] = {scale, scale};
-    const Head hs = head_of(block_x(), B, T, C, H);  // offsets recomputed, as in the forward
-    store_rows<true>(dqkv + hs.seq, dq, sc, row0, T, C, t);
 }
 
-// ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile, query tiles of 64 ------------------
 // Runs after k_attn_bwd_dq_bf16, whose D it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
                 int B, int T, int C, int H, float scale) {
+    constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
     __shared__ __align__(128) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
-    // buffer s: Q at QY + 2 s TILE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
-    const unsigned QY = smem_u32(smem), ST = QY + 4 * ATTN_BF16_TILE_BYTES;
-    const unsigned Ks = QY, Vs = QY + ATTN_BF16_TILE_BYTES;  // the K and V tiles, before the first Q and dY
-    const int k0 = blockIdx.y * ATTN_BF16_KV_ROWS;  // the longest columns first
-    const Head hh = head_of(blockIdx.x, B, T, C, H);
-    const bf16* q = qkv + hh.seq;
+    // buffer s: Q at QY + s STAGE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
+    const unsigned QY = smem_u32(smem), ST = QY + 2 * ATTN_BF16_STAGE_BYTES;
+    constexpr bool VS = ATTN_BF16_KV_V_SMEM;
+    // the K tile before the first Q and dY; V after it, or (VS) after the lse and D buffers, for good
+    const unsigned Ks = QY, Vs = VS ? ST + 2 * ATTN_BF16_STAT_BYTES : QY + KROWS * ATTN_BF16_ROW_BYTES;
+    const int k0 = blockIdx.y * KROWS;  // the longest columns first
+    const Head hh = head_of(blockIdx.x, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-    const int wkey = k0 + 16 * warp;  // the warp's first key
-    const int key0 = wkey + g;        // this thread's keys: key0 and key0 + 8
+    const int K0 = k0 + 16 * WT * warp;  // the warp's first key
     const int qt0 = k0 / ATTN_BF16_STREAM, n_qt = (T + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
     const float s2 = scale * LOG2E;
 
-    const bf16* q_src = slice_of(q, C);
-    const bf16* y_src = slice_of(dout + hh.seq, C);
-    load_tile<ATTN_BF16_KV_ROWS, ATTN_BF16_KV_THREADS>(Ks, q_src + hh.plane, qkv, k0, T, C);
-    load_tile<ATTN_BF16_KV_ROWS, ATTN_BF16_KV_THREADS>(Vs, q_src + 2 * hh.plane, qkv, k0, T, C);
+    load_tile<KROWS, THREADS>(Ks, qkv, hh.seq + hh.plane, k0, T, C);
+    load_tile<KROWS, THREADS>(Vs, qkv, hh.seq + 2 * hh.plane, k0, T, C);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    unsigned kf[4][4], vf[4][4];  // the warp's 16 keys of K and V as A fragments
+    unsigned kf[WT][4][4], vf[WT][4][4];  // the warp's keys of K and V as A fragments (V: unless VS)
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-        ldsm(kf[kc], rows_first(Ks, 16 * warp, kc, lane));
-        ldsm(vf[kc], rows_first(Vs, 16 * warp, kc, lane));
-    }
+    for (int i = 0; i < WT; i++)
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) {
+            ldsm(kf[i][kc], lds_at(Ks + rows_first_part(lane), 16 * (WT * warp + i), kc));
+            if (!VS) ldsm(vf[i][kc], lds_at(Vs + rows_first_part(lane), 16 * (WT * warp + i), kc));
+        }
+    const unsigned vr = Vs + rows_first_part(lane) + 16 * WT * warp * ATTN_BF16_ROW_BYTES;
     __syncthreads();  // K and V are in registers; their space becomes the Q and dY buffers
 
     // Starts loading query tile qt (Q, dY, lse, D) into buffer s; lse and D past T read as zero, harmless since
     // those queries' Q and dY rows are zero too (so are their dS and their share of dV).
     auto load_queries = [&](int qt, int s) {
-        const unsigned buf = QY + s * 2 * ATTN_BF16_TILE_BYTES;
+        const unsigned buf = QY + s * ATTN_BF16_STAGE_BYTES;
         const int row0 = qt * ATTN_BF16_STREAM;
-        load_tile<ATTN_BF16_STREAM, ATTN_BF16_KV_THREADS>(buf, q_src, qkv, row0, T, C);
-        load_tile<ATTN_BF16_STREAM, ATTN_BF16_KV_THREADS>(buf + ATTN_BF16_TILE_BYTES, y_src, dout, row0, T, C);
-        {  // lse by threads 0-63, D by threads 64-127
-            const int i = threadIdx.x % ATTN_BF16_STREAM, row = row0 + i;
-            const bool inside = row < T;
-            const float* src = (threadIdx.x < ATTN_BF16_STREAM ? lse : delta) + hh.stat + (inside ? row : 0);
-            cp_async4(ST + s * ATTN_BF16_STAT_BYTES + (threadIdx.x / ATTN_BF16_STREAM) * (ATTN_BF16_STREAM * 4) + i * 4,
-                      src, inside);
+        load_tile<ATTN_BF16_STREAM, THREADS>(buf, qkv, hh.seq, row0, T, C);
+        load_tile<ATTN_BF16_STREAM, THREADS>(buf + ATTN_BF16_TILE_BYTES, dout, hh.seq, row0, T, C);
+        // lse by threads j < 64, D by 64 <= j < 128 (j = the thread, or with fewer threads thread + k THREADS)
+#pragma unroll
+        for (int k = 0; k < (THREADS < 2 * ATTN_BF16_STREAM ? 2 * ATTN_BF16_STREAM / THREADS : 1); k++) {
+            const unsigned j = k * THREADS + threadIdx.x % THREADS;
+            if (j >= 2 * ATTN_BF16_STREAM) break;
+            const int row = row0 + (int)(j % ATTN_BF16_STREAM);
+            const float* src = (j < ATTN_BF16_STREAM ? lse : delta) + hh.stat + min(row, T - 1);
+            cp_async4(ST + s * ATTN_BF16_STAT_BYTES + j * 4, src, row < T);
         }
     };
     load_queries(qt0, 0);
     cp_async_commit();
 
-    float dk[8][4], dv[8][4];
-    zero(dk);
-    zero(dv);
+    float dk[WT][8][4], dv[WT][8][4];
+#pragma unroll
+    for (int i = 0; i < WT; i++) {
+        zero(dk[i]);
+        zero(dv[i]);
+    }
+    const unsigned cpart = chunks_first_part(lane), rpart = rows_first_part(lane);
     for (int qt = qt0; qt < n_qt; qt++) {
         const int s = (qt - qt0) & 1;
+        cp_async_wait<0>();  // tile qt
+        __syncthreads();     // ... for everyone; and everyone is done with tile qt - 1, in buffer s ^ 1
         if (qt + 1 < n_qt) load_queries(qt + 1, s ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const unsigned Qs = QY + s * 2 * ATTN_BF16_TILE_BYTES, dYs = Qs + ATTN_BF16_TILE_BYTES;
+        const unsigned Qs = QY + s * ATTN_BF16_STAGE_BYTES, dYs = Qs + ATTN_BF16_TILE_BYTES;
         const unsigned Ls = ST + s * ATTN_BF16_STAT_BYTES, Ds = Ls + ATTN_BF16_STREAM * 4;
-        if (wkey < T) {
-            // 16 queries at a time: S^T and dP^T of the warp's 16 keys x 16 queries, then P^T and dS^T, then
-            // dV += P^T dY and dK += dS^T Q.
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int qb = qt * ATTN_BF16_STREAM + 16 * c;  // the chunk's first query
-                if (qb + 15 < wkey || qb >= T) continue;  // every query before every key of the warp, or past T
-                float s_[2][4], dp[2][4];
-                zero(s_);
-                zero(dp);
-#pragma unroll
-                for (int kc = 0; kc < 4; kc++) {
-                    unsigned b[4];
-                    ldsm(b, chunks_first(Qs, 16 * c, kc, lane));
-                    mma_bf16(s_[0], kf[kc], b[0], b[1]);
-                    mma_bf16(s_[1], kf[kc], b[2], b[3]);
-                    ldsm(b, chunks_first(dYs, 16 * c, kc, lane));
-                    mma_bf16(dp[0], vf[kc], b[0], b[1]);
-                    mma_bf16(dp[1], vf[kc], b[2], b[3]);
-                }
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    const int col = 16 * c + 8 * n + 2 * t;  // the query of fragments 0 and 2, within the tile
-                    const float2 ls = lds_f2(Ls + col * 4), ds = lds_f2(Ds + col * 4);
-#pragma unroll
-                    for (int r = 0; r < 4; r++) {
-                        const int query = qt * ATTN_BF16_STREAM + col + (r & 1), key = key0 + 8 * (r >> 1);
-                        const float l2 = (r & 1 ? ls.y : ls.x) * LOG2E, d = r & 1 ? ds.y : ds.x;
-                        const float p = exp2_approx(query < key ? NEG_INF : fmaf(s_[n][r], s2, -l2));
-                        s_[n][r] = p;
-                        dp[n][r] = p * (dp[n][r] - d);
-                    }
-                }
-                unsigned pa[4], da[4];  // P^T and dS^T, rounded to bf16
-                pack_a(pa, s_[0], s_[1]);
-                pack_a(da, dp[0], dp[1]);
-#pragma unroll
-                for (int np = 0; np < 4; np++) {
-                    unsigned b[4];
-                    ldsm_trans(b, rows_first(dYs, 16 * c, np, lane));
-                    mma_bf16(dv[2 * np], pa, b[0], b[1]);
-                    mma_bf16(dv[2 * np + 1], pa, b[2], b[3]);
-                    ldsm_trans(b, rows_first(Qs, 16 * c, np, lane));
-                    mma_bf16(dk[2 * np], da, b[0], b[1]);
-                    mma_bf16(dk[2 * np + 1], da, b[2], b[3]);
-                }
-            }
+        const int Q0 = qt * ATTN_BF16_STREAM;  // the tile's first query
+        if (K0 < T && Q0 + ATTN_BF16_STREAM - 1 >= K0) {  // warp-uniform: some query of the tile sees some key
+            if (Q0 >= K0 + 16 * WT - 1 && Q0 + ATTN_BF16_STREAM <= T)
+                kv_step<WT, false, VS>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, vr, dk, dv,
+                                       Q0, K0, T, g, t, s2);
+            else
+                kv_step<WT, true, VS>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, vr, dk, dv,
+                                      Q0, K0, T, g, t, s2);
         }
-        __syncthreads();
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
-    const Head hs = head_of(block_x(), B, T, C, H);  // offsets recomputed, as in the forward
-    store_rows<true>(dqkv + hs.plane + hs.seq, dk, sc, key0, T, C, t);
-    store_rows<true>(dqkv + 2 * hs.plane + hs.seq, dv, one, key0, T, C, t);
+    const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
+#pragma unroll
+    for (int i = 0; i < WT; i++) {
+        store_rows<true>(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, C, t);
+        store_rows<true>(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t);
+    }
 }
