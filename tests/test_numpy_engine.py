@@ -274,3 +274,23 @@ def test_two_micro_batches_equal_one_batch():
     for k in ("params", "m", "v"):
         np.testing.assert_allclose(split.buf[k], whole.buf[k], rtol=1e-10, atol=1e-14)
     assert not split.buf["grads"].any()
+
+
+def test_loss_gradient_in_place_matches_a_separate_buffer():
+    """loss_bwd may turn probs itself into d_logits (the model's classifier keeps one [B, T, V] buffer):
+    the same gradients as with a buffer of its own, and probs ends as probs - onehot(targets)."""
+    inp, wte, targets, loss = loss_op_fixture(5)
+    _, probs = loss(inp, wte)
+    scale = 1.0 / (B * T)
+    separate = np.zeros((B, T, V))
+    d_own = (np.zeros_like(inp), np.zeros_like(wte))
+    E.loss_bwd(*d_own, separate, probs, inp, wte, targets, scale)
+    onehot = np.zeros((B, T, V))
+    np.put_along_axis(onehot, targets[..., None], 1.0, -1)
+    np.testing.assert_allclose(separate, probs - onehot, rtol=0, atol=1e-15)
+    shared = probs.copy()
+    d_shared = (np.zeros_like(inp), np.zeros_like(wte))
+    E.loss_bwd(*d_shared, shared, shared, inp, wte, targets, scale)
+    np.testing.assert_array_equal(shared, separate)
+    for a, b in zip(d_shared, d_own):
+        np.testing.assert_array_equal(a, b)
