@@ -15,7 +15,10 @@ from andrea.layout import ParameterLayout
 # sum of squares is one partial, and the partials are summed in index order (deterministic).
 GRAD_NORM_PARTIALS = 1024
 ATTENTION_SAVES = ("probs", "lse")
-RECOMPUTABLE = ("gelu", "layernorm")
+# Per-layer activations the backward can recompute: name -> (the `recompute` option that drops it, the
+# one-layer buffer that replaces it). ln1 and ln2 share one: only one LayerNorm output is in use at a time.
+RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act": ("gelu", "mlp_act")}
+RECOMPUTABLE = tuple(sorted({option for option, _ in RECOMPUTED.values()}))
 # Element sizes by dtype name; bfloat16 has no NumPy dtype without ml_dtypes (CuPy brings it on GPU hosts).
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
@@ -106,13 +109,13 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     def stat(name, shape, role="activations"):
         add(name, shape, role, dtype)
 
-    def saved(name, shape, recomputed, scratch_name=None):
+    def saved(name, shape):
         """A per-layer activation: every layer's, or one layer's when the backward recomputes it."""
-        if recomputed in recompute:
-            if scratch_name not in {b.name for b in specs}:
-                add(scratch_name or name, shape, "scratch")
-        else:
+        option, scratch = RECOMPUTED[name]
+        if option not in recompute:
             add(name, (L, *shape), "activations")
+        elif scratch not in {b.name for b in specs}:
+            add(scratch, shape, "scratch")
 
     stat("params", (n,), "parameters")
     if act != dtype:
@@ -128,7 +131,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     # Saved activations: what the backward ops read.
     add("residual", (L + 1, B, T, C), "activations")  # residual[l] enters layer l
     add("residual_mid", (L, B, T, C), "activations")  # after the attention sub-layer
-    saved("ln1", (B, T, C), "layernorm", "ln")
+    saved("ln1", (B, T, C))
     stat("ln1_mean", (L, B, T))
     stat("ln1_rstd", (L, B, T))
     add("qkv", (L, 3, B, T, C), "activations")
@@ -137,11 +140,11 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     else:
         add("att", (L, *scores), "activations")
     add("atty", (L, B, T, C), "activations")
-    saved("ln2", (B, T, C), "layernorm", "ln")
+    saved("ln2", (B, T, C))
     stat("ln2_mean", (L, B, T))
     stat("ln2_rstd", (L, B, T))
     add("mlp_pre", (L, B, T, 4 * C), "activations")
-    saved("mlp_act", (B, T, 4 * C), "gelu")
+    saved("mlp_act", (B, T, 4 * C))
     add("lnf", (B, T, C), "activations")
     stat("lnf_mean", (B, T))
     stat("lnf_rstd", (B, T))

@@ -13,7 +13,7 @@ import numpy as np
 
 from andrea.config import Experiment, ModelShape
 from andrea.layout import ParameterLayout
-from andrea.memory import plan_model
+from andrea.memory import RECOMPUTED, plan_model
 
 INIT_STD = 0.02
 
@@ -127,15 +127,12 @@ class Model:
     def load_state(self, params: np.ndarray, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
         e = self.engine
         e.upload(self.buf["params"], params)
-        self._refresh_lp()
+        if "params_lp" in self.buf:
+            e.cast(self.buf["params_lp"], self.buf["params"])
         if self.training:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
             e.zero_grads(self.buf["grads"])
-
-    def _refresh_lp(self) -> None:
-        if "params_lp" in self.buf:
-            self.engine.cast(self.buf["params_lp"], self.buf["params"])
 
     def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         e = self.engine
@@ -157,30 +154,28 @@ class Model:
         res, L = b["residual"], self.shape.n_layer
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
         p0 = P["layers"][0]
-        e.layernorm_fwd(self._saved("ln1", 0), b["ln1_mean"][0], b["ln1_rstd"][0], res[0], p0["LN1.gamma"], p0["LN1.beta"])
+        e.layernorm_fwd(self.saved("ln1", 0), b["ln1_mean"][0], b["ln1_rstd"][0], res[0], p0["LN1.gamma"], p0["LN1.beta"])
         # Each residual add runs with the LayerNorm that reads its sum (residual_add, then layernorm_fwd).
         for l, (p, w) in enumerate(zip(P["layers"], W["layers"])):
-            e.attn_qkv_fwd(b["qkv"][l], self._saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
+            e.attn_qkv_fwd(b["qkv"][l], self.saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
             e.attn_fwd(b["atty"][l], b["att"][l], b["qkv"][l], H)
             e.attn_out_fwd(b["branch"], b["atty"][l], w["W_O"])
-            e.residual_layernorm_fwd(b["residual_mid"][l], self._saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
+            e.residual_layernorm_fwd(b["residual_mid"][l], self.saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
                                      res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"])
-            e.mlp_fwd(b["branch"], b["mlp_pre"][l], self._saved("mlp_act", l), self._saved("ln2", l), w["W_1"], w["W_2"])
+            e.mlp_fwd(b["branch"], b["mlp_pre"][l], self.saved("mlp_act", l), self.saved("ln2", l), w["W_1"], w["W_2"])
             if l + 1 < L:
                 q = P["layers"][l + 1]
-                e.residual_layernorm_fwd(res[l + 1], self._saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
+                e.residual_layernorm_fwd(res[l + 1], self.saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
                                          b["residual_mid"][l], b["branch"], q["LN1.gamma"], q["LN1.beta"])
             else:
                 e.residual_layernorm_fwd(res[L], b["lnf"], b["lnf_mean"], b["lnf_rstd"], b["residual_mid"][l], b["branch"],
                                          P["LNf.gamma"], P["LNf.beta"])
         e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"])
 
-    RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act": ("gelu", "mlp_act")}
-
-    def _saved(self, name: str, l: int):
+    def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
-        recomputed, scratch = self.RECOMPUTED[name]
-        return self.buf[scratch] if recomputed in self.recompute else self.buf[name][l]
+        option, scratch = RECOMPUTED[name]
+        return self.buf[scratch] if option in self.recompute else self.buf[name][l]
 
     # ---- backward --------------------------------------------------------------------------
     def backward(self) -> None:
@@ -204,7 +199,7 @@ class Model:
                 e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
             gelu = "gelu" in self.recompute  # act is rebuilt inside mlp_bwd, and d_mlp_pre shares its buffer
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], b["d_branch"],
-                      self._saved("ln2", l), b["mlp_pre"][l], self._saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu)
+                      self.saved("ln2", l), b["mlp_pre"][l], self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu)
             e.layernorm_bwd(dres_next, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                             p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
@@ -215,15 +210,19 @@ class Model:
             e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H)
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
-            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self._saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
+            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self.saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
             e.layernorm_bwd(dres, g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"],
                             b["ln1_mean"][l], b["ln1_rstd"][l])
         e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
 
+    @property
+    def _scale(self) -> float:
+        """The loss scale the backward runs at (1 without one)."""
+        return self.loss_scale.scale if self.loss_scale else 1.0
+
     def _loss_grad_scale(self) -> float:
-        """d(loss)/d(losses): the mean's 1 / (B * T), times the loss scale when there is one."""
-        n_positions = self.micro_batch * self.shape.seq_len
-        return (self.loss_scale.scale if self.loss_scale else 1.0) / n_positions
+        """d(loss)/d(losses): the mean's 1 / (B * T), times the loss scale."""
+        return self._scale / (self.micro_batch * self.shape.seq_len)
 
     def _forward_backward(self) -> None:
         """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed
@@ -260,7 +259,7 @@ class Model:
         if self.data_parallel is not None:
             loss = self.data_parallel.reduce_gradients(b["grads"], loss)
             n *= self.data_parallel.world
-        unscale = 1.0 / (n * (self.loss_scale.scale if self.loss_scale else 1.0))
+        unscale = 1.0 / (n * self._scale)
         if unscale != 1.0:
             e.grad_scale(b["grads"], unscale)
         norm = self.grad_norm()

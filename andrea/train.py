@@ -375,14 +375,10 @@ class Trainer:
                 lr = lr_at(exp, step, self.total_steps)
                 try:
                     loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
-                except LossScaleOverflow as overflow:  # fp16: part of the loss scale's working, not a fault
-                    self.skipped_steps.append(step + 1)
-                    self.event("overflow", step=step + 1, detail=str(overflow), action="skip")
-                    self.log(f"step {step + 1}: {overflow}; step skipped (no update)")
-                    step += 1
-                    continue
                 except NonFiniteStep as fault:
-                    if self.args.on_nonfinite == "stop":
+                    # An fp16 overflow is part of the loss scale's working, not a fault: always skipped.
+                    overflow = isinstance(fault, LossScaleOverflow)
+                    if self.args.on_nonfinite == "stop" and not overflow:
                         last = self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
                         self.event("nonfinite", step=step + 1, detail=str(fault), action="stop")
                         self.log(f"step {step + 1}: {fault}; nothing was updated; the last good checkpoint is "
@@ -390,7 +386,7 @@ class Trainer:
                                  "or with --on-nonfinite skip to skip such steps")
                         return EXIT_NONFINITE
                     self.skipped_steps.append(step + 1)
-                    self.event("nonfinite", step=step + 1, detail=str(fault), action="skip")
+                    self.event("overflow" if overflow else "nonfinite", step=step + 1, detail=str(fault), action="skip")
                     self.log(f"step {step + 1}: {fault}; step skipped (no update)")
                     step += 1
                     continue

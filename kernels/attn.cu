@@ -157,17 +157,6 @@ __device__ __forceinline__ void zero(Acc& acc) {
         for (int r = 0; r < 4; r++) acc[n][r] = 0.0f;
 }
 
-// Sum over the 4 lanes that share a row of the accumulator.
-__device__ __forceinline__ float row_sum4(float v) {
-    v += __shfl_xor_sync(FULL_MASK, v, 1);
-    return v + __shfl_xor_sync(FULL_MASK, v, 2);
-}
-
-__device__ __forceinline__ float row_max4(float v) {
-    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
-    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
-}
-
 // Two consecutive activations (+)= (x, y).
 template <bool ADD>
 __device__ __forceinline__ void store2(float* p, float x, float y) {

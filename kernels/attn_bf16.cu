@@ -231,17 +231,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// Sum over the 4 lanes that share a row of the accumulator.
-__device__ __forceinline__ float row_sum4(float v) {
-    v += __shfl_xor_sync(FULL_MASK, v, 1);
-    return v + __shfl_xor_sync(FULL_MASK, v, 2);
-}
-
-__device__ __forceinline__ float row_max4(float v) {
-    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
-    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
-}
-
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 #pragma unroll

@@ -19,6 +19,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Sum and max over the 4 lanes that share a row of an mma accumulator (lanes 4g .. 4g + 3).
+__device__ __forceinline__ float row_sum4(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+
+__device__ __forceinline__ float row_max4(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the
 // result. `scratch` is 32 floats of shared memory, free for reuse once the call returns.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

@@ -115,6 +115,22 @@ __device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* i
     }
 }
 
+// Column cx's (dgamma, dbeta) sums over a block's LANES row lanes into part[.][0][cx], in a fixed tree; every
+// thread of the block calls it with its own lane's pair.
+template <int LANES>
+__device__ __forceinline__ void fold_lanes(float (&part)[2][LANES][WARP_SIZE + 1], int lane, int cx, float dg, float db) {
+    part[0][lane][cx] = dg;
+    part[1][lane][cx] = db;
+    __syncthreads();
+    for (int half = LANES / 2; half > 0; half >>= 1) {
+        if (lane < half) {
+            part[0][lane][cx] += part[0][lane + half][cx];
+            part[1][lane][cx] += part[1][lane + half][cx];
+        }
+        __syncthreads();
+    }
+}
+
 // dgamma and dbeta partial sums over one chunk of rows for 32 columns: thread (cx, ry) of the 32 x 32 block
 // takes column cx and rows ry, ry + 32, ... of the chunk (a warp reads 32 consecutive columns of a row); the 32
 // row lanes are then added in a fixed tree. partials[chunk] holds the chunk's dgamma, partials[LN_CHUNKS + chunk]
@@ -136,16 +152,7 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
             db += dy;
         }
     }
-    part[0][ry][cx] = dg;
-    part[1][ry][cx] = db;
-    __syncthreads();
-    for (int half = LN_LANES / 2; half > 0; half >>= 1) {
-        if (ry < half) {
-            part[0][ry][cx] += part[0][ry + half][cx];
-            part[1][ry][cx] += part[1][ry + half][cx];
-        }
-        __syncthreads();
-    }
+    fold_lanes(part, ry, cx, dg, db);
     if (ry == 0 && c < C) {
         partials[(long long)chunk * C + c] = part[0][0][cx];
         partials[(long long)(LN_CHUNKS + chunk) * C + c] = part[1][0][cx];
@@ -177,16 +184,7 @@ k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C) {
             db += partials[(long long)(LN_CHUNKS + k) * C + c];
         }
     }
-    part[0][ly][cx] = dg;
-    part[1][ly][cx] = db;
-    __syncthreads();
-    for (int half = LN_SUM_LANES / 2; half > 0; half >>= 1) {
-        if (ly < half) {
-            part[0][ly][cx] += part[0][ly + half][cx];
-            part[1][ly][cx] += part[1][ly + half][cx];
-        }
-        __syncthreads();
-    }
+    fold_lanes(part, ly, cx, dg, db);
     if (ly == 0 && c < C) {
         dgamma[c] += part[0][0][cx];
         dbeta[c] += part[1][0][cx];

@@ -11,23 +11,6 @@
 
 #define LOSS_THREADS 1024
 
-// 16 bytes of activations as floats: 4 floats or 8 lowp (vectorised row passes when V is a multiple).
-#define LOSS_VEC (16 / (int)sizeof(act_t))
-__device__ __forceinline__ void unpack(const uint4 raw, const float*, float (&v)[4]) {
-    v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y), v[2] = __uint_as_float(raw.z), v[3] = __uint_as_float(raw.w);
-}
-__device__ __forceinline__ void unpack(const uint4 raw, const lowp*, float (&v)[8]) {
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) unpack_lowp2(w[i], v[2 * i], v[2 * i + 1]);
-}
-__device__ __forceinline__ uint4 pack(const float (&v)[4], const float*) {
-    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
-}
-__device__ __forceinline__ uint4 pack(const float (&v)[8], const lowp*) {
-    return make_uint4(pack_lowp2(v[0], v[1]), pack_lowp2(v[2], v[3]), pack_lowp2(v[4], v[5]), pack_lowp2(v[6], v[7]));
-}
-
 // Folds values into a running (max, sum of exp(v - max)) pair.
 __device__ __forceinline__ void online_add(float& m, float& sum, const float* v, int n) {
     float top = m;
@@ -42,14 +25,14 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, in
     __shared__ float scratch[WARP_SIZE];
     const long long row = blockIdx.x;
     act_t* x = probs + row * V;
-    const bool vec = V % LOSS_VEC == 0;  // rows start 16-byte aligned too
+    const bool vec = V % ACT_VEC == 0;  // rows start 16-byte aligned too (16-byte passes, common.cuh)
     // One pass for max and sum: each thread keeps a running max and a sum rescaled to it.
     float m = NEG_INF, sum = 0.0f;
     if (vec) {
-        for (int j = threadIdx.x * LOSS_VEC; j < V; j += blockDim.x * LOSS_VEC) {
-            float v[LOSS_VEC];
-            unpack(*reinterpret_cast<const uint4*>(x + j), x, v);
-            online_add(m, sum, v, LOSS_VEC);
+        for (int j = threadIdx.x * ACT_VEC; j < V; j += blockDim.x * ACT_VEC) {
+            float v[ACT_VEC];
+            load_vec(x + j, v);
+            online_add(m, sum, v, ACT_VEC);
         }
     } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
@@ -64,13 +47,12 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, in
     if (threadIdx.x == 0) losses[row] = row_max + logf(row_sum) - picked;
     const float inv = 1.0f / row_sum;
     if (vec) {
-        for (int j = threadIdx.x * LOSS_VEC; j < V; j += blockDim.x * LOSS_VEC) {
-            uint4* p = reinterpret_cast<uint4*>(x + j);
-            float v[LOSS_VEC];
-            unpack(*p, x, v);
+        for (int j = threadIdx.x * ACT_VEC; j < V; j += blockDim.x * ACT_VEC) {
+            float v[ACT_VEC];
+            load_vec(x + j, v);
 #pragma unroll
-            for (int i = 0; i < LOSS_VEC; i++) v[i] = expf(v[i] - row_max) * inv;
-            *p = pack(v, x);
+            for (int i = 0; i < ACT_VEC; i++) v[i] = expf(v[i] - row_max) * inv;
+            store_vec(x + j, v);
         }
     } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) store(x + j, expf(to_f32(x[j]) - row_max) * inv);

@@ -444,7 +444,7 @@ def op_calls(model) -> dict:
     e, b, P, W, G, H = model.engine, model.buf, model.P, model.W, model.G, model.shape.n_head
     p, w, g, res = P["layers"][0], W["layers"][0], G["layers"][0], b["residual"]
     n_pos = model.micro_batch * model.shape.seq_len
-    ln1, ln2, act = model._saved("ln1", 0), model._saved("ln2", 0), model._saved("mlp_act", 0)
+    ln1, ln2, act = model.saved("ln1", 0), model.saved("ln2", 0), model.saved("mlp_act", 0)
     gelu = "gelu" in model.recompute
     dpre = b["mlp_act"] if gelu else b["d_mlp_pre"]
     return {

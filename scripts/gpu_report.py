@@ -36,7 +36,7 @@ def per_op(report: dict, key: str) -> list[str]:
     bw = c["copy_tb_s"] * 1e12
     ops = report["bench"]["ops"][key]
     total = sum(v["ms"] * v["calls_per_step"] for v in ops.values())
-    rows = [f"| op | calls/step | GFLOP | MB | floor ms | ms | TFLOP/s · TB/s | share of step |",
+    rows = ["| op | calls/step | GFLOP | MB | floor ms | ms | TFLOP/s · TB/s | share of step |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for op, v in ops.items():
         floor = max(v["gflop"] * 1e9 / rate, v["mbytes"] * 1e6 / bw) * 1e3

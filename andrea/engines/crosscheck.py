@@ -216,12 +216,6 @@ def errors(got, want) -> dict:
     return {"max_abs": float(np.max(np.abs(diff))), "rel": float(np.linalg.norm(diff) / max(np.linalg.norm(want), 1e-30))}
 
 
-def round_bf16(x) -> np.ndarray:
-    """x rounded to the nearest bfloat16 (ties to even), as float32: a value a bf16 array holds exactly."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
-
-
 def compare_op(engines: dict, op: str, s: OpShape, rng, reference=None) -> dict:
     """Run `op` (forward then backward) on each engine and on the float64 NumPy reference from the
     same fresh random inputs (rounded to float32 first, and the activations of a bf16 engine to bf16,
@@ -237,8 +231,8 @@ def compare_op(engines: dict, op: str, s: OpShape, rng, reference=None) -> dict:
                 if v.dtype.kind == "i":
                     return v
                 v = v.astype(np.float32)
-                if k in case.act and act_dtype != "float32":
-                    v = round_bf16(v) if act_dtype == "bfloat16" else v.astype(act_dtype).astype(np.float32)
+                if k in case.act:  # a value the engine's activation dtype holds exactly (ml_dtypes rounds bf16 to nearest even)
+                    v = v.astype(act_dtype).astype(np.float32)
                 return v.astype(np.float64)
 
             inputs = {k: start_value(k, v) for k, v in case.arrays.items()}

@@ -290,9 +290,6 @@ class CudaEngine:
 
     def cast(self, dst, src) -> None:
         """dst = src in dst's dtype: the low-precision weight copy, built from the FP32 weights."""
-        if dst.dtype == src.dtype:
-            cupy.copyto(dst, src)
-            return
         self._launch("k_cast_params", _blocks(dst.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
                      dst, src, np.int64(dst.size))
 
