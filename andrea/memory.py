@@ -82,7 +82,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     `act_dtype` (default: `dtype`) is the element type of the activations and of the activation
     gradients that feed matrix products (bfloat16 for mixed precision); a low-precision act_dtype adds
     `params_lp`, the copy of the weights the products read (a pure function of the fp32 `params`).
-    Statistics, the residual-stream gradients (`d_residual*`, `d_ln`, which products add into),
+    Statistics, the residual-stream gradients (`d_residual`, `d_ln`, which products add into),
     parameters, gradients and optimizer state stay in `dtype`.
 
     `recompute` names activations kept for one layer only, which the backward recomputes: "gelu" makes
@@ -152,8 +152,8 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     stat("losses", (B, T))
     add("branch", (B, T, C), "scratch")  # a sub-layer's output before the residual add
     if training:
-        for name, shape in (("d_residual", (B, T, C)), ("d_residual_next", (B, T, C)), ("d_ln", (B, T, C))):
-            stat(name, shape, "scratch")
+        for name in ("d_residual", "d_ln"):
+            stat(name, (B, T, C), "scratch")
         add("d_branch", (B, T, C), "scratch")
         add("d_qkv", (3, B, T, C), "scratch")
         add("d_atty", (B, T, C), "scratch")

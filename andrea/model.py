@@ -181,38 +181,41 @@ class Model:
     def backward(self) -> None:
         """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed).
 
-        The classifier's d_logits is `probs` itself, turned into the gradient in place (it is not read again)."""
+        The classifier's d_logits is `probs` itself, turned into the gradient in place (it is not read again).
+        `d_residual` is the residual stream's gradient, one buffer from the top to the embedding: a residual
+        connection passes it on unchanged, so each one's backward is the copy into `d_branch` that the
+        LayerNorm backward after it writes (layernorm_residual_bwd)."""
         e, b, P, W, G, H = self.engine, self.buf, self.P, self.W, self.G, self.shape.n_head
-        res = b["residual"]
-        dres, dres_next = b["d_residual"], b["d_residual_next"]
+        res, dres, d_branch = b["residual"], b["d_residual"], b["d_branch"]
         for name in ("d_residual", "d_ln"):
             e.zero(b[name])
         e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], self._loss_grad_scale())
-        e.layernorm_bwd(dres, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"], b["lnf_mean"], b["lnf_rstd"])
+        e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
+                                 b["lnf_mean"], b["lnf_rstd"])
         for l in reversed(range(self.shape.n_layer)):
             p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
             # x_out = x_mid + mlp(LN2(x_mid))
-            for name in ("d_residual_next", "d_branch", "d_ln"):
-                e.zero(b[name])
-            e.residual_add_bwd(dres_next, b["d_branch"], dres)
+            e.zero(b["d_ln"])
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
             gelu = "gelu" in self.recompute  # act is rebuilt inside mlp_bwd, and d_mlp_pre shares its buffer
-            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], b["d_branch"],
+            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], d_branch,
                       self.saved("ln2", l), b["mlp_pre"][l], self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu)
-            e.layernorm_bwd(dres_next, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
-                            p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
+            e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
+                                     p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
-            for name in ("d_residual", "d_branch", "d_atty", "d_qkv", "d_ln"):
+            for name in ("d_atty", "d_qkv", "d_ln"):
                 e.zero(b[name])
-            e.residual_add_bwd(dres, b["d_branch"], dres_next)
-            e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][l], w["W_O"])
+            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"])
             e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H)
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
             e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self.saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
-            e.layernorm_bwd(dres, g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"],
-                            b["ln1_mean"][l], b["ln1_rstd"][l])
+            ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])
+            if l > 0:  # the previous layer's MLP branch joined the stream here
+                e.layernorm_residual_bwd(dres, d_branch, *ln1)
+            else:  # below layer 0 the stream is the embedding's output
+                e.layernorm_bwd(dres, *ln1)
         e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
 
     @property

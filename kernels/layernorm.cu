@@ -6,9 +6,11 @@
 // Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
 // The forward also takes the residual connection in front of it (residual_add then layernorm_fwd, one
 // pass): inp = a + residual, written and normalised.
-// One warp per row. dgamma and dbeta are column sums: instead of atomics, the backward launch has extra
-// blocks that each sum one chunk of rows for a run of columns (coalesced), and a second launch adds the
-// chunks' partial sums in chunk order (same bits every run).
+// The backward also takes the residual connection in front of the LayerNorm (layernorm_residual_bwd): its
+// input's gradient dinp is the residual stream's, which flows on unchanged, and the branch that joined the
+// stream there gets a copy of it, dbranch = dinp (act_t, overwritten).
+// One warp per row. dgamma and dbeta are column sums: instead of atomics, each block sums them over one
+// chunk of rows, and a second launch adds the chunks' partial sums in chunk order (same bits every run).
 #include "common.cuh"
 
 #define LN_EPS 1e-5f
@@ -16,8 +18,10 @@
 // Row chunks of the dgamma/dbeta partial sums (the engine's ln_partials holds 2 * LN_CHUNKS * C floats).
 #define LN_CHUNKS 128
 #define LN_LANES (LN_THREADS / WARP_SIZE)  // row lanes of a partial-sum block: 32 columns x 32 lanes
-#define LN_SUM_THREADS 256
+#define LN_SUM_THREADS 1024  // 32 columns x 32 lanes: a lane's chunks are few, its loads in flight together
 #define LN_SUM_LANES (LN_SUM_THREADS / WARP_SIZE)
+#define LN_BWD_WARPS 8  // warps of a block of the cached backward; a block takes one chunk of rows
+#define LN_BWD_THREADS (LN_BWD_WARPS * WARP_SIZE)
 
 // A row's ACT_VEC-wide groups go to lanes in turn when C is a whole number of groups and the row and
 // gamma / beta are 16-byte aligned; else its elements do. Either way a row's sums run in a fixed order.
@@ -90,10 +94,10 @@ k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* g
     }
 }
 
-// Elementwise reads here: a vectorised version of this loop (ACT_VEC-wide groups, as the forward) measured
-// slower on the H200 (0.072 against 0.053 ms a call at 120M, bf16).
-__device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* inp, const float* gamma,
-                                  const float* mean, const float* rstd, long long n_rows, int C) {
+// The rows that do not fit the cached kernels below (wider than 4 groups a lane, or not 16-byte aligned):
+// elementwise reads, two passes over the row.
+__device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout, const act_t* inp, const float* gamma,
+                                  const float* mean, const float* rstd, long long n_rows, int C, int fused) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= n_rows) return;
@@ -111,7 +115,9 @@ __device__ void layernorm_bwd_row(float* dinp, const float* dout, const act_t* i
     const float mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
     for (int c = lane; c < C; c += WARP_SIZE) {
         const float xhat = (to_f32(x[c]) - m) * r;
-        dx[c] += r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
+        const float d = dx[c] + r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
+        dx[c] = d;
+        if (fused) store(dbranch + row * C + c, d);
     }
 }
 
@@ -162,26 +168,133 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
 // Blocks [0, row_blocks) do dinp, one warp per row; the rest do the dgamma/dbeta partials of LN_CHUNKS row
 // chunks, 32 columns a block. k_layernorm_bwd_sum then adds the chunks in a fixed order.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_bwd(float* dinp, float* partials, const float* dout, const act_t* inp, const float* gamma,
-                const float* mean, const float* rstd, long long n_rows, int C, int row_blocks) {
+k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp, const float* gamma,
+                const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused) {
     if (blockIdx.x < row_blocks)
-        layernorm_bwd_row(dinp, dout, inp, gamma, mean, rstd, n_rows, C);
+        layernorm_bwd_row(dinp, dbranch, dout, inp, gamma, mean, rstd, n_rows, C, fused);
     else
         layernorm_bwd_params(partials, dout, inp, mean, rstd, n_rows, C, blockIdx.x - row_blocks);
 }
 
-// dgamma += the chunks' partial sums (likewise dbeta): 32 columns a block of LN_SUM_THREADS; lane ly of a column
+// The cached backward: a lane's part of a row is J groups of ACT_VEC columns, (lane + 32 j) * ACT_VEC onwards,
+// read once (16 bytes a load) and kept in registers until dinp is written; the lane's columns' dgamma and
+// dbeta sums stay in registers over the chunk's rows (warp w takes rows w, w + LN_BWD_WARPS, ...), then the
+// block's warps are added in a fixed tree and partials[chunk] written. One pass over dout and inp in all,
+// where the generic kernel reads them twice and spends a block of 1024 threads on every 32 columns of a chunk.
+// Needs C <= 32 * J * ACT_VEC, C a multiple of ACT_VEC and every row 16-byte aligned (the engine checks).
+template <int J>
+__device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch, float* partials, const float* dout,
+                                                     const act_t* inp, const float* gamma, const float* mean,
+                                                     const float* rstd, long long n_rows, int C, int rows_per_chunk,
+                                                     int n_chunks, int fused) {
+    __shared__ float fold[LN_BWD_WARPS / 2][2][J * ACT_VEC * WARP_SIZE];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const long long first = (long long)blockIdx.x * rows_per_chunk;
+    const long long end = min(n_rows, first + rows_per_chunk);
+    float dg[J][ACT_VEC], db[J][ACT_VEC];
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) dg[j][k] = db[j][k] = 0.0f;
+    for (long long row = first + warp; row < end; row += LN_BWD_WARPS) {
+        const float m = mean[row], r = rstd[row];
+        float dy[J][ACT_VEC], xhat[J][ACT_VEC];
+        float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int c = (lane + WARP_SIZE * j) * ACT_VEC;
+            if (c >= C) continue;
+            float g[ACT_VEC];
+            load_f32(dout + row * C + c, dy[j]);
+            load_vec(inp + row * C + c, xhat[j]);
+            load_f32(gamma + c, g);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) {
+                xhat[j][k] = (xhat[j][k] - m) * r;
+                const float dxhat = dy[j][k] * g[k];
+                sum_dxhat += dxhat;
+                sum_dxhat_xhat += dxhat * xhat[j][k];
+                dg[j][k] += dy[j][k] * xhat[j][k];
+                db[j][k] += dy[j][k];
+            }
+        }
+        const float mean_dxhat = warp_sum(sum_dxhat) / C;
+        const float mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int c = (lane + WARP_SIZE * j) * ACT_VEC;
+            if (c >= C) continue;
+            float g[ACT_VEC], d[ACT_VEC];
+            load_f32(gamma + c, g);
+            load_f32(dinp + row * C + c, d);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) d[k] += r * (dy[j][k] * g[k] - mean_dxhat - xhat[j][k] * mean_dxhat_xhat);
+            store_f32(dinp + row * C + c, d);
+            if (fused) store_vec(dbranch + row * C + c, d);
+        }
+    }
+    // warps [half, 2 half) hand their sums to warps [0, half), halving until warp 0 holds the block's
+    for (int half = LN_BWD_WARPS / 2; half > 0; half >>= 1) {
+        if (warp >= half && warp < 2 * half) {
+#pragma unroll
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int k = 0; k < ACT_VEC; k++) {
+                    const int e = (j * ACT_VEC + k) * WARP_SIZE + lane;  // conflict-free
+                    fold[warp - half][0][e] = dg[j][k];
+                    fold[warp - half][1][e] = db[j][k];
+                }
+        }
+        __syncthreads();
+        if (warp < half) {
+#pragma unroll
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int k = 0; k < ACT_VEC; k++) {
+                    const int e = (j * ACT_VEC + k) * WARP_SIZE + lane;  // conflict-free
+                    dg[j][k] += fold[warp][0][e];
+                    db[j][k] += fold[warp][1][e];
+                }
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int c = (lane + WARP_SIZE * j) * ACT_VEC;
+            if (c >= C) continue;
+            store_f32(partials + (long long)blockIdx.x * C + c, dg[j]);
+            store_f32(partials + (long long)(n_chunks + blockIdx.x) * C + c, db[j]);
+        }
+    }
+}
+
+#define LN_BWD_CACHED(J)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(LN_BWD_THREADS, 2)                                              \
+    k_layernorm_bwd_cached##J(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp,    \
+                              const float* gamma, const float* mean, const float* rstd, long long n_rows, int C,    \
+                              int rows_per_chunk, int n_chunks, int fused) {                                         \
+        layernorm_bwd_cached<J>(dinp, dbranch, partials, dout, inp, gamma, mean, rstd, n_rows, C, rows_per_chunk,    \
+                                n_chunks, fused);                                                                    \
+    }
+LN_BWD_CACHED(1)
+LN_BWD_CACHED(2)
+LN_BWD_CACHED(3)
+LN_BWD_CACHED(4)
+
+// dgamma += the n_chunks chunks' partial sums (likewise dbeta): 32 columns a block of LN_SUM_THREADS; lane ly of a column
 // adds chunks ly, ly + LN_SUM_LANES, ..., then the lanes are added in a fixed tree.
 extern "C" __global__ void __launch_bounds__(LN_SUM_THREADS)
-k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C) {
+k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, int n_chunks) {
     __shared__ float part[2][LN_SUM_LANES][WARP_SIZE + 1];
     const int cx = threadIdx.x % WARP_SIZE, ly = threadIdx.x / WARP_SIZE;
     const int c = blockIdx.x * WARP_SIZE + cx;
     float dg = 0.0f, db = 0.0f;
     if (c < C) {
-        for (int k = ly; k < LN_CHUNKS; k += LN_SUM_LANES) {
+#pragma unroll 4
+        for (int k = ly; k < n_chunks; k += LN_SUM_LANES) {
             dg += partials[(long long)k * C + c];
-            db += partials[(long long)(LN_CHUNKS + k) * C + c];
+            db += partials[(long long)(n_chunks + k) * C + c];
         }
     }
     fold_lanes(part, ly, cx, dg, db);

@@ -46,6 +46,45 @@ def products(shape: ModelShape, B: int) -> list[tuple]:
     ]
 
 
+def timed_ms(engine, fn) -> float:
+    """Median time of one fn() over 5 launches of a graph that records it REPEATS times."""
+    import cupy
+
+    graph = engine.capture(lambda: [fn() for _ in range(REPEATS)])
+    times = []
+    for _ in range(6):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        engine.replay(graph)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / REPEATS)
+    return statistics.median(times[1:])
+
+
+def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
+    """The MLP's two GELU products both ways: cuBLASLt's epilogue, or the plain product and the GELU kernel."""
+    import cupy
+
+    C, N, F = shape.d_model, B * shape.seq_len, 4 * shape.d_model
+    act = engine.act_dtype
+    x = {name: cupy.asarray(rng.standard_normal(s, dtype=np.float32).astype(act))
+         for name, s in (("inp", (N, C)), ("W_1", (C, F)), ("W_2", (F, C)), ("pre", (N, F)), ("out", (N, F)))}
+    blocks = engine._vec_blocks(N * F)
+    kernel = {"gelu_aux": "k_mlp_fwd", "dgelu": "k_mlp_bwd"}
+    cases = {"gelu_aux": ("inp", "W_1", False), "dgelu": ("inp", "W_2", True)}  # dgelu: dout [N, C] @ W_2^T
+    rows = []
+    for epi, (a, b, tb) in cases.items():
+        lt = timed_ms(engine, lambda: engine.blas_lt.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb, epilogue=epi,
+                                                          aux=x["pre"]))
+        plain = timed_ms(engine, lambda: engine.blas.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb))
+        pass_ms = timed_ms(engine, lambda: engine._launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F)))
+        rows.append({"epilogue": epi, "lt_ms": round(lt, 4), "plain_ms": round(plain, 4), "kernel_ms": round(pass_ms, 4)})
+        print(f"mlp {epi:9} cuBLASLt epilogue {lt:.4f} ms; plain product {plain:.4f} + {kernel[epi]} {pass_ms:.4f} "
+              f"= {plain + pass_ms:.4f} ms", flush=True)
+    return rows
+
+
 def main() -> int:
     import cupy
 
@@ -73,21 +112,14 @@ def main() -> int:
         kw = dict(trans_a=ta, trans_b=tb, beta=1.0 if out32 else 0.0)
         if batch > 1:
             kw.update(batch=batch, stride_a=0, stride_b=b[0].size, stride_c=c[0].size)
-        graph = engine.capture(lambda: [engine.blas.gemm(c, a, b, m, n, k, **kw) for _ in range(REPEATS)])
-        times = []
-        for _ in range(6):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            engine.replay(graph)
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / REPEATS)
-        ms = statistics.median(times[1:])
+        ms = timed_ms(engine, lambda: engine.blas.gemm(c, a, b, m, n, k, **kw))
         flops = 2 * m * n * k * batch
         rows.append({"product": name, "m": m, "n": n, "k": k, "batch": batch, "ms": round(ms, 4),
                      "tflop_s": round(flops / ms / 1e9, 1)})
         print(f"{name:24} {m:>6} x {n:>6} x {k:>6} (x{batch})  {ms:8.4f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
-    total = sum(r["ms"] * (3 if "one of 3" in r["product"] else 1) for r in rows)
+    if engine.blas_lt:
+        rows += gelu_epilogues(engine, shape, B, rng)
+    total = sum(r["ms"] * (3 if "one of 3" in r["product"] else 1) for r in rows if "m" in r)
     print(f"per layer-step total of these products (classifier once): see rows; all rows summed {total:.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -461,11 +461,13 @@ def op_calls(model) -> dict:
         "loss_fwd": lambda: e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"]),
         "loss_bwd": lambda: e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"],
                                        b["targets"], 1.0 / n_pos),
-        "residual_add_bwd": lambda: e.residual_add_bwd(b["d_residual_next"], b["d_branch"], b["d_residual"]),
         "mlp_bwd": lambda: e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, b["d_branch"], ln2,
                                      b["mlp_pre"][0], act, w["W_1"], w["W_2"], recompute=gelu),
-        "layernorm_bwd": lambda: e.layernorm_bwd(b["d_residual"], g["LN2.gamma"], g["LN2.beta"], b["d_ln"],
-                                                 b["residual_mid"][0], p["LN2.gamma"], b["ln2_mean"][0], b["ln2_rstd"][0]),
+        "layernorm_residual_bwd": lambda: e.layernorm_residual_bwd(b["d_residual"], b["d_branch"], g["LN2.gamma"],
+                                                                   g["LN2.beta"], b["d_ln"], b["residual_mid"][0],
+                                                                   p["LN2.gamma"], b["ln2_mean"][0], b["ln2_rstd"][0]),
+        "layernorm_bwd": lambda: e.layernorm_bwd(b["d_residual"], g["LN1.gamma"], g["LN1.beta"], b["d_ln"],
+                                                 res[0], p["LN1.gamma"], b["ln1_mean"][0], b["ln1_rstd"][0]),
         "attn_out_bwd": lambda: e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][0], w["W_O"]),
         "attn_bwd": lambda: e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][0], b["atty"][0], b["att"][0], H),
         "attn_qkv_bwd": lambda: e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], ln1,
@@ -501,7 +503,7 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 
         "mlp_fwd": (4 * N * C * F + 20 * N * F, f * (2 * N * C + 2 * N * F + 2 * C * F)),
         "mlp_bwd": (8 * N * C * F + 30 * N * F, f * (3 * N * C + 3 * N * F + 6 * C * F)),
         "residual_layernorm_fwd": (9 * N * C, f * 4 * N * C),
-        "residual_add_bwd": (2 * N * C, f * 5 * N * C),
+        "layernorm_residual_bwd": (14 * N * C, f * 5 * N * C),
         "loss_fwd": (2 * N * C * V + 5 * N * V, f * (N * C + V * C + N * V)),
         "loss_bwd": (4 * N * C * V + 2 * N * V, f * (2 * N * V + N * C * 2 + 3 * V * C)),
         "grad_norm": (2 * n_params, 4 * n_params),
@@ -511,11 +513,10 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 
 
 # calls of each op in one training step of one micro-batch (grad_norm and AdamW once per step)
 def per_step_calls(op: str, L: int) -> int:
-    if op in ("embed_fwd", "embed_bwd", "layernorm_fwd", "loss_fwd", "loss_bwd", "grad_norm", "adamw_step"):
+    if op in ("embed_fwd", "embed_bwd", "layernorm_fwd", "layernorm_bwd", "loss_fwd", "loss_bwd", "grad_norm",
+              "adamw_step"):
         return 1
-    if op == "layernorm_bwd":
-        return 2 * L + 1
-    if op in ("residual_layernorm_fwd", "residual_add_bwd"):
+    if op in ("residual_layernorm_fwd", "layernorm_residual_bwd"):
         return 2 * L
     return L
 

@@ -45,6 +45,16 @@ def test_op_matches_numpy(engines, op, shape, precision):
     assert_close_to_numpy(engines, precision, op, shape, B=3)
 
 
+# LayerNorm rows wider than the cached backward's registers (and, at 1100, not whole 16-byte groups): the
+# generic kernel; at 1024 the bf16/fp16 builds take the widest cached one.
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("d_model", [1024, 1100])
+@pytest.mark.parametrize("op", ["layernorm", "layernorm_residual"])
+def test_layernorm_wide_rows(engines, precision, d_model, op):
+    shape = ModelShape(n_layer=1, d_model=d_model, n_head=4, vocab_size=64, seq_len=9)
+    assert_close_to_numpy(engines, precision, op, shape, B=3)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("shape", [LONG, WIDE], ids=["long", "wide"])
 def test_attention_over_several_tiles(engines, precision, shape):

@@ -6,11 +6,12 @@ import hashlib
 import numpy as np
 import pytest
 
-from andrea.config import ModelShape
+from andrea.config import ModelShape, load_experiment
 from andrea.engines.crosscheck import train_run
 from andrea.engines.numpy_engine import NumpyEngine
 from andrea.layout import ParameterLayout
 from andrea.memory import plan_model
+from conftest import EXPERIMENTS
 
 SHAPE_120M = ModelShape(n_layer=12, d_model=768, n_head=12, vocab_size=50304, seq_len=1024)
 SHAPE_12M = ModelShape(n_layer=6, d_model=384, n_head=6, vocab_size=4096, seq_len=512)
@@ -58,9 +59,11 @@ def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     from andrea.engines.cuda_engine import CUBLAS_WORKSPACE_BYTES, LN_CHUNKS, LN_MAX_C, MAX_DECAY_RANGES
 
     own = CUBLAS_WORKSPACE_BYTES + 2 * MAX_DECAY_RANGES * 8 + 2 * LN_CHUNKS * LN_MAX_C * 4
-    big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=("gelu",))
+    big_exp, small_exp = (load_experiment(EXPERIMENTS / f"ANDREA-{n}-TRAIN.json") for n in ("120M", "12M"))
+    assert (big_exp.model, small_exp.model) == (SHAPE_120M, SHAPE_12M)
+    big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=big_exp.recompute)
     small = plan_model(ParameterLayout(SHAPE_12M), 32, attention="lse", act_dtype="bfloat16",
-                       recompute=("gelu", "layernorm"))
+                       recompute=small_exp.recompute)
     assert big.total_bytes + own <= 5.1 * GIB
     assert small.total_bytes + own <= 1.4e9
 

@@ -162,6 +162,35 @@ def test_backward_adds_into_gradients(op):
         np.testing.assert_allclose(grads[k], 2 * once[k], rtol=1e-12, atol=1e-14)
 
 
+def test_layernorm_residual_bwd_is_the_gradient_at_both_inputs_of_the_residual():
+    """x = a + b feeds the LayerNorm and the residual stream past it: L = sum(LN(x) * R) + sum(x * S). With
+    dinp = S on entry (the stream's gradient from above), the fused backward leaves dL/da in dinp and writes
+    dL/db (the same) into dbranch, overwriting it."""
+    rng = np.random.default_rng(11)
+    a, b, gamma, beta = rand(rng, B, T, C) * 2 + 1, rand(rng, B, T, C), rand(rng, C), rand(rng, C)
+    R, S = rand(rng, B, T, C), rand(rng, B, T, C)
+
+    def loss(a, b):
+        x, out, mean, rstd = np.zeros((B, T, C)), np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T))
+        E.residual_layernorm_fwd(x, out, mean, rstd, a, b, gamma, beta)
+        return np.sum(out * R) + np.sum(x * S), x, mean, rstd
+
+    _, x, mean, rstd = loss(a, b)
+    dinp, dbranch = S.copy(), np.full((B, T, C), np.nan)
+    dgamma, dbeta = np.zeros(C), np.zeros(C)
+    E.layernorm_residual_bwd(dinp, dbranch, dgamma, dbeta, R, x, gamma, mean, rstd)
+    np.testing.assert_array_equal(dbranch, dinp)
+    for arr in (a, b):
+        for i in rng.choice(arr.size, 12, replace=False):
+            orig, h = arr.flat[i], 1e-6
+            arr.flat[i] = orig + h
+            lp = loss(a, b)[0]
+            arr.flat[i] = orig - h
+            lm = loss(a, b)[0]
+            arr.flat[i] = orig
+            assert dinp.flat[i] == pytest.approx((lp - lm) / (2 * h), rel=1e-6, abs=1e-8)
+
+
 def loss_op_fixture(seed):
     rng = np.random.default_rng(seed)
     inp, wte = rand(rng, B, T, C), rand(rng, V, C)

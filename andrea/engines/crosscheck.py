@@ -20,7 +20,7 @@ from andrea.layout import ParameterLayout
 from andrea.memory import GRAD_NORM_PARTIALS
 from andrea.model import Model, init_params
 
-OPS = ("embed", "layernorm", "residual_layernorm", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute", "residual_add", "loss",
+OPS = ("embed", "layernorm", "residual_layernorm", "layernorm_residual", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute", "residual_add", "loss",
        "loss_in_place", "grad_norm", "adamw")
 OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 WARMUP_STEPS = 5
@@ -104,6 +104,17 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             E.residual_layernorm_fwd(x["res"], x["out"], x["mean"], x["rstd"], x["a"], x["b"], x["gamma"], x["beta"])
 
         return OpCase(a, run, ("res", "out", "mean", "rstd"), act=("a", "b", "res", "out"))
+    if op == "layernorm_residual":  # layernorm_bwd and the residual connection's backward, as one call
+        a = {"inp": _randn(rng, B, T, C) * 3 + 1, "gamma": _randn(rng, C), "beta": _randn(rng, C),
+             "out": _nan(B, T, C), "mean": _nan(B, T), "rstd": _nan(B, T), "dinp": _randn(rng, B, T, C),
+             "dbranch": _nan(B, T, C), "dgamma": _randn(rng, C), "dbeta": _randn(rng, C), "dout": _randn(rng, B, T, C)}
+
+        def run(E, x):
+            E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
+            E.layernorm_residual_bwd(x["dinp"], x["dbranch"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"],
+                                     x["mean"], x["rstd"])
+
+        return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch"))
     if op == "attn_qkv":
         a = {"inp": _randn(rng, B, T, C), "W_Q": _randn(rng, C, C, scale=w), "W_K": _randn(rng, C, C, scale=w),
              "W_V": _randn(rng, C, C, scale=w), "qkv": _nan(3, B, T, C), "dinp": _randn(rng, B, T, C),

@@ -2,7 +2,8 @@
 
 Arrays are CuPy views into buffers allocated once from the memory plan (contiguous, row-major, the
 shapes of numpy_engine.py). Backward ops ADD into their grad buffers (weight-gradient products run
-with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits) are overwritten.
+with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits, and the branch gradient of
+layernorm_residual_bwd) are overwritten.
 
 Attention is fused (kernels/attn.cu): it saves the per-row logsumexp [B, H, T] in `att` instead of the
 probabilities (`attention = "lse"` tells the memory plan), and `d_att` [B, H, T] holds rowsum(dY * Y) (= rowsum(P * dP)).
@@ -40,7 +41,8 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 ACT_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLAS products only)
     "embed": ("k_embed_fwd", "k_embed_bwd"),
-    "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum"),
+    "layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum",
+                  *(f"k_layernorm_bwd_cached{j}" for j in range(1, 5))),
     "attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
     "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16"),
     "mlp": ("k_mlp_fwd", "k_mlp_bwd"),
@@ -51,8 +53,11 @@ KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLA
 }
 # Launch shapes the kernels are written for (the #defines of the same names in kernels/*.cu).
 EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
-LN_THREADS, LN_CHUNKS, LN_SUM_THREADS = 1024, 128, 256
+LN_THREADS, LN_CHUNKS, LN_SUM_THREADS = 1024, 128, 1024
 LN_MAX_C = 4096  # widest row the LayerNorm backward's partial sums (ln_partials) hold
+# The cached LayerNorm backward (k_layernorm_bwd_cached<J>): blocks of LN_BWD_WARPS warps, each block one chunk
+# of LN_BWD_ROWS rows (more where ln_partials could not hold that many chunks), J 16-byte groups a lane.
+LN_BWD_WARPS, LN_BWD_ROWS, LN_BWD_MAX_GROUPS = 8, 32, 4
 LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
@@ -179,6 +184,100 @@ class _Cublas:
             self._check("cublasGemmStridedBatchedEx", status)
 
 
+class _CublasLt:
+    """cuBLASLt products with a GELU epilogue, for the 16-bit builds: the MLP's up-projection writes
+    act = GELU(pre) with pre beside it (GELU_AUX), and the backward's dout @ W_2^T comes out already times
+    GELU'(pre) (DGELU, reading pre): no elementwise GELU pass over [B, T, 4C] beside the products.
+
+    Row-major as _Cublas.gemm (operands swapped for column-major cuBLAS). The descriptors and the
+    heuristic's algorithm are made once per shape, so a shape always runs the same algorithm (the same
+    bits); `gemm` returns False where cuBLASLt offers no algorithm, and the caller runs the plain product
+    and the GELU kernel instead."""
+
+    EPILOGUES = {"gelu_aux": 32 | 128, "dgelu": 64 | 128}  # CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_DGELU
+    DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_AUX_POINTER, DESC_AUX_LD = 3, 4, 7, 11, 12
+    PREF_MAX_WORKSPACE_BYTES = 1
+    SCALE_32F = 0  # CUDA_R_32F
+
+    class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
+        _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                    ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+    def __init__(self, workspace):
+        from cuda import pathfinder
+
+        lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublasLt").abs_path)
+        p, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        lib.cublasLtCreate.argtypes = [ctypes.POINTER(p)]
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(p), i, i]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [p, i, p, sz]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(p), i, u64, u64, i64]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(p)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [p, i, p, sz]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, ctypes.POINTER(self._Heuristic),
+                                                       ctypes.POINTER(i)]
+        lib.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(self._Heuristic), p, sz, p]
+        self.lib = lib
+        self.workspace = workspace
+        handle = p()
+        _Cublas._check("cublasLtCreate", lib.cublasLtCreate(ctypes.byref(handle)))
+        self.handle = handle.value
+        self._plans: dict = {}
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def _set(self, desc, attr: int, value) -> None:
+        _Cublas._check("cublasLtMatmulDescSetAttribute", self.lib.cublasLtMatmulDescSetAttribute(
+            desc, attr, ctypes.byref(value), ctypes.sizeof(value)))
+
+    def _layout(self, dtype: str, rows: int, cols: int, ld: int):
+        layout = ctypes.c_void_p()
+        _Cublas._check("cublasLtMatrixLayoutCreate", self.lib.cublasLtMatrixLayoutCreate(
+            ctypes.byref(layout), _Cublas.TYPES[dtype], rows, cols, ld))
+        return layout
+
+    def _plan(self, key, aux):
+        t_c, t_ab, m, n, k, trans_a, trans_b, epilogue = key
+        lib = self.lib
+        desc = ctypes.c_void_p()
+        _Cublas._check("cublasLtMatmulDescCreate", lib.cublasLtMatmulDescCreate(
+            ctypes.byref(desc), _Cublas.COMPUTE_32F, self.SCALE_32F))
+        self._set(desc, self.DESC_TRANSA, ctypes.c_int(_Cublas.OP_T if trans_b else _Cublas.OP_N))
+        self._set(desc, self.DESC_TRANSB, ctypes.c_int(_Cublas.OP_T if trans_a else _Cublas.OP_N))
+        self._set(desc, self.DESC_EPILOGUE, ctypes.c_int(self.EPILOGUES[epilogue]))
+        self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
+        self._set(desc, self.DESC_AUX_LD, ctypes.c_int64(n))
+        # column-major: cuBLAS's A is our B (n x k as stored, or k x n transposed), its B our A, C is n x m
+        lay_b = self._layout(t_ab, k, n, k) if trans_b else self._layout(t_ab, n, k, n)
+        lay_a = self._layout(t_ab, m, k, m) if trans_a else self._layout(t_ab, k, m, k)
+        lay_c = self._layout(t_c, n, m, n)
+        pref = ctypes.c_void_p()
+        _Cublas._check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
+        limit = ctypes.c_uint64(self.workspace.nbytes)
+        _Cublas._check("cublasLtMatmulPreferenceSetAttribute", lib.cublasLtMatmulPreferenceSetAttribute(
+            pref, self.PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), ctypes.sizeof(limit)))
+        result, found = self._Heuristic(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, 1,
+                                                    ctypes.byref(result), ctypes.byref(found))
+        plan = (desc, lay_b, lay_a, lay_c, result) if status == 0 and found.value > 0 else None
+        self._plans[key] = plan
+        return plan
+
+    def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str, aux) -> bool:
+        """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) with `aux` [m, n] (GELU's input: written by
+        gelu_aux, read by dgelu); False (nothing run) where cuBLASLt has no algorithm for it."""
+        key = (c.dtype.name, a.dtype.name, m, n, k, trans_a, trans_b, epilogue)
+        plan = self._plans[key] if key in self._plans else self._plan(key, aux)
+        if plan is None:
+            return False
+        desc, lay_b, lay_a, lay_c, algo = plan
+        self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
+        _Cublas._check("cublasLtMatmul", self.lib.cublasLtMatmul(
+            self.handle, desc, ctypes.byref(self._one), b.data.ptr, lay_b, a.data.ptr, lay_a, ctypes.byref(self._zero),
+            c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(algo), self.workspace.data.ptr, self.workspace.nbytes,
+            cupy.cuda.get_current_stream().ptr))
+        return True
+
+
 def _ptr(a) -> int:
     return a.data.ptr
 
@@ -218,6 +317,8 @@ class CudaEngine:
         self._own = {"cublas_workspace": self.cublas_workspace, "decay_ranges": self.decay_table,
                      "ln_partials": self.ln_partials}
         self.blas = _Cublas(precision, self.cublas_workspace)
+        # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace)
+        self.blas_lt = _CublasLt(self.cublas_workspace) if self.act_vec == 8 else None
         self._capture_streams: list = []
 
     @property
@@ -325,15 +426,35 @@ class CudaEngine:
                      out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0)
+
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        """layernorm_bwd, then the residual connection in front of it in place: dinp (the stream's gradient)
+        flows on unchanged and dbranch (overwritten) receives it, in one pass."""
+        self._layernorm_bwd(dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, 1)
+
+    def _layernorm_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, fused):
         C = inp.shape[-1]
         if C > LN_MAX_C:
             raise AndreaError(f"d_model {C} is wider than the LayerNorm backward's {LN_MAX_C} columns")
         rows = inp.size // C
-        row_blocks = _blocks(rows, LN_THREADS // 32)
-        self._launch("k_layernorm_bwd", row_blocks + LN_CHUNKS * _blocks(C, 32), LN_THREADS,
-                     dinp, self.ln_partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                     np.int32(row_blocks))
-        self._launch("k_layernorm_bwd_sum", _blocks(C, 32), LN_SUM_THREADS, dgamma, dbeta, self.ln_partials, np.int32(C))
+        groups = -(-C // (32 * self.act_vec))
+        aligned = all(_ptr(a) % 16 == 0 for a in (dinp, dbranch, dout, inp, gamma))
+        if groups <= LN_BWD_MAX_GROUPS and C % self.act_vec == 0 and aligned:
+            capacity = self.ln_partials.size // (2 * C)  # chunks whose partial sums ln_partials holds
+            per_chunk = max(LN_BWD_ROWS, -(-rows // capacity))
+            chunks = -(-rows // per_chunk)
+            self._launch(f"k_layernorm_bwd_cached{groups}", chunks, LN_BWD_WARPS * 32,
+                         dinp, dbranch, self.ln_partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                         np.int32(per_chunk), np.int32(chunks), np.int32(fused))
+        else:
+            chunks = LN_CHUNKS
+            row_blocks = _blocks(rows, LN_THREADS // 32)
+            self._launch("k_layernorm_bwd", row_blocks + LN_CHUNKS * _blocks(C, 32), LN_THREADS,
+                         dinp, dbranch, self.ln_partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                         np.int32(row_blocks), np.int32(fused))
+        self._launch("k_layernorm_bwd_sum", _blocks(C, 32), LN_SUM_THREADS, dgamma, dbeta, self.ln_partials,
+                     np.int32(C), np.int32(chunks))
 
     # ---- attn_qkv: Q, K, V projections ----------------------------------------------------
     def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
@@ -414,19 +535,29 @@ class CudaEngine:
     def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
         C, F = W_1.shape
         N = inp.size // C
-        self.blas.gemm(pre, inp, W_1, N, F, C)
-        self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+        self._mlp_up(pre, act, inp, W_1)
         self.blas.gemm(out, act, W_2, N, C, F)
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
-        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
+    def _mlp_up(self, pre, act, inp, W_1):
+        """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes."""
         C, F = W_1.shape
         N = inp.size // C
-        if recompute:
+        if self.blas_lt and self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre):
+            return
+        self.blas.gemm(pre, inp, W_1, N, F, C)
+        self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
+        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre, or, where
+        the GELU is the product's epilogue, by the forward's own product again (the same bits in act and pre)."""
+        C, F = W_1.shape
+        N = inp.size // C
+        if recompute and not (self.blas_lt and self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)):
             self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
         self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
-        self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
-        self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
+        if not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre)):
+            self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
+            self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
         self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
         self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=1.0)
 

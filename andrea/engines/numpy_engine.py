@@ -107,6 +107,13 @@ class NumpyEngine:
             dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
         )
 
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        """layernorm_bwd, then the backward of the residual connection in front of it, in place: the
+        stream's gradient dinp flows on unchanged (x_out = x_in + branch gives d x_in = d x_out) and the
+        branch's gradient dbranch is overwritten with it (an engine may run both as one pass)."""
+        self.layernorm_bwd(dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd)
+        dbranch[...] = dinp
+
     # ---- attn_qkv: Q, K, V projections ----------------------------------------------------
     def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
         for i, W in enumerate((W_Q, W_K, W_V)):
