@@ -187,30 +187,31 @@ class Model:
         LayerNorm backward after it writes (layernorm_residual_bwd)."""
         e, b, P, W, G, H = self.engine, self.buf, self.P, self.W, self.G, self.shape.n_head
         res, dres, d_branch = b["residual"], b["d_residual"], b["d_branch"]
-        for name in ("d_residual", "d_ln"):
-            e.zero(b[name])
-        e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], self._loss_grad_scale())
+        # Activation gradients are written by their first op (overwrite), not zeroed and added into; the residual
+        # stream's starts at zero, the LayerNorm backwards add into it.
+        e.zero(dres)
+        e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], self._loss_grad_scale(),
+                   overwrite=True)
         e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
                                  b["lnf_mean"], b["lnf_rstd"])
         for l in reversed(range(self.shape.n_layer)):
             p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
             # x_out = x_mid + mlp(LN2(x_mid))
-            e.zero(b["d_ln"])
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
             gelu = "gelu" in self.recompute  # act is rebuilt inside mlp_bwd, and d_mlp_pre shares its buffer
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], d_branch,
-                      self.saved("ln2", l), b["mlp_pre"][l], self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu)
+                      self.saved("ln2", l), b["mlp_pre"][l], self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu,
+                      overwrite=True)
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
-            for name in ("d_atty", "d_qkv", "d_ln"):
-                e.zero(b[name])
-            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"])
-            e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H)
+            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True)
+            e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
-            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self.saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
+            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self.saved("ln1", l), w["W_Q"], w["W_K"],
+                           w["W_V"], overwrite=True)
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])
             if l > 0:  # the previous layer's MLP branch joined the stream here
                 e.layernorm_residual_bwd(dres, d_branch, *ln1)

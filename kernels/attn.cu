@@ -1,7 +1,7 @@
 // attn: causal scaled dot-product attention, per batch row b and head h (head width hd = C / H, at most 64):
 //   forward:  S = Q K^T / sqrt(hd),  P = softmax(S) over keys j <= i,  Y = P V;  saves lse_i = log sum_j exp(S_ij)
 //   backward: P = exp(S - lse),  dP = dY V^T,  D_i = rowsum(dY * Y) (= rowsum(P * dP)),  dS = P * (dP - D) / sqrt(hd),
-//             dQ += dS K,  dK += dS^T Q,  dV += P^T dY
+//             dQ += dS K,  dK += dS^T Q,  dV += P^T dY   (= instead of += when the kernels' `add` is 0)
 // Fused (flash-style): 64 x 64 tiles of S live in registers only, tiles above the diagonal are skipped,
 // and the backward recomputes P from the saved lse. Products run on the tensor cores (mma m16n8k8):
 // TF32 inputs with FP32 accumulation, or, for the fp32 engine, "3xTF32" (each operand split into a
@@ -198,6 +198,13 @@ __device__ __forceinline__ void store_rows(act_t* __restrict__ dst, const Acc& a
     }
 }
 
+// The backward's gradients: added into dqkv, or (add = 0) written over whatever it held, unzeroed.
+__device__ __forceinline__ void store_grad_rows(act_t* __restrict__ dst, const Acc& acc, const float (&scale)[2],
+                                                int row0, int T, int C, int hd, int t, int add) {
+    if (add) store_rows<true>(dst, acc, scale, row0, T, C, hd, t);
+    else store_rows<false>(dst, acc, scale, row0, T, C, hd, t);
+}
+
 struct Head {  // one (b, h): the head's column offset into the [B, T, C] activations and its lse row
     long long seq;  // offset of element [b, 0, h * hd] in a [B, T, C] tensor
     long long stat;  // offset of row [b, h, 0] in a [B, H, T] tensor
@@ -286,7 +293,8 @@ k_attn_fwd(act_t* out, float* lse, const act_t* qkv, int B, int T, int C, int H,
 // ---- backward, first kernel: D and dQ, one block per (b, h) and 64-query tile -----------------------------------
 template <bool SPLIT>
 __device__ __forceinline__ void attn_bwd_q(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv,
-                                           const float* lse, int B, int T, int C, int H, float scale, float* smem) {
+                                           const float* lse, int B, int T, int C, int H, float scale, float* smem,
+                                           int add) {
     float* Qs = smem;
     float* dYs = Qs + ATTN_TILE_FLOATS;
     float* Ks = dYs + ATTN_TILE_FLOATS;
@@ -347,13 +355,14 @@ __device__ __forceinline__ void attn_bwd_q(act_t* dqkv, float* delta, const act_
         mma_pb<SPLIT>(dq, ds, Ks, g, t);
     }
     const float sc[2] = {scale, scale};
-    store_rows<true>(dqkv + hh.seq, dq, sc, row0, T, C, hd, t);
+    store_grad_rows(dqkv + hh.seq, dq, sc, row0, T, C, hd, t, add);
 }
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile -----------------------------------
 template <bool SPLIT>
 __device__ __forceinline__ void attn_bwd_kv(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv,
-                                            const float* lse, int B, int T, int C, int H, float scale, float* smem) {
+                                            const float* lse, int B, int T, int C, int H, float scale, float* smem,
+                                            int add) {
     float* Ks = smem;
     float* Vs = Ks + ATTN_TILE_FLOATS;
     float* Qs = Vs + ATTN_TILE_FLOATS;
@@ -403,25 +412,25 @@ __device__ __forceinline__ void attn_bwd_kv(act_t* dqkv, const float* delta, con
         mma_pb<SPLIT>(dk, ds, Qs, g, t);
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
-    store_rows<true>(dqkv + hh.plane + hh.seq, dk, sc, key0, T, C, hd, t);
-    store_rows<true>(dqkv + 2 * hh.plane + hh.seq, dv, one, key0, T, C, hd, t);
+    store_grad_rows(dqkv + hh.plane + hh.seq, dk, sc, key0, T, C, hd, t, add);
+    store_grad_rows(dqkv + 2 * hh.plane + hh.seq, dv, one, key0, T, C, hd, t, add);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
 k_attn_bwd_dq(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv, const float* lse,
-              int B, int T, int C, int H, float scale, int split) {
+              int B, int T, int C, int H, float scale, int split, int add) {
     extern __shared__ float4 smem_dq[];
     float* smem = reinterpret_cast<float*>(smem_dq);
-    if (split) attn_bwd_q<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem);
-    else attn_bwd_q<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem);
+    if (split) attn_bwd_q<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add);
+    else attn_bwd_q<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add);
 }
 
 // Runs after k_attn_bwd_dq, whose delta it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
 k_attn_bwd(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv, const float* lse,
-           int B, int T, int C, int H, float scale, int split) {
+           int B, int T, int C, int H, float scale, int split, int add) {
     extern __shared__ float4 smem_dkv[];
     float* smem = reinterpret_cast<float*>(smem_dkv);
-    if (split) attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
-    else attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem);
+    if (split) attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add);
+    else attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add);
 }

@@ -5,7 +5,7 @@
 // The same algorithm, interface conventions and lse / D as kernels/attn.cu, on the bf16 tensor cores: every product
 // is mma m16n8k16 with bf16 operands and fp32 accumulation. Softmax, lse, D and the accumulators are fp32; P and dS
 // are rounded to bf16 only as operands of the next product, and each result is rounded to bf16 once, when stored
-// (the backward adds into dqkv: old bf16 value + fp32 result, one rounding).
+// (the backward adds into dqkv: old bf16 value + fp32 result, one rounding; or, with add = 0, writes over it).
 //
 // Layouts (row-major): qkv and dqkv are [3, B, T, C] (Q, K, V planes), out (Y) and dout (dY) [B, T, C], head h the
 // columns [64 h, 64 h + 64) of C (so C = 64 H); lse and D are fp32 [B, H, T]. T is any length >= 1: rows past T read
@@ -264,6 +264,13 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
             d[4 * n] = pack_bf16x2(x, y);
         }
     }
+}
+
+// The backward's gradients: added into dqkv, or (add = 0) written over whatever it held, unzeroed.
+__device__ __forceinline__ void store_grad_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
+                                                int row0, int T, int C, int t, int add) {
+    if (add) store_rows<true>(dst, acc, scale, row0, T, C, t);
+    else store_rows<false>(dst, acc, scale, row0, T, C, t);
 }
 
 // blockIdx.x, read so that the compiler cannot reuse an earlier read (nor values derived from it).
@@ -547,7 +554,7 @@ __device__ __forceinline__ void dq_step(unsigned kq, unsigned vq, unsigned kt_, 
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                   int B, int T, int C, int H, float scale) {
+                   int B, int T, int C, int H, float scale, int add) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     __shared__ __align__(128) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
     // stage s: K at S0 + s STAGE, V after it; the Q and dY tiles first, over stages 1 and 2
@@ -643,7 +650,7 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
     const float sc[2] = {scale, scale};
     const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
 #pragma unroll
-    for (int i = 0; i < WT; i++) store_rows<true>(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t);
+    for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t, add);
 }
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and key tile, query tiles of 64 ---------------------
@@ -738,7 +745,7 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
 // Runs after k_attn_bwd_dq_bf16, whose D it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                int B, int T, int C, int H, float scale) {
+                int B, int T, int C, int H, float scale, int add) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
     __shared__ __align__(128) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
     // buffer s: Q at QY + s STAGE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
@@ -818,7 +825,7 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
     const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
 #pragma unroll
     for (int i = 0; i < WT; i++) {
-        store_rows<true>(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, C, t);
-        store_rows<true>(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t);
+        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, C, t, add);
+        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t, add);
     }
 }

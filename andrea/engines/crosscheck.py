@@ -20,8 +20,10 @@ from andrea.layout import ParameterLayout
 from andrea.memory import GRAD_NORM_PARTIALS
 from andrea.model import Model, init_params
 
-OPS = ("embed", "layernorm", "residual_layernorm", "layernorm_residual", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute", "residual_add", "loss",
-       "loss_in_place", "grad_norm", "adamw")
+OPS = ("embed", "layernorm", "residual_layernorm", "layernorm_residual", "attn_qkv", "attn", "attn_out", "mlp", "mlp_recompute",
+       "residual_add", "loss", "loss_in_place", "grad_norm", "adamw",
+       # the input gradient written, not added (it starts as NaN: an element the op fails to write shows)
+       "attn_qkv/overwrite", "attn/overwrite", "attn_out/overwrite", "mlp/overwrite", "loss_in_place/overwrite")
 OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 WARMUP_STEPS = 5
 
@@ -74,9 +76,15 @@ def _tokens(rng, B, T, V):
 
 
 def make_case(op: str, s: OpShape, rng) -> OpCase:
+    """`op`, or `op/overwrite`: its backward writes the input's gradient (which starts as NaN) instead of adding."""
     B, T, C, H, V = s.B, s.T, s.C, s.H, s.V
     F = 4 * C
     w = C**-0.5
+    op, _, mode = op.partition("/")
+    ow = mode == "overwrite"
+
+    def grad_in(*shape):  # an input gradient: added into (random start) or overwritten (NaN start)
+        return _nan(*shape) if ow else _randn(rng, *shape)
     if op == "embed":
         a = {"tokens": _tokens(rng, B, T, V), "wte": _randn(rng, V, C), "wpe": _randn(rng, T, C),
              "out": _nan(B, T, C), "dwte": _randn(rng, V, C), "dwpe": _randn(rng, T, C), "dout": _randn(rng, B, T, C)}
@@ -117,38 +125,39 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
         return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch"))
     if op == "attn_qkv":
         a = {"inp": _randn(rng, B, T, C), "W_Q": _randn(rng, C, C, scale=w), "W_K": _randn(rng, C, C, scale=w),
-             "W_V": _randn(rng, C, C, scale=w), "qkv": _nan(3, B, T, C), "dinp": _randn(rng, B, T, C),
+             "W_V": _randn(rng, C, C, scale=w), "qkv": _nan(3, B, T, C), "dinp": grad_in(B, T, C),
              "dW_Q": _randn(rng, C, C), "dW_K": _randn(rng, C, C), "dW_V": _randn(rng, C, C), "dqkv": _randn(rng, 3, B, T, C)}
 
         def run(E, x):
             E.attn_qkv_fwd(x["qkv"], x["inp"], x["W_Q"], x["W_K"], x["W_V"])
-            E.attn_qkv_bwd(x["dinp"], x["dW_Q"], x["dW_K"], x["dW_V"], x["dqkv"], x["inp"], x["W_Q"], x["W_K"], x["W_V"])
+            E.attn_qkv_bwd(x["dinp"], x["dW_Q"], x["dW_K"], x["dW_V"], x["dqkv"], x["inp"], x["W_Q"], x["W_K"], x["W_V"],
+                           overwrite=ow)
 
         return OpCase(a, run, ("qkv", "dinp", "dW_Q", "dW_K", "dW_V"), act=("inp", "W_Q", "W_K", "W_V", "qkv", "dqkv"))
     if op == "attn":
         a = {"qkv": _randn(rng, 3, B, T, C), "out": _nan(B, T, C), "att": _nan(B, H, T, T),
-             "dqkv": _randn(rng, 3, B, T, C), "datt": _nan(B, H, T, T), "dout": _randn(rng, B, T, C)}
+             "dqkv": grad_in(3, B, T, C), "datt": _nan(B, H, T, T), "dout": _randn(rng, B, T, C)}
 
         def run(E, x):
             E.attn_fwd(x["out"], x["att"], x["qkv"], H)
-            E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["out"], x["att"], H)
+            E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["out"], x["att"], H, overwrite=ow)
 
         # datt is scratch: its contents are the engine's
         return OpCase(a, run, ("out", "att", "dqkv"), lse_arrays={"att": _nan(B, H, T), "datt": _nan(B, H, T)},
                       lse_reference=lambda x: {"att": attention_lse(x["qkv"], H)}, act=("qkv", "out", "dqkv", "dout"))
     if op == "attn_out":
         a = {"inp": _randn(rng, B, T, C), "W_O": _randn(rng, C, C, scale=w), "out": _nan(B, T, C),
-             "dinp": _randn(rng, B, T, C), "dW_O": _randn(rng, C, C), "dout": _randn(rng, B, T, C)}
+             "dinp": grad_in(B, T, C), "dW_O": _randn(rng, C, C), "dout": _randn(rng, B, T, C)}
 
         def run(E, x):
             E.attn_out_fwd(x["out"], x["inp"], x["W_O"])
-            E.attn_out_bwd(x["dinp"], x["dW_O"], x["dout"], x["inp"], x["W_O"])
+            E.attn_out_bwd(x["dinp"], x["dW_O"], x["dout"], x["inp"], x["W_O"], overwrite=ow)
 
         return OpCase(a, run, ("out", "dinp", "dW_O"), act=("inp", "W_O", "out", "dinp", "dout"))
     if op in ("mlp", "mlp_recompute"):
         recompute = op == "mlp_recompute"
         a = {"inp": _randn(rng, B, T, C), "W_1": _randn(rng, C, F, scale=w), "W_2": _randn(rng, F, C, scale=F**-0.5),
-             "out": _nan(B, T, C), "pre": _nan(B, T, F), "act": _nan(B, T, F), "dinp": _randn(rng, B, T, C),
+             "out": _nan(B, T, C), "pre": _nan(B, T, F), "act": _nan(B, T, F), "dinp": grad_in(B, T, C),
              "dW_1": _randn(rng, C, F), "dW_2": _randn(rng, F, C), "dpre": _nan(B, T, F), "dout": _randn(rng, B, T, C)}
 
         def run(E, x):
@@ -156,7 +165,7 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
             if recompute:  # the backward must rebuild act from pre
                 E.upload(x["act"], np.full(x["act"].shape, np.nan, dtype=np.float32))
             E.mlp_bwd(x["dinp"], x["dW_1"], x["dW_2"], x["dpre"], x["dout"], x["inp"], x["pre"], x["act"], x["W_1"],
-                      x["W_2"], recompute=recompute)
+                      x["W_2"], recompute=recompute, overwrite=ow)
 
         return OpCase(a, run, ("out", "pre", "act", "dinp", "dW_1", "dW_2", "dpre"),
                       act=("inp", "W_1", "W_2", "out", "pre", "act", "dpre", "dout"))
@@ -173,13 +182,14 @@ def make_case(op: str, s: OpShape, rng) -> OpCase:
         in_place = op == "loss_in_place"  # d_logits is probs itself, as the model runs it
         a = {"inp": _randn(rng, B, T, C), "wte": _randn(rng, V, C, scale=2 * w),
              "targets": rng.integers(0, V, (B, T)).astype(np.int32), "losses": _nan(B, T), "probs": _nan(B, T, V),
-             "dinp": _randn(rng, B, T, C), "dwte": _randn(rng, V, C), "dlogits": _nan(B, T, V)}
+             "dinp": grad_in(B, T, C), "dwte": _randn(rng, V, C), "dlogits": _nan(B, T, V)}
 
         def run(E, x):
             E.loss_fwd(x["losses"], x["probs"], x["inp"], x["wte"], x["targets"])
             mean = E.mean_loss(x["losses"])
             dlogits = x["probs"] if in_place else x["dlogits"]
-            E.loss_bwd(x["dinp"], x["dwte"], dlogits, x["probs"], x["inp"], x["wte"], x["targets"], 1.0 / (B * T))
+            E.loss_bwd(x["dinp"], x["dwte"], dlogits, x["probs"], x["inp"], x["wte"], x["targets"], 1.0 / (B * T),
+                       overwrite=ow)
             return {"mean_loss": mean}
 
         checked = ("losses", "probs", "dinp", "dwte") + (() if in_place else ("dlogits",))

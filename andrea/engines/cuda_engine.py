@@ -2,7 +2,8 @@
 
 Arrays are CuPy views into buffers allocated once from the memory plan (contiguous, row-major, the
 shapes of numpy_engine.py). Backward ops ADD into their grad buffers (weight-gradient products run
-with beta = 1); scratch arguments (d_att, d_mlp_pre, d_logits, and the branch gradient of
+with beta = 1), the input's gradient too unless `overwrite` (then it is written: beta = 0, no memset
+first); scratch arguments (d_att, d_mlp_pre, d_logits, and the branch gradient of
 layernorm_residual_bwd) are overwritten.
 
 Attention is fused (kernels/attn.cu): it saves the per-row logsumexp [B, H, T] in `att` instead of the
@@ -466,7 +467,7 @@ class CudaEngine:
         for i, W in enumerate((W_Q, W_K, W_V)):
             self.blas.gemm(qkv[i], inp, W, N, C, C)
 
-    def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V):
+    def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
         if _adjacent(dW_Q, dW_K, dW_V):  # the three C x C weight gradients as one batched product
@@ -475,7 +476,7 @@ class CudaEngine:
             for i, dW in enumerate((dW_Q, dW_K, dW_V)):
                 self.blas.gemm(dW, inp, dqkv[i], C, C, N, trans_a=True, beta=1.0)
         for i, W in enumerate((W_Q, W_K, W_V)):
-            self.blas.gemm(dinp, dqkv[i], W, N, C, C, trans_b=True, beta=1.0)
+            self.blas.gemm(dinp, dqkv[i], W, N, C, C, trans_b=True, beta=0.0 if overwrite and i == 0 else 1.0)
 
     # ---- attn: causal scaled dot-product attention (fused; kernels/attn.cu) ----------------
     def _attn_shape(self, qkv, n_head):
@@ -507,29 +508,31 @@ class CudaEngine:
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (ATTN_THREADS,), (out, att, qkv, *dims), shared_mem=ATTN_FWD_SMEM)
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head):
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
+        add = np.int32(not overwrite)
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
-            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims))
-            self.k["k_attn_bwd_bf16"]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims))
+            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add))
+            self.k["k_attn_bwd_bf16"]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
-        self.k["k_attn_bwd_dq"](grid, (ATTN_THREADS,), (dqkv, datt, dout, out, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
-        self.k["k_attn_bwd"](grid, (ATTN_THREADS,), (dqkv, datt, dout, qkv, att, *dims), shared_mem=ATTN_BWD_SMEM)
+        self.k["k_attn_bwd_dq"](grid, (ATTN_THREADS,), (dqkv, datt, dout, out, qkv, att, *dims, add),
+                                shared_mem=ATTN_BWD_SMEM)
+        self.k["k_attn_bwd"](grid, (ATTN_THREADS,), (dqkv, datt, dout, qkv, att, *dims, add), shared_mem=ATTN_BWD_SMEM)
 
     # ---- attn_out: W_O projection ----------------------------------------------------------
     def attn_out_fwd(self, out, inp, W_O):
         C = inp.shape[-1]
         self.blas.gemm(out, inp, W_O, inp.size // C, C, C)
 
-    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O):
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
         self.blas.gemm(dW_O, inp, dout, C, C, N, trans_a=True, beta=1.0)
-        self.blas.gemm(dinp, dout, W_O, N, C, C, trans_b=True, beta=1.0)
+        self.blas.gemm(dinp, dout, W_O, N, C, C, trans_b=True, beta=0.0 if overwrite else 1.0)
 
     # ---- mlp: W_1, GELU, W_2 ---------------------------------------------------------------
     def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
@@ -547,7 +550,7 @@ class CudaEngine:
         self.blas.gemm(pre, inp, W_1, N, F, C)
         self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
         """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre, or, where
         the GELU is the product's epilogue, by the forward's own product again (the same bits in act and pre)."""
         C, F = W_1.shape
@@ -559,7 +562,7 @@ class CudaEngine:
             self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
             self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
         self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
-        self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=1.0)
+        self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=0.0 if overwrite else 1.0)
 
     # ---- residual_add ----------------------------------------------------------------------
     def residual_add(self, out, a, b):
@@ -577,7 +580,7 @@ class CudaEngine:
         self.blas.gemm(probs, inp, wte, N, V, C, trans_b=True)
         self._launch("k_loss_fwd", N, LOSS_THREADS, losses, probs, targets, np.int64(N), np.int32(V))
 
-    def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale):
+    def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale, overwrite=False):
         """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient.
 
         dlogits = probs - onehot(targets) (scale enters the products); it may be probs itself, turned
@@ -590,7 +593,7 @@ class CudaEngine:
         else:
             self._launch("k_loss_bwd", N, LOSS_THREADS, dlogits, probs, targets, np.int64(N), np.int32(V))
         self.blas.gemm(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
-        self.blas.gemm(dinp, dlogits, wte, N, C, V, alpha=scale, beta=1.0)
+        self.blas.gemm(dinp, dlogits, wte, N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
 
     def mean_loss(self, losses) -> float:
         return float(cupy.asnumpy(losses).mean(dtype=np.float64))

@@ -2,7 +2,8 @@
 
 Shapes: B micro-batch, T sequence, C model width, H heads, V vocab. Activations are row-major
 [B, T, C]; qkv is [3, B, T, C] (Q, K, V stacked); attention probabilities are [B, H, T, T].
-Every backward op ADDS into its grad_input and grad_weight buffers (callers zero them).
+Every backward op ADDS into its grad_input and grad_weight buffers (callers zero them); with
+`overwrite`, an op writes its grad_input (dinp, or dqkv) instead, so that buffer needs no zeroing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def _gelu(x):
 def _gelu_grad(x):
     th = np.tanh(GELU_K * (x + 0.044715 * (x * x * x)))
     return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _start(grad_input, overwrite: bool) -> None:
+    """A backward op's input gradient: added into, or with `overwrite` written (started from zero here)."""
+    if overwrite:
+        grad_input[...] = 0
 
 
 @functools.cache
@@ -119,7 +126,8 @@ class NumpyEngine:
         for i, W in enumerate((W_Q, W_K, W_V)):
             np.matmul(inp, W, out=qkv[i])
 
-    def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V):
+    def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V, overwrite=False):
+        _start(dinp, overwrite)
         C = inp.shape[-1]
         x2 = inp.reshape(-1, C)
         for i, (W, dW) in enumerate(((W_Q, dW_Q), (W_K, dW_K), (W_V, dW_V))):
@@ -140,8 +148,9 @@ class NumpyEngine:
         att[...] = s
         out[...] = _merge_heads(att @ v)
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head):
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
         """`out` is the forward's Y: rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T."""
+        _start(dqkv, overwrite)
         q, k, v = (_heads(qkv[i], n_head) for i in range(3))
         scale = 1.0 / math.sqrt(q.shape[-1])
         dy = _heads(dout, n_head)
@@ -156,7 +165,8 @@ class NumpyEngine:
     def attn_out_fwd(self, out, inp, W_O):
         np.matmul(inp, W_O, out=out)
 
-    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O):
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
+        _start(dinp, overwrite)
         C = inp.shape[-1]
         dW_O += inp.reshape(-1, C).T @ dout.reshape(-1, dout.shape[-1])
         dinp += dout @ W_O.T
@@ -167,8 +177,9 @@ class NumpyEngine:
         act[...] = _gelu(pre)
         np.matmul(act, W_2, out=out)
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False):
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
         """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
+        _start(dinp, overwrite)
         C, F = W_1.shape
         if recompute:
             act[...] = _gelu(pre)
@@ -195,11 +206,12 @@ class NumpyEngine:
         picked = np.take_along_axis(probs, targets[..., None], axis=-1)[..., 0]
         losses[...] = -np.log(picked)
 
-    def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale):
+    def loss_bwd(self, dinp, dwte, dlogits, probs, inp, wte, targets, scale, overwrite=False):
         """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient.
 
         dlogits = probs - onehot(targets), the gradient of sum(losses) (scale enters the products);
         it may be probs itself, turned into the gradient in place."""
+        _start(dinp, overwrite)
         picked = np.take_along_axis(probs, targets[..., None], -1)
         if dlogits is not probs:
             dlogits[...] = probs
