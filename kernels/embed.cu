@@ -11,12 +11,26 @@
 #define EMBED_BWD_THREADS 256
 #define EMBED_BWD_COLS 16
 
+// One block per position n (grid-stride over positions), its threads along the row: 16 bytes of out a store
+// where C is a whole number of ACT_VEC groups and the rows are aligned, else one element.
 extern "C" __global__ void k_embed_fwd(act_t* out, const int* tokens, const float* wte, const float* wpe,
                                        long long n_pos, int T, int C) {
-    GRID_STRIDE_LOOP(i, n_pos * C) {
-        const long long n = i / C;
-        const int c = (int)(i % C), t = (int)(n % T);
-        store(out + i, wte[(long long)tokens[n] * C + c] + wpe[(long long)t * C + c]);
+    for (long long n = blockIdx.x; n < n_pos; n += gridDim.x) {
+        const float* e = wte + (long long)tokens[n] * C;
+        const float* p = wpe + (n % T) * C;
+        act_t* y = out + n * C;
+        if (C % ACT_VEC == 0 && aligned16(e, p, y)) {
+            for (int c = threadIdx.x * ACT_VEC; c < C; c += blockDim.x * ACT_VEC) {
+                float a[ACT_VEC], b[ACT_VEC];
+                load_f32(e + c, a);
+                load_f32(p + c, b);
+#pragma unroll
+                for (int k = 0; k < ACT_VEC; k++) a[k] += b[k];
+                store_vec(y + c, a);
+            }
+        } else {
+            for (int c = threadIdx.x; c < C; c += blockDim.x) store(y + c, e[c] + p[c]);
+        }
     }
 }
 

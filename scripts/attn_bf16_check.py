@@ -60,6 +60,7 @@ WARMUP, REPEAT = 5, 20
 TARGET_MS = {"fwd": 0.10, "bwd": 0.30}  # at (8, 1024, 12)
 FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
 KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")
+ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
 
@@ -328,13 +329,13 @@ class Attn:
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["k_attn_bwd_dq_bf16"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
-                                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale))
+                                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["k_attn_bwd_bf16"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
-                                  (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale))
+                                  (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
         self.bwd_dq(dqkv, delta, dout, y, qkv, lse, B, T, H)

@@ -54,6 +54,7 @@ KERNELS = {  # kernels/<file>.cu -> its kernels (attn_qkv and attn_out are cuBLA
 }
 # Launch shapes the kernels are written for (the #defines of the same names in kernels/*.cu).
 EMBED_BWD_THREADS, EMBED_BWD_COLS = 256, 16
+EMBED_FWD_THREADS = 128  # a block per position: 128 x 16 bytes covers a bf16 row of C <= 1024 in one sweep
 LN_THREADS, LN_CHUNKS, LN_SUM_THREADS = 1024, 128, 1024
 LN_MAX_C = 4096  # widest row the LayerNorm backward's partial sums (ln_partials) hold
 # The cached LayerNorm backward (k_layernorm_bwd_cached<J>): blocks of LN_BWD_WARPS warps, each block one chunk
@@ -400,8 +401,7 @@ class CudaEngine:
         B, T = tokens.shape
         C = wte.shape[1]
         n_pos = B * T
-        self._launch("k_embed_fwd", _blocks(n_pos * C, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
-                     out, tokens, wte, wpe, np.int64(n_pos), np.int32(T), np.int32(C))
+        self._launch("k_embed_fwd", n_pos, EMBED_FWD_THREADS, out, tokens, wte, wpe, np.int64(n_pos), np.int32(T), np.int32(C))
 
     def embed_bwd(self, dwte, dwpe, dout, tokens):
         B, T = tokens.shape
