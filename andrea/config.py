@@ -57,6 +57,11 @@ class Experiment:
         return self.raw["batch"]["micro_batches"]
 
     @property
+    def loss_chunks(self) -> int:
+        """Pieces of a micro-batch the classifier runs on, one at a time (memory.plan_model)."""
+        return self.raw["batch"].get("loss_chunks", 1)
+
+    @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_batches
 

@@ -71,6 +71,7 @@ class MemoryPlan:
 
 def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,
                attention: str = "probs", act_dtype: str | None = None, recompute: tuple[str, ...] = (),
+               loss_chunks: int = 1,
                engine_buffers: tuple[BufferSpec, ...] = ()) -> MemoryPlan:
     """All buffers for forward (and, when training, backward + AdamW) at one micro-batch size.
 
@@ -90,7 +91,9 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     act when it writes d_mlp_pre), "layernorm" replaces `ln1` and `ln2` by `ln`, the one LayerNorm output
     in use at a time (recomputed in the backward from the layer's input and its saved mean and rstd).
 
-    The classifier has no gradient buffer of its own: `loss_bwd` turns `probs` into d_logits in place."""
+    The classifier has no gradient buffer of its own: `loss_bwd` turns `probs` into d_logits in place.
+    `loss_chunks` splits a micro-batch's classifier into pieces of whole sequences, run one at a time
+    through `probs`, which holds one piece: ceil(B / loss_chunks) sequences."""
     if attention not in ATTENTION_SAVES:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION_SAVES}")
     if set(recompute) - set(RECOMPUTABLE):
@@ -148,7 +151,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     add("lnf", (B, T, C), "activations")
     stat("lnf_mean", (B, T))
     stat("lnf_rstd", (B, T))
-    add("probs", (B, T, V), "activations")
+    add("probs", (-(-B // loss_chunks), T, V), "activations")
     stat("losses", (B, T))
     add("branch", (B, T, C), "scratch")  # a sub-layer's output before the residual add
     if training:

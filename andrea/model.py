@@ -85,7 +85,7 @@ class Model:
     """Buffers from the memory plan plus the forward/backward schedule over one engine."""
 
     def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None,
-                 recompute: tuple[str, ...] = (), graphs: bool = True):
+                 recompute: tuple[str, ...] = (), graphs: bool = True, loss_chunks: int = 1):
         self.engine = engine
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
@@ -99,7 +99,7 @@ class Model:
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=getattr(engine, "attention", "probs"),
                                act_dtype=getattr(engine, "act_dtype", None), recompute=tuple(recompute),
-                               engine_buffers=getattr(engine, "own_buffers", ()))
+                               loss_chunks=loss_chunks, engine_buffers=getattr(engine, "own_buffers", ()))
         self.recompute = tuple(recompute) if training else ()
         self.buf = engine.allocate(self.plan)
         self.training = training
@@ -140,16 +140,24 @@ class Model:
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        """Run the forward pass on one micro-batch; returns the mean loss (saves what backward needs)."""
+        """Run the forward pass on one micro-batch; returns the mean loss (probs holds the last piece's
+        probabilities: all of them with one loss chunk)."""
         self._upload(tokens, targets)
         self._forward_ops()
+        return self.engine.mean_loss(self.buf["losses"])
+
+    def forward_backward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        """Forward and backward of one micro-batch: adds its gradient into grads; returns the mean loss."""
+        self._upload(tokens, targets)
+        self._forward_backward()
         return self.engine.mean_loss(self.buf["losses"])
 
     def _upload(self, tokens: np.ndarray, targets: np.ndarray) -> None:
         self.engine.upload(self.buf["tokens"], tokens)
         self.engine.upload(self.buf["targets"], targets)
 
-    def _forward_ops(self) -> None:
+    def _forward_ops(self, backward: bool = False) -> None:
+        """The forward; with `backward`, each classifier piece's backward right after its loss (_classifier)."""
         e, b, P, W, H = self.engine, self.buf, self.P, self.W, self.shape.n_head
         res, L = b["residual"], self.shape.n_layer
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
@@ -170,7 +178,22 @@ class Model:
             else:
                 e.residual_layernorm_fwd(res[L], b["lnf"], b["lnf_mean"], b["lnf_rstd"], b["residual_mid"][l], b["branch"],
                                          P["LNf.gamma"], P["LNf.beta"])
-        e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"])
+        self._classifier(backward)
+
+    def _classifier(self, backward: bool) -> None:
+        """The tied classifier and loss over the micro-batch, a piece of probs.shape[0] sequences at a time
+        through the one probs buffer; with `backward`, each piece's loss_bwd follows its loss_fwd at once (it
+        needs nothing later in the forward), adding that piece's share of wte's gradient and writing its rows
+        of d_ln, the gradient at LNf's output."""
+        e, b, W = self.engine, self.buf, self.W
+        rows = b["probs"].shape[0]
+        for start in range(0, self.micro_batch, rows):
+            piece = slice(start, min(start + rows, self.micro_batch))
+            probs = b["probs"][:piece.stop - start]
+            e.loss_fwd(b["losses"][piece], probs, b["lnf"][piece], W["wte"], b["targets"][piece])
+            if backward:
+                e.loss_bwd(b["d_ln"][piece], self.G["wte"], probs, probs, b["lnf"][piece], W["wte"], b["targets"][piece],
+                           self._loss_grad_scale(), overwrite=True)
 
     def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
@@ -178,8 +201,9 @@ class Model:
         return self.buf[scratch] if option in self.recompute else self.buf[name][l]
 
     # ---- backward --------------------------------------------------------------------------
-    def backward(self) -> None:
-        """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed).
+    def _backward(self) -> None:
+        """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed), from the
+        gradient at LNf's output that the classifier's pieces left in d_ln (_classifier, in the forward).
 
         The classifier's d_logits is `probs` itself, turned into the gradient in place (it is not read again).
         `d_residual` is the residual stream's gradient, one buffer from the top to the embedding: a residual
@@ -190,8 +214,6 @@ class Model:
         # Activation gradients are written by their first op (overwrite), not zeroed and added into; the residual
         # stream's starts at zero, the LayerNorm backwards add into it.
         e.zero(dres)
-        e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"], b["targets"], self._loss_grad_scale(),
-                   overwrite=True)
         e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
                                  b["lnf_mean"], b["lnf_rstd"])
         for l in reversed(range(self.shape.n_layer)):
@@ -232,12 +254,12 @@ class Model:
         """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed
         (again after the loss scale, which the recorded backward holds, changes)."""
         if not self.graphs:
-            self._forward_ops()
-            self.backward()
+            self._forward_ops(backward=True)
+            self._backward()
             return
         key = self._loss_grad_scale()
         if self._step_graph is None or self._step_graph[0] != key:
-            self._step_graph = key, self.engine.capture(lambda: (self._forward_ops(), self.backward()))
+            self._step_graph = key, self.engine.capture(lambda: (self._forward_ops(backward=True), self._backward()))
         self.engine.replay(self._step_graph[1])
 
     # ---- optimizer step --------------------------------------------------------------------

@@ -189,7 +189,8 @@ class Trainer:
             self.log(f"engine: {self.engine.name}")
         self.world = world
         micro = self.exp.batch_size // (world * self.exp.micro_batches)
-        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel, recompute=self.exp.recompute)
+        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel, recompute=self.exp.recompute,
+                           loss_chunks=self.exp.loss_chunks)
         if self.is_main:
             console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {micro}"))
         self.log(f"memory plan: {self.model.plan.total_bytes:,} bytes in {len(self.model.plan.buffers)} buffers")

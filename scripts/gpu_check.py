@@ -54,15 +54,22 @@ SHAPES = {name: ModelShape(**json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.jso
 # [1024, 768] x [768, 50304] product and its two backward products) to seconds on the host.
 OP_BATCH = {"tiny": 4, "12M": 4, "120M": 1}
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-LOW = ("bf16", "fp16")  # 16-bit activations: these run the experiment's "recompute"
+LOW = ("bf16", "fp16")  # 16-bit activations: these run the experiment's memory options
 LIMITS = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2, "fp16": 1e-2}  # relative error ||got - ref|| / ||ref|| against float64
 TRAIN = {"tiny": (4, 2), "12M": (2, 2)}  # (micro-batch, micro-batches) for the 20-step comparison
 TRAIN_STEPS = 20
 TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2, "bf16": 3e-2, "fp16": 2e-2}  # max |loss - numpy loss| / numpy loss over the steps
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
-# What each experiment recomputes in the backward (its "recompute"): the bf16 runs use it.
-RECOMPUTE = {name: tuple(json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.json").read_text()).get("recompute", ()))
-             for name in ("tiny", "12M", "120M")}
+# Each experiment's memory options (its "recompute" and batch.loss_chunks): the 16-bit runs use them.
+EXPERIMENT_RAW = {name: json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.json").read_text()) for name in ("tiny", "12M", "120M")}
+
+
+def options(shape_name: str, precision: str) -> dict:
+    """Model / train_run keyword arguments of the experiment's memory options, for a 16-bit precision."""
+    if precision not in LOW:
+        return {}
+    raw = EXPERIMENT_RAW[shape_name]
+    return {"recompute": tuple(raw.get("recompute", ())), "loss_chunks": raw["batch"].get("loss_chunks", 1)}
 PARITY_STEPS, PARITY_LIMIT = 200, 0.01
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
 RESUME_ENGINE = "cuda"
@@ -232,7 +239,7 @@ def train():
                  "numpy_seconds": round(numpy_s, 1)}
         for precision in PRECISIONS:
             run = train_run(CudaEngine(precision=precision), shape, micro, n_micro, TRAIN_STEPS,
-                            recompute=RECOMPUTE[shape_name] if precision in LOW else ())
+                            **options(shape_name, precision))
             rel = [abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses)]
             params_rel = float(np.linalg.norm(run.params.astype(np.float64) - ref.params) / np.linalg.norm(ref.params))
             entry[precision] = {"losses": run.losses, "max_rel_loss_diff": max(rel), "final_params_rel": params_rel,
@@ -256,7 +263,7 @@ def parity():
     for precision in ("fp32", "bf16"):
         t0 = time.time()
         runs[precision] = train_run(CudaEngine(precision=precision), shape, micro, 1, PARITY_STEPS,
-                                    recompute=RECOMPUTE["12M"] if precision == "bf16" else ())
+                                    **options("12M", precision))
         free_device_memory()
         log(f"12M {precision}: {PARITY_STEPS} steps, loss {runs[precision].losses[0]:.4f} -> "
             f"{runs[precision].losses[-1]:.4f} [{time.time() - t0:.1f}s]")
@@ -276,9 +283,8 @@ def determinism():
     out = {}
     for shape_name, micro, steps in (("12M", 8, 10), ("120M", 2, 3)):
         for precision in PRECISIONS:
-            recompute = RECOMPUTE[shape_name] if precision in LOW else ()
             digests = [train_run(CudaEngine(precision=precision), SHAPES[shape_name], micro, 2, steps,
-                                 recompute=recompute).digest for _ in range(2)]
+                                 **options(shape_name, precision)).digest for _ in range(2)]
             free_device_memory()
             out[f"{shape_name}/{precision}"] = {"steps": steps, "micro_batch": micro, "same_bits": digests[0] == digests[1],
                                                 "sha256": digests}
@@ -303,7 +309,7 @@ def memory():
         free_device_memory()
         dev0, pool0 = device_used(), pool.total_bytes()
         engine = CudaEngine(precision=precision)
-        model = Model(engine, SHAPES[shape_name], micro, recompute=RECOMPUTE[shape_name] if precision in LOW else ())
+        model = Model(engine, SHAPES[shape_name], micro, **options(shape_name, precision))
         model.load_state(init_params(model.layout, 0))
         step_allocations(model, step=0)
         counts = step_allocations(model, step=1)
@@ -447,6 +453,8 @@ def op_calls(model) -> dict:
     ln1, ln2, act = model.saved("ln1", 0), model.saved("ln2", 0), model.saved("mlp_act", 0)
     gelu = "gelu" in model.recompute
     dpre = b["mlp_act"] if gelu else b["d_mlp_pre"]
+    piece = b["probs"].shape[0]  # sequences of one classifier piece (loss_chunks)
+    lnf, targets, probs = b["lnf"][:piece], b["targets"][:piece], b["probs"]
     return {
         "embed_fwd": lambda: e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"]),
         "layernorm_fwd": lambda: e.layernorm_fwd(ln1, b["ln1_mean"][0], b["ln1_rstd"][0], res[0],
@@ -458,9 +466,8 @@ def op_calls(model) -> dict:
                                                                    b["ln2_rstd"][0], res[0], b["branch"],
                                                                    p["LN2.gamma"], p["LN2.beta"]),
         "mlp_fwd": lambda: e.mlp_fwd(b["branch"], b["mlp_pre"][0], act, ln2, w["W_1"], w["W_2"]),
-        "loss_fwd": lambda: e.loss_fwd(b["losses"], b["probs"], b["lnf"], W["wte"], b["targets"]),
-        "loss_bwd": lambda: e.loss_bwd(b["d_ln"], G["wte"], b["probs"], b["probs"], b["lnf"], W["wte"],
-                                       b["targets"], 1.0 / n_pos),
+        "loss_fwd": lambda: e.loss_fwd(b["losses"][:piece], probs, lnf, W["wte"], targets),
+        "loss_bwd": lambda: e.loss_bwd(b["d_ln"][:piece], G["wte"], probs, probs, lnf, W["wte"], targets, 1.0 / n_pos),
         "mlp_bwd": lambda: e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, b["d_branch"], ln2,
                                      b["mlp_pre"][0], act, w["W_1"], w["W_2"], recompute=gelu),
         "layernorm_residual_bwd": lambda: e.layernorm_residual_bwd(b["d_residual"], b["d_branch"], g["LN2.gamma"],
@@ -511,10 +518,12 @@ def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 
     }[op]
 
 
-# calls of each op in one training step of one micro-batch (grad_norm and AdamW once per step)
-def per_step_calls(op: str, L: int) -> int:
-    if op in ("embed_fwd", "embed_bwd", "layernorm_fwd", "layernorm_bwd", "loss_fwd", "loss_bwd", "grad_norm",
-              "adamw_step"):
+# calls of each op in one training step of one micro-batch (grad_norm and AdamW once per step); the
+# classifier's once per loss piece
+def per_step_calls(op: str, L: int, loss_pieces: int = 1) -> int:
+    if op in ("loss_fwd", "loss_bwd"):
+        return loss_pieces
+    if op in ("embed_fwd", "embed_bwd", "layernorm_fwd", "layernorm_bwd", "grad_norm", "adamw_step"):
         return 1
     if op in ("residual_layernorm_fwd", "layernorm_residual_bwd"):
         return 2 * L
@@ -538,7 +547,7 @@ def bench(baseline: str | None, variants=BENCH_VARIANTS, peers=PEER_VARIANTS):
         for variant in variants:
             precision = variant.split("-")[0]
             model = Model(CudaEngine(precision=precision), shape, micro, graphs=variant != "bf16-eager",
-                          recompute=RECOMPUTE[shape_name] if precision in LOW else ())
+                          **options(shape_name, precision))
             model.load_state(init_params(model.layout, 0))
             batches = [synthetic_micro_batches(shape, micro, 1, s) for s in range(4)]
             times = []
@@ -556,12 +565,14 @@ def bench(baseline: str | None, variants=BENCH_VARIANTS, peers=PEER_VARIANTS):
                 free_device_memory()
                 continue
             ops_ms = {}
+            piece = model.buf["probs"].shape[0]  # the loss ops run on one piece of the micro-batch
             for op, fn in op_calls(model).items():
-                flops, nbytes = op_cost(op, shape, micro, model.layout.n_params, 2 if precision in LOW else 4)
+                flops, nbytes = op_cost(op, shape, piece if op.startswith("loss") else micro, model.layout.n_params,
+                                        2 if precision in LOW else 4)
                 t = graph_ms(model.engine, fn)
                 ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
                               "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
-                              "calls_per_step": per_step_calls(op, shape.n_layer)}
+                              "calls_per_step": per_step_calls(op, shape.n_layer, -(-micro // piece))}
             out["ops"][f"{shape_name}/{precision}"] = ops_ms
             log(f"{shape_name} {precision} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s; ops "
                 + ", ".join(f"{op} {v['ms']:.3f}" for op, v in ops_ms.items()))

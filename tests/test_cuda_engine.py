@@ -81,6 +81,16 @@ def test_recompute_changes_no_bit(engines, precision):
     assert plain.digest == again.digest
 
 
+@pytest.mark.parametrize("precision, rel", [("fp32", 1e-5), ("bf16", 1e-2)])
+def test_loss_chunks_match_one_piece(engines, precision, rel):
+    """The classifier in two pieces (3 sequences: 2 then 1): the same training up to the sum order of wte's
+    gradient, and the same bits run to run."""
+    whole = train_run(engines[precision], WIDE, micro_batch=3, n_micro=2, steps=4)
+    pieces = [train_run(engines[precision], WIDE, micro_batch=3, n_micro=2, steps=4, loss_chunks=2) for _ in range(2)]
+    np.testing.assert_allclose(pieces[0].losses, whole.losses, rtol=rel)
+    assert pieces[0].digest == pieces[1].digest
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_deterministic(engines, precision):
     first = train_run(engines[precision], WIDE, micro_batch=4, n_micro=2, steps=4)

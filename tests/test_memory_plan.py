@@ -61,9 +61,10 @@ def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     own = CUBLAS_WORKSPACE_BYTES + 2 * MAX_DECAY_RANGES * 8 + 2 * LN_CHUNKS * LN_MAX_C * 4
     big_exp, small_exp = (load_experiment(EXPERIMENTS / f"ANDREA-{n}-TRAIN.json") for n in ("120M", "12M"))
     assert (big_exp.model, small_exp.model) == (SHAPE_120M, SHAPE_12M)
-    big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=big_exp.recompute)
+    big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=big_exp.recompute,
+                     loss_chunks=big_exp.loss_chunks)
     small = plan_model(ParameterLayout(SHAPE_12M), 32, attention="lse", act_dtype="bfloat16",
-                       recompute=small_exp.recompute)
+                       recompute=small_exp.recompute, loss_chunks=small_exp.loss_chunks)
     assert big.total_bytes + own <= 5.1 * GIB
     assert small.total_bytes + own <= 1.4e9
 
@@ -73,6 +74,24 @@ def test_recompute_gives_the_same_bits_on_numpy():
     again = train_run(NumpyEngine(), TINY, micro_batch=2, n_micro=2, steps=3, recompute=("gelu", "layernorm"))
     assert plain.digest == again.digest
     assert np.isfinite(plain.losses).all()
+
+
+@pytest.mark.parametrize("B, chunks, rows", [(4, 2, 2), (3, 2, 2), (5, 4, 2), (2, 8, 1)])
+def test_loss_chunks_size_probs_for_one_piece(B, chunks, rows):
+    one = _by_name(plan_model(ParameterLayout(TINY), B, loss_chunks=1))
+    split = _by_name(plan_model(ParameterLayout(TINY), B, loss_chunks=chunks))
+    assert one["probs"].shape == (B, TINY.seq_len, TINY.vocab_size)
+    assert split["probs"].shape == (rows, TINY.seq_len, TINY.vocab_size)
+    assert split["losses"].shape == one["losses"].shape == (B, TINY.seq_len)
+
+
+@pytest.mark.parametrize("B", [2, 3])
+def test_loss_chunks_train_the_same_model_on_numpy(B):
+    """Pieces of the classifier: the same losses and weights up to the sum order of wte's gradient."""
+    whole = train_run(NumpyEngine("float64"), TINY, micro_batch=B, n_micro=2, steps=3)
+    pieces = train_run(NumpyEngine("float64"), TINY, micro_batch=B, n_micro=2, steps=3, loss_chunks=2)
+    np.testing.assert_allclose(pieces.losses, whole.losses, rtol=1e-12)
+    np.testing.assert_allclose(pieces.params, whole.params, rtol=1e-9, atol=1e-12)
 
 
 def test_training_plan_without_training_ignores_recompute():

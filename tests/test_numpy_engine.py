@@ -272,8 +272,7 @@ def test_whole_model_gradient_matches_finite_difference():
     rng = np.random.default_rng(5)
     x = rng.integers(0, shape.vocab_size, (2, shape.seq_len)).astype(np.int32)
     y = rng.integers(0, shape.vocab_size, (2, shape.seq_len)).astype(np.int32)
-    model.forward(x, y)
-    model.backward()
+    model.forward_backward(x, y)
     grads = model.buf["grads"].copy()
     params = model.buf["params"]
     # probe every tensor of the layout, a few entries each

@@ -305,9 +305,9 @@ class TrainRun:
 
 
 def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: int, seed: int = 1337,
-              recompute: tuple[str, ...] = ()) -> TrainRun:
+              recompute: tuple[str, ...] = (), loss_chunks: int = 1) -> TrainRun:
     """`steps` optimizer steps from init_params(seed) on synthetic batches."""
-    model = Model(engine, shape, micro_batch, recompute=recompute)
+    model = Model(engine, shape, micro_batch, recompute=recompute, loss_chunks=loss_chunks)
     model.load_state(init_params(model.layout, seed))
     losses, norms = [], []
     for step in range(steps):
