@@ -52,6 +52,10 @@ def main() -> int:
     parser.add_argument("--precisions", default="bf16")
     args = parser.parse_args()
     report = json.loads(args.report.read_text())
+    if "bench" not in report:
+        print(f"{args.report}: no bench section to tabulate; run scripts/gpu_check.py with --sections ...,bench",
+              file=sys.stderr)
+        return 1
     print("\n".join(whole_step(report)))
     for key in report["bench"]["ops"]:
         if key.split("/")[1] in args.precisions.split(","):
