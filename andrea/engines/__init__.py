@@ -5,7 +5,12 @@ API (every engine):
     to_host(array) -> np.ndarray; upload(dst, np_array); synchronize()
     zero(buf); zero_grads(grads)
     <op>_fwd(...) / <op>_bwd(...)              the seed's 8 op pairs; backward ops ADD (+=) into
-                                               both their grad_input and grad_weight buffers
+                                               both their grad_input and grad_weight buffers; with
+                                               overwrite=True (attn_qkv, attn, attn_out, mlp, loss)
+                                               they write their grad_input instead
+    residual_layernorm_fwd(...)                residual_add, then the layernorm_fwd reading its sum
+    layernorm_residual_bwd(dinp, dbranch, ...)  layernorm_bwd, then that residual's backward in place:
+                                               dinp flows on, dbranch (overwritten) gets a copy
     grad_norm_partial(partials, grads); grad_norm_final(norm, partials); grad_scale(grads, scale)
     adamw_step(params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges)
 """
