@@ -6,6 +6,7 @@
 // is mma m16n8k16 with bf16 operands and fp32 accumulation. Softmax, lse, D and the accumulators are fp32; P and dS
 // are rounded to bf16 only as operands of the next product, and each result is rounded to bf16 once, when stored
 // (the backward adds into dqkv: old bf16 value + fp32 result, one rounding; or, with add = 0, writes over it).
+// The fp16 build (ACT_FP16) is the same kernels on IEEE half operands (the f16 mma): its activations are fp16.
 //
 // Layouts (row-major): qkv and dqkv are [3, B, T, C] (Q, K, V planes), out (Y) and dout (dY) [B, T, C], head h the
 // columns [64 h, 64 h + 64) of C (so C = 64 H); lse and D are fp32 [B, H, T]. T is any length >= 1: rows past T read
@@ -166,20 +167,25 @@ __device__ __forceinline__ float2 lds_f2(unsigned addr) {
     return v;
 }
 
-// c[16 x 8] += a[16 x 16] b[16 x 8]
+// c[16 x 8] += a[16 x 16] b[16 x 8]: bf16 operands, or IEEE half ones in the fp16 build (ACT_FP16)
+#ifdef ACT_FP16
+#define MMA_16BIT "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#else
+#define MMA_16BIT "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#endif
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+    asm(MMA_16BIT
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The A fragment of k-step k from a 16-column pair of C fragments (P or dS), rounded to bf16.
+// The A fragment of k-step k from a 16-column pair of C fragments (P or dS), rounded to the build's 16 bits.
 __device__ __forceinline__ void pack_a(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
-    a[0] = pack_bf16x2(lo[0], lo[1]);
-    a[1] = pack_bf16x2(lo[2], lo[3]);
-    a[2] = pack_bf16x2(hi[0], hi[1]);
-    a[3] = pack_bf16x2(hi[2], hi[3]);
+    a[0] = pack_lowp2(lo[0], lo[1]);
+    a[1] = pack_lowp2(lo[2], lo[3]);
+    a[2] = pack_lowp2(hi[0], hi[1]);
+    a[3] = pack_lowp2(hi[2], hi[3]);
 }
 
 // ---- asynchronous copies ---------------------------------------------------------------------------------------
@@ -239,9 +245,14 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
         for (int r = 0; r < 4; r++) acc[n][r] = 0.0f;
 }
 
-// The low and high bf16 of a pair, as floats.
+// The low and high 16-bit value of a pair, as floats (bf16: the bits moved into place).
+#ifdef ACT_FP16
+__device__ __forceinline__ float lo_f32(unsigned x) { return lowp_to_f32(static_cast<lowp>(x & 0xffffu)); }
+__device__ __forceinline__ float hi_f32(unsigned x) { return lowp_to_f32(static_cast<lowp>(x >> 16)); }
+#else
 __device__ __forceinline__ float lo_f32(unsigned x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float hi_f32(unsigned x) { return __uint_as_float(x & 0xffff0000u); }
+#endif
 
 // dst[row, 8n + 2t .. +1] (+)= scale * acc for the thread's two rows (row0, row0 + 8) below T: the old bf16 value
 // (when ADD) plus the fp32 result, rounded once.
@@ -261,7 +272,7 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
                 x += lo_f32(old);
                 y += hi_f32(old);
             }
-            d[4 * n] = pack_bf16x2(x, y);
+            d[4 * n] = pack_lowp2(x, y);
         }
     }
 }

@@ -19,7 +19,9 @@ FP32 accumulation), "bf16" (mixed precision: activations, the activation gradien
 and a copy of the weights in bfloat16, FP32 accumulation in every product and FP32 arithmetic in every
 kernel; LayerNorm, softmax and loss statistics, the residual-stream gradients, weights, gradients, m
 and v stay FP32) or "fp16" (the same in IEEE half, the seed's cuBLAS FP16 route; its narrow range needs
-the model's dynamic loss scale, and its attention runs the generic kernels of attn.cu on TF32 products). Weights, m and v are FP32 in every precision: the checkpoint is the same. The fp32
+the model's dynamic loss scale). At head width 64 the 16-bit precisions' attention is kernels/attn_bf16.cu (the
+bf16 or f16 mma); other widths run attn.cu on TF32 products. Weights, m and v are FP32 in every precision: the
+checkpoint is the same. The fp32
 attention kernels use the tensor cores too, in "3xTF32" (each operand split into two TF32 parts, three
 products: FP32-level accuracy, the same arithmetic as PyTorch's fp32 memory-efficient attention).
 Each precision is its own build of kernels/*.cu (the activation type act_t, kernels/common.cuh).
@@ -64,10 +66,11 @@ LOSS_THREADS = 1024
 ATTN_THREADS, ATTN_TILE, ATTN_LD = 128, 64, 68
 ATTN_FWD_SMEM = 3 * ATTN_TILE * ATTN_LD * 4  # Q, K, V tiles
 ATTN_BWD_SMEM = 4 * ATTN_TILE * ATTN_LD * 4 + 2 * ATTN_TILE * 4  # Q, dY, K, V tiles; a query tile's lse and D
-# kernels/attn_bf16.cu: bf16 activations, head width 64 only, static shared memory only; its launch shape is
-# the module's constant attn_bf16_launch (threads and query rows of a forward / dQ block, threads and key rows
-# of a dK/dV block), read when the module loads.
+# kernels/attn_bf16.cu: 16-bit activations (the bf16 mma, or the f16 one in the fp16 build), head width 64 only,
+# static shared memory only; its launch shape is the module's constant attn_bf16_launch (threads and query rows
+# of a forward / dQ block, threads and key rows of a dK/dV block), read when the module loads.
 ATTN_BF16_HEAD = 64
+MMA16_ATTENTION = ("bf16", "fp16")  # the precisions whose attention runs kernels/attn_bf16.cu
 ELEMENTWISE_THREADS = 256
 NORM_THREADS = 512
 
@@ -85,7 +88,7 @@ def _load_kernels(precision: str) -> dict:
     options = build_options(precision)
     functions = {}
     for op, names in KERNELS.items():
-        if op == "attn_bf16" and precision != "bf16":
+        if op == "attn_bf16" and precision not in MMA16_ATTENTION:
             continue
         key = (str(folder), op, options)
         if key not in _modules:
@@ -491,9 +494,9 @@ class CudaEngine:
                       np.int32(split))
 
     def _bf16_attention(self, qkv, n_head) -> tuple | None:
-        """Arguments of kernels/attn_bf16.cu when it takes this shape (bf16, head width 64), else None."""
+        """Arguments of kernels/attn_bf16.cu when it takes this shape (bf16 or fp16, head width 64), else None."""
         _, B, T, C = qkv.shape
-        if self.precision != "bf16" or C != ATTN_BF16_HEAD * n_head:
+        if self.precision not in MMA16_ATTENTION or C != ATTN_BF16_HEAD * n_head:
             return None
         return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
                                np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
