@@ -81,6 +81,14 @@ class ParameterLayout:
         """Views of one layer's tensors, keyed by their short name (W_Q, LN1.gamma, ...)."""
         return {t: self.view(flat, f"h{layer}.{t}") for t in LAYER_TENSORS}
 
+    def span(self, first: str, last: str) -> slice:
+        """The flat range from tensor `first` through tensor `last` (in layout order)."""
+        return slice(self.by_name[first].offset, self.by_name[last].end)
+
+    def layer_span(self, layer: int) -> slice:
+        """Layer `layer`'s tensors: one contiguous range of the flat vector."""
+        return self.span(f"h{layer}.{LAYER_TENSORS[0]}", f"h{layer}.{LAYER_TENSORS[-1]}")
+
     def decay_ranges(self) -> list[tuple[int, int]]:
         """Contiguous [start, end) ranges that decay (merged), for engines that avoid a mask."""
         ranges: list[tuple[int, int]] = []

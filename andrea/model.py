@@ -90,7 +90,7 @@ class Model:
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and hasattr(engine, "capture")
-        self._step_graph = None
+        self._step_graphs: dict = {}  # (loss grad scale, reduce) -> recorded micro-batch
         self.loss_scale = LossScale() if getattr(engine, "loss_scaling", False) and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
@@ -201,14 +201,18 @@ class Model:
         return self.buf[scratch] if option in self.recompute else self.buf[name][l]
 
     # ---- backward --------------------------------------------------------------------------
-    def _backward(self) -> None:
+    def _backward(self, reduce: bool = False) -> None:
         """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed), from the
         gradient at LNf's output that the classifier's pieces left in d_ln (_classifier, in the forward).
 
         The classifier's d_logits is `probs` itself, turned into the gradient in place (it is not read again).
         `d_residual` is the residual stream's gradient, one buffer from the top to the embedding: a residual
         connection passes it on unchanged, so each one's backward is the copy into `d_branch` that the
-        LayerNorm backward after it writes (layernorm_residual_bwd)."""
+        LayerNorm backward after it writes (layernorm_residual_bwd).
+
+        With `reduce` (the last micro-batch of a data-parallel step) each part of the gradient starts its sum
+        over the ranks as soon as it is final: LNf's, then each layer's, then wte's and wpe's after the
+        embedding; the sums run beside the rest of the backward, which waits for them only at its end."""
         e, b, P, W, G, H = self.engine, self.buf, self.P, self.W, self.G, self.shape.n_head
         res, dres, d_branch = b["residual"], b["d_residual"], b["d_branch"]
         # Activation gradients are written by their first op (overwrite), not zeroed and added into; the residual
@@ -216,6 +220,9 @@ class Model:
         e.zero(dres)
         e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
                                  b["lnf_mean"], b["lnf_rstd"])
+        dp, grads, lay = self.data_parallel if reduce else None, b["grads"], self.layout
+        if dp:
+            dp.reduce_async(grads[lay.span("LNf.gamma", "LNf.beta")])
         for l in reversed(range(self.shape.n_layer)):
             p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
             # x_out = x_mid + mlp(LN2(x_mid))
@@ -239,7 +246,12 @@ class Model:
                 e.layernorm_residual_bwd(dres, d_branch, *ln1)
             else:  # below layer 0 the stream is the embedding's output
                 e.layernorm_bwd(dres, *ln1)
+            if dp:
+                dp.reduce_async(grads[lay.layer_span(l)])
         e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
+        if dp:
+            dp.reduce_async(grads[lay.span("wte", "wpe")])
+            dp.wait()
 
     @property
     def _scale(self) -> float:
@@ -250,17 +262,20 @@ class Model:
         """d(loss)/d(losses): the mean's 1 / (B * T), times the loss scale."""
         return self._scale / (self.micro_batch * self.shape.seq_len)
 
-    def _forward_backward(self) -> None:
+    def _forward_backward(self, reduce: bool = False) -> None:
         """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed
-        (again after the loss scale, which the recorded backward holds, changes)."""
+        (again after the loss scale, which the recorded backward holds, changes). `reduce`: the gradient's
+        sums over data-parallel ranks run inside the backward (a recording of its own)."""
         if not self.graphs:
             self._forward_ops(backward=True)
-            self._backward()
+            self._backward(reduce)
             return
-        key = self._loss_grad_scale()
-        if self._step_graph is None or self._step_graph[0] != key:
-            self._step_graph = key, self.engine.capture(lambda: (self._forward_ops(backward=True), self._backward()))
-        self.engine.replay(self._step_graph[1])
+        key = self._loss_grad_scale(), reduce
+        if key not in self._step_graphs:
+            if any(k[0] != key[0] for k in self._step_graphs):  # the fp16 loss scale moved: drop stale recordings
+                self._step_graphs.clear()
+            self._step_graphs[key] = self.engine.capture(lambda: (self._forward_ops(backward=True), self._backward(reduce)))
+        self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------
     def grad_norm(self) -> float:
@@ -276,14 +291,15 @@ class Model:
         `step` counts optimizer steps already done; returns (mean loss, grad norm before clipping)."""
         e, b = self.engine, self.buf
         losses = []
-        for tokens, targets in micro_batches:
+        for i, (tokens, targets) in enumerate(micro_batches):
             self._upload(tokens, targets)
-            self._forward_backward()
+            # the last micro-batch's backward also sums the gradient over the data-parallel ranks
+            self._forward_backward(reduce=self.data_parallel is not None and i == len(micro_batches) - 1)
             losses.append(e.mean_loss(b["losses"]))
         loss = float(np.mean(losses))
         n = len(micro_batches)
         if self.data_parallel is not None:
-            loss = self.data_parallel.reduce_gradients(b["grads"], loss)
+            loss = self.data_parallel.reduce_loss(loss)
             n *= self.data_parallel.world
         unscale = 1.0 / (n * self._scale)
         if unscale != 1.0:

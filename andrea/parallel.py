@@ -72,7 +72,9 @@ def unique_id(rank: Rank, id_file: Path) -> bytes:
 
 
 class DataParallel:
-    """The collectives of a data-parallel step, on the engine's current CUDA stream."""
+    """The collectives of a data-parallel step. The gradient's sums run on a stream of their own, a bucket
+    (a layer's range of the flat buffer) as soon as the backward has finished it, beside the rest of the
+    backward (Model._backward); the loss and signal flags on the engine's current stream."""
 
     def __init__(self, rank: Rank, uid: bytes):
         import cupy
@@ -83,20 +85,32 @@ class DataParallel:
         self._nccl = nccl
         self._cupy = cupy
         self.comm = nccl.NcclCommunicator(rank.world, uid, rank.rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # the gradient all-reduces
+        self._ready, self._done = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
         # Small buffers for the loss and the signal flags, allocated once here.
         self._loss = cupy.zeros(1, dtype=np.float64)
         self._flags = cupy.zeros(2, dtype=np.int32)
 
-    def _all_reduce(self, buf, dtype, op) -> None:
-        stream = self._cupy.cuda.get_current_stream().ptr
-        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, dtype, op, stream)
+    def _all_reduce(self, buf, dtype, op, stream=None) -> None:
+        stream = stream or self._cupy.cuda.get_current_stream()
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, dtype, op, stream.ptr)
 
-    def reduce_gradients(self, grads, local_loss: float) -> float:
-        """Sum the flat gradient over ranks (in place); return the mean of the ranks' losses."""
-        nccl = self._nccl
-        self._all_reduce(grads, nccl.NCCL_FLOAT32, nccl.NCCL_SUM)
+    def reduce_async(self, grads) -> None:
+        """Start summing `grads` (a range of the flat gradient) over the ranks, in place, once everything
+        queued so far on the current stream is done; the current stream goes on until wait()."""
+        self._ready.record(self._cupy.cuda.get_current_stream())
+        self.stream.wait_event(self._ready)
+        self._all_reduce(grads, self._nccl.NCCL_FLOAT32, self._nccl.NCCL_SUM, self.stream)
+
+    def wait(self) -> None:
+        """The current stream waits for every sum started so far."""
+        self._done.record(self.stream)
+        self._cupy.cuda.get_current_stream().wait_event(self._done)
+
+    def reduce_loss(self, local_loss: float) -> float:
+        """The mean of the ranks' losses."""
         self._loss[0] = local_loss
-        self._all_reduce(self._loss, nccl.NCCL_FLOAT64, nccl.NCCL_SUM)
+        self._all_reduce(self._loss, self._nccl.NCCL_FLOAT64, self._nccl.NCCL_SUM)
         return float(self._loss.get()[0]) / self.world
 
     def agree(self, terminate: bool, snapshot: bool) -> tuple[bool, bool]:
