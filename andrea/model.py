@@ -184,7 +184,8 @@ class Model:
         """The tied classifier and loss over the micro-batch, a piece of probs.shape[0] sequences at a time
         through the one probs buffer; with `backward`, each piece's loss_bwd follows its loss_fwd at once (it
         needs nothing later in the forward), adding that piece's share of wte's gradient and writing its rows
-        of d_ln, the gradient at LNf's output."""
+        of d_ln, the gradient at LNf's output. The piece's d_logits is `probs` itself, turned into the gradient
+        in place (it is not read again)."""
         e, b, W = self.engine, self.buf, self.W
         rows = b["probs"].shape[0]
         for start in range(0, self.micro_batch, rows):
@@ -205,7 +206,6 @@ class Model:
         """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed), from the
         gradient at LNf's output that the classifier's pieces left in d_ln (_classifier, in the forward).
 
-        The classifier's d_logits is `probs` itself, turned into the gradient in place (it is not read again).
         `d_residual` is the residual stream's gradient, one buffer from the top to the embedding: a residual
         connection passes it on unchanged, so each one's backward is the copy into `d_branch` that the
         LayerNorm backward after it writes (layernorm_residual_bwd).
