@@ -98,6 +98,40 @@ def test_deterministic(engines, precision):
     assert first.digest == second.digest
 
 
+def test_gelu_epilogue_products_take_unaligned_buffers(engines):
+    """Buffers 2 bytes past an aligned address (a plan's views can be): cuBLASLt is asked for algorithms that
+    take that alignment (or the engine falls back to product + kernel); the MLP still matches float64."""
+    from andrea.engines.numpy_engine import NumpyEngine
+
+    e, rng = engines["bf16"], np.random.default_rng(np.random.SeedSequence().entropy)
+    N, C = 37, 40
+    F = 4 * C
+    host = {"inp": rng.standard_normal((N, C)), "W_1": rng.standard_normal((C, F)) / C**0.5,
+            "W_2": rng.standard_normal((F, C)) / F**0.5, "dout": rng.standard_normal((N, C))}
+    host = {k: v.astype("bfloat16").astype(np.float64) for k, v in host.items()}
+
+    def unaligned(shape, value=None):
+        flat = e.xp.zeros(int(np.prod(shape)) + 1, dtype="bfloat16")
+        a = flat[1:].reshape(shape)
+        e.upload(a, np.full(shape, np.nan) if value is None else value)
+        return a
+
+    dev = {k: unaligned(v.shape, v) for k, v in host.items()}
+    out, pre, act, dpre = (unaligned(s) for s in ((N, C), (N, F), (N, F), (N, F)))
+    dinp = e.xp.zeros((N, C), dtype=np.float32)
+    dW_1, dW_2 = e.xp.zeros((C, F), dtype=np.float32), e.xp.zeros((F, C), dtype=np.float32)
+    e.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"])
+    e.mlp_bwd(dinp, dW_1, dW_2, dpre, dev["dout"], dev["inp"], pre, act, dev["W_1"], dev["W_2"], overwrite=True)
+    ref = NumpyEngine("float64")
+    r_out, r_pre, r_act, r_dpre = (np.zeros(x.shape) for x in (out, pre, act, dpre))
+    r_dinp, r_dW_1, r_dW_2 = np.zeros((N, C)), np.zeros((C, F)), np.zeros((F, C))
+    ref.mlp_fwd(r_out, r_pre, r_act, host["inp"], host["W_1"], host["W_2"])
+    ref.mlp_bwd(r_dinp, r_dW_1, r_dW_2, r_dpre, host["dout"], host["inp"], r_pre, r_act, host["W_1"], host["W_2"])
+    for name, got, want in (("out", out, r_out), ("act", act, r_act), ("dinp", dinp, r_dinp), ("dW_1", dW_1, r_dW_1)):
+        got = e.to_host(got).astype(np.float64)
+        assert np.linalg.norm(got - want) <= REL["bf16"] * np.linalg.norm(want), name
+
+
 def test_train_step_allocates_nothing(engines):
     from andrea.model import Model, init_params
 

@@ -202,6 +202,7 @@ class _CublasLt:
     EPILOGUES = {"gelu_aux": 32 | 128, "dgelu": 64 | 128}  # CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_DGELU
     DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_AUX_POINTER, DESC_AUX_LD = 3, 4, 7, 11, 12
     PREF_MAX_WORKSPACE_BYTES = 1
+    PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES (uint32, default 256)
     SCALE_32F = 0  # CUDA_R_32F
 
     class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
@@ -241,7 +242,7 @@ class _CublasLt:
         return layout
 
     def _plan(self, key, aux):
-        t_c, t_ab, m, n, k, trans_a, trans_b, epilogue = key
+        t_c, t_ab, m, n, k, trans_a, trans_b, epilogue, align_b, align_a, align_c, _ = key
         lib = self.lib
         desc = ctypes.c_void_p()
         _Cublas._check("cublasLtMatmulDescCreate", lib.cublasLtMatmulDescCreate(
@@ -260,6 +261,11 @@ class _CublasLt:
         limit = ctypes.c_uint64(self.workspace.nbytes)
         _Cublas._check("cublasLtMatmulPreferenceSetAttribute", lib.cublasLtMatmulPreferenceSetAttribute(
             pref, self.PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), ctypes.sizeof(limit)))
+        # only algorithms that take the operands' actual alignment (cuBLAS's A, B, C, D: our b, a, c, c)
+        for attr, align in zip(self.PREF_MIN_ALIGNMENT, (align_b, align_a, align_c, align_c)):
+            value = ctypes.c_uint32(align)
+            _Cublas._check("cublasLtMatmulPreferenceSetAttribute", lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, attr, ctypes.byref(value), ctypes.sizeof(value)))
         result, found = self._Heuristic(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, 1,
                                                     ctypes.byref(result), ctypes.byref(found))
@@ -270,7 +276,8 @@ class _CublasLt:
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str, aux) -> bool:
         """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) with `aux` [m, n] (GELU's input: written by
         gelu_aux, read by dgelu); False (nothing run) where cuBLASLt has no algorithm for it."""
-        key = (c.dtype.name, a.dtype.name, m, n, k, trans_a, trans_b, epilogue)
+        # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
+        key = (c.dtype.name, a.dtype.name, m, n, k, trans_a, trans_b, epilogue, *map(_alignment, (b, a, c, aux)))
         plan = self._plans[key] if key in self._plans else self._plan(key, aux)
         if plan is None:
             return False
@@ -285,6 +292,12 @@ class _CublasLt:
 
 def _ptr(a) -> int:
     return a.data.ptr
+
+
+def _alignment(a) -> int:
+    """The largest power of two up to 256 dividing an array's device address (cuBLASLt's alignment classes)."""
+    p = _ptr(a)
+    return min(256, p & -p) if p else 256
 
 
 def _adjacent(a, b, c) -> bool:
