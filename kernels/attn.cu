@@ -51,8 +51,8 @@ __device__ __forceinline__ float4 load4(const lowp* p) {
     return v;
 }
 
-// The same tile from 16-bit activations, widened to float as it lands (plain loads: the fp16 build, and the
-// bf16 build with a head width other than 64, which has no kernels of its own in attn_bf16.cu).
+// The same tile from 16-bit activations, widened to float as it lands (plain loads: the 16-bit builds at a head
+// width other than 64, which attn_bf16.cu does not take).
 __device__ __forceinline__ void load_tile(float* tile, const lowp* __restrict__ src, int row0, int T, int C, int hd) {
     constexpr int GROUPS = ATTN_TILE / 4, ROWS_PER_PASS = ATTN_THREADS / GROUPS;
     const int c = (threadIdx.x % GROUPS) * 4;

@@ -188,6 +188,30 @@ __device__ __forceinline__ void pack_a(unsigned (&a)[4], const float (&lo)[4], c
     a[3] = pack_lowp2(hi[2], hi[3]);
 }
 
+// The A fragments of the warp's m-tiles: f[i][kc] of Q / dY / K / V fragments, or f[i] of P / dS ones.
+template <int WT>
+__device__ __forceinline__ auto k_step(const unsigned (&f)[WT][4][4], int kc) {
+    return [&f, kc](int i) -> const unsigned (&)[4] { return f[i][kc]; };
+}
+template <int WT>
+__device__ __forceinline__ auto m_tiles(const unsigned (&f)[WT][4]) {
+    return [&f](int i) -> const unsigned (&)[4] { return f[i]; };
+}
+
+// One 16 x 16 block of a shared tile as B (ldmatrix, or TRANS: ldmatrix.trans) against each of the warp's WT
+// m-tiles a(i): c[i][n] += its first 8 columns, c[i][n + 1] += its last 8.
+template <bool TRANS, int WT, int N, typename A>
+__device__ __forceinline__ void mma_block(float (&c)[WT][N][4], int n, A a, unsigned tile, int row, int chunk) {
+    unsigned b[4];
+    if constexpr (TRANS) ldsm_trans(b, lds_at(tile, row, chunk));
+    else ldsm(b, lds_at(tile, row, chunk));
+#pragma unroll
+    for (int i = 0; i < WT; i++) {
+        mma_bf16(c[i][n], a(i), b[0], b[1]);
+        mma_bf16(c[i][n + 1], a(i), b[2], b[3]);
+    }
+}
+
 // ---- asynchronous copies ---------------------------------------------------------------------------------------
 // src_bytes 0 fills the destination with zeros and reads nothing (the address is still a valid one).
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool inside) {
@@ -327,13 +351,7 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
 #pragma unroll
         for (int np = 0; np < 4; np++) {  // keys 16 np .. 16 np + 15 of the tile
             if (MASK && kb + 16 * np >= R + 16 * WT) continue;
-            unsigned b[4];
-            ldsm(b, lds_at(kq, 16 * np, kc));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(s[i][2 * np], qf[i][kc], b[0], b[1]);
-                mma_bf16(s[i][2 * np + 1], qf[i][kc], b[2], b[3]);
-            }
+            mma_block<false>(s, 2 * np, k_step(qf, kc), kq, 16 * np, kc);
         }
     // The running maximum m of a row (base 2) moves when the step's maximum passes it, and then the accumulators are
     // rescaled; a step where no row of the warp moves skips the rescale (a warp-uniform test). ATTN_BF16_SLACK > 0
@@ -405,15 +423,7 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
 #pragma unroll
         for (int i = 0; i < WT; i++) pack_a(pf[i], s[i][2 * kc], s[i][2 * kc + 1]);
 #pragma unroll
-        for (int np = 0; np < 4; np++) {  // columns 16 np .. 16 np + 15 of V
-            unsigned b[4];
-            ldsm_trans(b, lds_at(vq, 16 * kc, np));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(o[i][2 * np], pf[i], b[0], b[1]);
-                mma_bf16(o[i][2 * np + 1], pf[i], b[2], b[3]);
-            }
-        }
+        for (int np = 0; np < 4; np++) mma_block<true>(o, 2 * np, m_tiles(pf), vq, 16 * kc, np);  // V's 16-column blocks
     }
 }
 
@@ -522,19 +532,8 @@ __device__ __forceinline__ void dq_step(unsigned kq, unsigned vq, unsigned kt_, 
         }
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {
-            unsigned b[4];
-            ldsm(b, lds_at(kq, 16 * c, kc));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(s[i][0], qf[i][kc], b[0], b[1]);
-                mma_bf16(s[i][1], qf[i][kc], b[2], b[3]);
-            }
-            ldsm(b, lds_at(vq, 16 * c, kc));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(dp[i][0], yf[i][kc], b[0], b[1]);
-                mma_bf16(dp[i][1], yf[i][kc], b[2], b[3]);
-            }
+            mma_block<false>(s, 0, k_step(qf, kc), kq, 16 * c, kc);
+            mma_block<false>(dp, 0, k_step(yf, kc), vq, 16 * c, kc);
         }
         unsigned a[WT][4];  // dS, rounded to bf16
 #pragma unroll
@@ -551,15 +550,7 @@ __device__ __forceinline__ void dq_step(unsigned kq, unsigned vq, unsigned kt_, 
             pack_a(a[i], dp[i][0], dp[i][1]);
         }
 #pragma unroll
-        for (int np = 0; np < 4; np++) {
-            unsigned b[4];
-            ldsm_trans(b, lds_at(kt_, 16 * c, np));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(dq[i][2 * np], a[i], b[0], b[1]);
-                mma_bf16(dq[i][2 * np + 1], a[i], b[2], b[3]);
-            }
-        }
+        for (int np = 0; np < 4; np++) mma_block<true>(dq, 2 * np, m_tiles(a), kt_, 16 * c, np);
     }
 }
 
@@ -687,25 +678,19 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
         }
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {
-            unsigned b[4];
-            ldsm(b, lds_at(qc, 16 * c, kc));
+            mma_block<false>(s, 0, k_step(kf, kc), qc, 16 * c, kc);
+            if constexpr (VS) {  // V's A fragments from shared memory, one m-tile at a time
+                unsigned b[4];
+                ldsm(b, lds_at(yc, 16 * c, kc));
 #pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(s[i][0], kf[i][kc], b[0], b[1]);
-                mma_bf16(s[i][1], kf[i][kc], b[2], b[3]);
-            }
-            ldsm(b, lds_at(yc, 16 * c, kc));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                if constexpr (VS) {
+                for (int i = 0; i < WT; i++) {
                     unsigned a[4];
                     ldsm(a, lds_at(vr, 16 * i, kc));
                     mma_bf16(dp[i][0], a, b[0], b[1]);
                     mma_bf16(dp[i][1], a, b[2], b[3]);
-                } else {
-                    mma_bf16(dp[i][0], vf[i][kc], b[0], b[1]);
-                    mma_bf16(dp[i][1], vf[i][kc], b[2], b[3]);
                 }
+            } else {
+                mma_block<false>(dp, 0, k_step(vf, kc), yc, 16 * c, kc);
             }
         }
         float l2[2][2], d[2][2];  // lse (base 2) and D of this thread's queries 16 c + 8 n + 2 t + e
@@ -736,19 +721,8 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
         }
 #pragma unroll
         for (int np = 0; np < 4; np++) {
-            unsigned b[4];
-            ldsm_trans(b, lds_at(yr, 16 * c, np));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(dv[i][2 * np], pa[i], b[0], b[1]);
-                mma_bf16(dv[i][2 * np + 1], pa[i], b[2], b[3]);
-            }
-            ldsm_trans(b, lds_at(qr, 16 * c, np));
-#pragma unroll
-            for (int i = 0; i < WT; i++) {
-                mma_bf16(dk[i][2 * np], da[i], b[0], b[1]);
-                mma_bf16(dk[i][2 * np + 1], da[i], b[2], b[3]);
-            }
+            mma_block<true>(dv, 2 * np, m_tiles(pa), yr, 16 * c, np);
+            mma_block<true>(dk, 2 * np, m_tiles(da), qr, 16 * c, np);
         }
     }
 }

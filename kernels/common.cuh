@@ -109,6 +109,7 @@ __device__ __forceinline__ void unpack_lowp2(unsigned w, float& lo, float& hi) {
     hi = lowp_to_f32(static_cast<lowp>(w >> 16));
 }
 #if defined(ACT_BF16) || defined(ACT_FP16)
+#define ACT_LOWP  // a 16-bit build: kernels may use approximations below its rounding (GELU's tanh, softmax's exp)
 typedef lowp act_t;
 #else
 typedef float act_t;

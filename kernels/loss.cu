@@ -15,7 +15,7 @@
 // rounding of a 16-bit probability): expf's dozen instructions an element made the softmax pass as much
 // compute as memory at bf16's byte count. The fp32 build keeps expf.
 __device__ __forceinline__ float exp_row(float x) {
-#if defined(ACT_BF16) || defined(ACT_FP16)
+#ifdef ACT_LOWP
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
     return y;

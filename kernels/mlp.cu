@@ -12,7 +12,7 @@
 // under the rounding of a bf16 result); libm's tanhf takes some twenty instructions, which made the GELU
 // passes compute-bound at bf16's byte count. The fp32 build keeps tanhf.
 __device__ __forceinline__ float gelu_tanh(float u) {
-#if defined(ACT_BF16) || defined(ACT_FP16)
+#ifdef ACT_LOWP
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
     return t;
