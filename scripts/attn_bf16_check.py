@@ -38,7 +38,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -48,7 +47,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source
+from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
+from gpu_check import median_ms  # noqa: E402  (scripts/ is on the path: this script's folder)
 
 HD = 64
 SHAPES = [(2, 1024, 12), (1, 200, 2), (3, 64, 1), (2, 77, 3), (8, 1024, 12)]  # (B, T, H)
@@ -391,20 +391,6 @@ def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
     return res
 
 
-def time_ms(cp, fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(REPEAT):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
-
-
 def bench(attn: Attn) -> dict:
     cp, res = attn.cp, {}
     for B, T, H in BENCH_SHAPES:
@@ -431,8 +417,8 @@ def bench(attn: Attn) -> dict:
                 attn.bwd_kv(d["dqkv"], d["delta"], d["dout"], d["qkv"], d["lse"], *s)
 
             fwd_run()
-            fwd, bwd = time_ms(cp, fwd_run), time_ms(cp, bwd_run)
-            dq, kv = time_ms(cp, dq_run), time_ms(cp, kv_run)
+            fwd, bwd = median_ms(fwd_run, REPEAT, WARMUP), median_ms(bwd_run, REPEAT, WARMUP)
+            dq, kv = median_ms(dq_run, REPEAT, WARMUP), median_ms(kv_run, REPEAT, WARMUP)
             product = B * H * T * T * HD  # 2 B H T^2 hd / 2: one causal product
             r = {"fwd_ms": fwd, "bwd_ms": bwd, "bwd_dq_ms": dq, "bwd_kv_ms": kv,
                  "fwd_tflops": FWD_PRODUCTS * product / (fwd * 1e-3) / 1e12,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from andrea.config import ModelShape  # noqa: E402
+from gpu_check import graph_ms  # noqa: E402  (scripts/ is on the path: this script's folder)
 
 REPEATS = 20
 
@@ -47,19 +47,8 @@ def products(shape: ModelShape, B: int) -> list[tuple]:
 
 
 def timed_ms(engine, fn) -> float:
-    """Median time of one fn() over 5 launches of a graph that records it REPEATS times."""
-    import cupy
-
-    graph = engine.capture(lambda: [fn() for _ in range(REPEATS)])
-    times = []
-    for _ in range(6):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        engine.replay(graph)
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / REPEATS)
-    return statistics.median(times[1:])
+    """Median time of one fn(), recorded REPEATS times in one CUDA graph (gpu_check's graph timing)."""
+    return graph_ms(engine, fn, reps=5, inner=REPEATS)
 
 
 def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
