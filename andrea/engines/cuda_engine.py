@@ -336,7 +336,7 @@ class CudaEngine:
                      "ln_partials": self.ln_partials}
         self.blas = _Cublas(precision, self.cublas_workspace)
         # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace)
-        self.blas_lt = _CublasLt(self.cublas_workspace) if self.act_vec == 8 else None
+        self.blas_lt = _CublasLt(self.cublas_workspace) if self.act_dtype != "float32" else None
         self._capture_streams: list = []
 
     @property
@@ -559,20 +559,27 @@ class CudaEngine:
 
     def _mlp_up(self, pre, act, inp, W_1):
         """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes."""
+        if not self._gelu_epilogue(pre, act, inp, W_1):
+            C, F = W_1.shape
+            self.blas.gemm(pre, inp, W_1, inp.size // C, F, C)
+            self._gelu(act, pre)
+
+    def _gelu_epilogue(self, pre, act, inp, W_1) -> bool:
+        """pre = inp @ W_1 and act = GELU(pre) as one cuBLASLt product (GELU_AUX); False where there is none."""
         C, F = W_1.shape
-        N = inp.size // C
-        if self.blas_lt and self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre):
-            return
-        self.blas.gemm(pre, inp, W_1, N, F, C)
-        self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+        return self.blas_lt is not None and self.blas_lt.gemm(act, inp, W_1, inp.size // C, F, C, epilogue="gelu_aux",
+                                                              aux=pre)
+
+    def _gelu(self, act, pre):
+        self._launch("k_mlp_fwd", self._vec_blocks(pre.size), ELEMENTWISE_THREADS, act, pre, np.int64(pre.size))
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
         """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre, or, where
         the GELU is the product's epilogue, by the forward's own product again (the same bits in act and pre)."""
         C, F = W_1.shape
         N = inp.size // C
-        if recompute and not (self.blas_lt and self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)):
-            self._launch("k_mlp_fwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, act, pre, np.int64(N * F))
+        if recompute and not self._gelu_epilogue(pre, act, inp, W_1):
+            self._gelu(act, pre)
         self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
         if not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre)):
             self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
