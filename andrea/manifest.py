@@ -59,11 +59,16 @@ def write_manifest(
     counts: Mapping[str, int],
     wall_time_s: float,
     dropped: Mapping[str, int] | None = None,
+    dropped_at: Mapping[str, Sequence[str]] | None = None,
+    dropped_turns: Mapping[str, int] | None = None,
+    dropped_parts: Mapping[str, int] | None = None,
 ) -> dict:
     """Write `<artifact>.manifest.json` atomically and return it.
 
     `inputs`: local files as paths (hashed here), or mappings for what is not a local file
-    (a Hub dataset, the packaged corpus), stored as given.
+    (a Hub dataset, the packaged corpus), stored as given. `dropped` counts rows by reason,
+    `dropped_at` the first places (FILE:LINE or FILE:ROW) of each reason; prep adds the turns it
+    removed (`dropped_turns`) and both the OpenAI content parts that are not text (`dropped_parts`).
     """
     artifact = Path(artifact)
     manifest = {
@@ -79,6 +84,9 @@ def write_manifest(
         "git_commit": git_commit(),
         "counts": dict(counts),
         "dropped": dict(sorted((dropped or {}).items())),
+        **{key: {k: (list(v) if key == "dropped_at" else v) for k, v in sorted(value.items())}
+           for key, value in (("dropped_at", dropped_at), ("dropped_turns", dropped_turns),
+                              ("dropped_parts", dropped_parts)) if value is not None},
         "wall_time_s": round(wall_time_s, 3),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

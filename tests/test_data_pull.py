@@ -28,7 +28,8 @@ HERMES_ROWS = [
     {"conversations": [{"from": "human", "value": "Ping"}, {"from": "gpt", "value": "Pong"}]},
 ]
 HERMES_TURNS = [
-    {"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+    {"from": "system", "value": "Be kind.", "weight": None}, {"from": "human", "value": "Hi", "weight": None},
+    {"from": "gpt", "value": "Hello!", "weight": None},
 ]
 
 
@@ -82,7 +83,8 @@ def test_hub_source_loads_a_dataset_laid_out_like_the_hub(tmp_path):
                      HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert pq.read_table(out).column("source").to_pylist() == [str(repo)] * 2
-    assert read_manifest(out)["inputs"] == [{"dataset": str(repo), "revision": None}]
+    assert read_manifest(out)["inputs"] == [
+        {"dataset": str(repo), "revision": None, "files": ["data/train-00000-of-00001.parquet"]}]
 
 
 class FakeHub(BaseHTTPRequestHandler):

@@ -17,8 +17,9 @@ def log(stage: str, message: str) -> None:
 
 
 @contextmanager
-def progress(stage: str, description: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
-    """Yield `advance(n)`, to be called as each piece of the `total` units is done."""
+def progress(stage: str, description: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
+    """Yield `advance(n)`, to be called as each piece of the `total` units is done (None: not
+    known ahead, as for a streamed file; logs then get the start and end lines only)."""
     start = time.perf_counter()
     if sys.stderr.isatty():
         from rich.console import Console
@@ -31,7 +32,7 @@ def progress(stage: str, description: str, total: int, unit: str) -> Iterator[Ca
             yield lambda n=1: bar.advance(task, n)
         return
 
-    log(stage, f"{description} ({total:,} {unit})")
+    log(stage, f"{description} ({total:,} {unit})" if total is not None else description)
     done = 0
     quarters_logged = 0
 

@@ -1,28 +1,30 @@
 """Stage pull-hermes3: raw chat data -> one parquet file in the Hermes-3 schema.
 
-Sources: the Hub (`datasets.load_dataset`), the corpus embedded in this package (the offline
-default), or a local JSON / JSONL / parquet file in either chat schema. The output keeps the text
-as it came (prep cleans it); it only puts each row in the Hermes-3 schema plus a `source` column,
-dropping rows that cannot be put in it, counted by reason in the manifest.
+Sources: the Hub (the files of a dataset's train split, streamed at the commit its revision
+resolves to), the corpus embedded in this package (the offline default), or a local JSON, JSONL
+(optionally gzip'd) or parquet file in either chat schema. Every record is decoded on its own
+(`andrea.data.raw_rows`), so the output holds each kept text exactly as the source does; a record
+that cannot be put in the Hermes-3 schema is one drop, counted by reason with the first few line
+(or row) numbers in the manifest, and the file is read on. Prep judges the turns.
 """
 
 from __future__ import annotations
 
 import gzip
-import json
 import os
-import tempfile
 import time
-from collections import Counter
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
 from andrea.data import HERMES3_DATASET
-from andrea.data.conversations import SCHEMAS, Dropped, read_turns, to_hermes
+from andrea.data.conversations import Dropped, hermes_turns
+from andrea.data.drops import Drops
 from andrea.data.progress import log, progress
+from andrea.data.raw_rows import Rows, Unreadable, json_lines, json_records, open_stream, parquet_rows
 from andrea.data.tables import BATCH_ROWS, parquet_output
 from andrea.errors import AndreaError
 from andrea.hashing import sha256_file
@@ -32,28 +34,47 @@ STAGE = "pull-hermes3"
 EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
 EMBEDDED_CORPUS = EMBEDDED_DIR / "hermes3-embedded.jsonl.gz"
 EMBEDDED_INFO = EMBEDDED_DIR / "hermes3-embedded.json"
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# file name ending -> reader of its (decompressed) bytes
+READERS: dict[str, Callable] = {".jsonl": json_lines, ".jsonl.gz": json_lines, ".json": json_records,
+                                ".json.gz": json_records, ".parquet": parquet_rows}
 ALTERNATIVES = ("pull with `--source embedded` (the corpus shipped in the package) "
                 "or `--source PATH` (a local JSON, JSONL or parquet file)")
 
-HERMES_SCHEMA = pa.schema([
-    ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
-    ("source", pa.string()),
-])
+TURN = pa.struct([("from", pa.string()), ("value", pa.string()), ("weight", pa.float64())])
+HERMES_SCHEMA = pa.schema([("conversations", pa.list_(TURN)), ("source", pa.string())])
 
 
 @dataclass
-class RawRows:
-    """What a source yields: row batches, how many rows, and how the manifest names the source."""
+class RawSource:
+    """What a source yields: its files' rows (opened one at a time), how many rows when known,
+    and how the manifest names the source."""
 
-    batches: Iterable[list]
-    total: int
+    files: Iterable[tuple[str, Callable[[], Rows]]]  # (file label, rows of it)
+    total: int | None
     default_source: str
     inputs: list = field(default_factory=list)
     config: dict = field(default_factory=dict)
 
 
-def embedded_rows() -> RawRows:
+def reader_for(name: str) -> Callable | None:
+    lower = name.lower()
+    return next((READERS[end] for end in sorted(READERS, key=len, reverse=True) if lower.endswith(end)), None)
+
+
+def file_rows(opener: Callable, name: str) -> Callable[[], Rows]:
+    """Rows of a file that `opener()` opens in binary mode, read as its name says."""
+    reader = reader_for(name)
+
+    def rows() -> Rows:
+        with opener() as f:
+            yield from (reader(f) if reader is parquet_rows else reader(open_stream(f, name)))
+
+    return rows
+
+
+def embedded_source() -> RawSource:
+    import json
+
     info = json.loads(EMBEDDED_INFO.read_text(encoding="utf-8"))
     digest = sha256_file(EMBEDDED_CORPUS)
     if digest != info["sha256"]:
@@ -61,23 +82,33 @@ def embedded_rows() -> RawRows:
             f"{EMBEDDED_CORPUS}: sha256 {digest[:12]}… does not match {EMBEDDED_INFO.name} "
             f"({info['sha256'][:12]}…); reinstall andrea or regenerate it with scripts/make_embedded_corpus.py"
         )
-
-    def batches() -> Iterator[list]:
-        with gzip.open(EMBEDDED_CORPUS, "rt", encoding="utf-8") as f:
-            batch = []
-            for line in f:
-                batch.append(json.loads(line))
-                if len(batch) == BATCH_ROWS:
-                    yield batch
-                    batch = []
-            if batch:
-                yield batch
-
     uri = f"andrea:data/embedded/{EMBEDDED_CORPUS.name}"
-    return RawRows(batches(), info["conversations"], "embedded",
-                   inputs=[{"uri": uri, "sha256": digest, "license": info["license"]}],
-                   config={"source": "embedded"})
+    return RawSource([(EMBEDDED_CORPUS.name, file_rows(lambda: open(EMBEDDED_CORPUS, "rb"), EMBEDDED_CORPUS.name))],
+                     info["conversations"], "embedded",
+                     inputs=[{"uri": uri, "sha256": digest, "license": info["license"]}],
+                     config={"source": "embedded"})
 
+
+def local_source(path: Path) -> RawSource:
+    if not path.is_file():
+        raise AndreaError(
+            f"{path}: no such file; --source takes `hub`, `embedded` or the path of a local JSON, JSONL or parquet file"
+        )
+    if reader_for(path.name) is None:
+        raise AndreaError(f"{path}: unknown file type; use a .json, .jsonl (optionally .gz) or .parquet file")
+    total = None
+    if path.name.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            total = pq.read_metadata(path).num_rows
+        except (pa.ArrowException, OSError) as err:
+            raise AndreaError(f"{path}: not a readable parquet file ({err})") from None
+    return RawSource([(path.name, file_rows(lambda: open(path, "rb"), path.name))], total, path.name,
+                     inputs=[path], config={"source": "path", "format": reader_for(path.name).__name__})
+
+
+# ---- the Hub ---------------------------------------------------------------------------------
 
 def _quiet_datasets() -> None:
     import datasets
@@ -85,23 +116,6 @@ def _quiet_datasets() -> None:
     datasets.logging.set_verbosity_error()
     if not os.isatty(2):  # download bars redraw; in a log file they are noise
         datasets.disable_progress_bars()
-
-
-def _dataset_rows(dataset, default_source: str, inputs: list, config: dict) -> RawRows:
-    def batches() -> Iterator[list]:
-        for table in dataset.with_format("arrow").iter(batch_size=BATCH_ROWS):
-            yield table.to_pylist()
-
-    return RawRows(batches(), len(dataset), default_source, inputs, config)
-
-
-def _check_schema(dataset, where: str) -> None:
-    columns = dataset.column_names
-    if not any(column in columns for column, _, _ in SCHEMAS):
-        raise AndreaError(
-            f"{where}: no 'conversations' (Hermes-3) or 'messages' (OpenAI) column "
-            f"(found {', '.join(columns) or 'none'}); convert it to one of the two chat schemas"
-        )
 
 
 def _offline() -> bool:
@@ -143,98 +157,126 @@ def resolve_hub_revision(dataset_id: str, revision: str | None) -> str:
         ) from None
 
 
-def hub_rows(dataset_id: str, revision: str | None) -> RawRows:
+def _train_files(dataset_id: str, revision: str | None, offline: bool) -> list[str]:
+    """The train split's data files as datasets resolves them (README configs, else its default
+    patterns): local paths for a folder, hf:// URLs pinned to the commit otherwise."""
     import datasets
 
-    _quiet_datasets()
-    offline = _offline()
-    # a local clone of a Hub repo needs no network; an offline run reads datasets' cache
-    if not offline and not Path(dataset_id).is_dir():
-        revision = resolve_hub_revision(dataset_id, revision)
-    log(STAGE, f"loading {dataset_id}" + (f" at {revision}" if revision else ""))
     try:
-        dataset = datasets.load_dataset(dataset_id, split="train", revision=revision)
+        builder = datasets.load_dataset_builder(dataset_id, revision=revision)
     except Exception as err:  # datasets wraps network, cache and format failures in many types
         if offline:
             raise AndreaError(
                 f"{dataset_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it "
                 f"cannot be downloaded; unset HF_HUB_OFFLINE, or {ALTERNATIVES}"
             ) from None
+        raise AndreaError(f"datasets could not resolve {dataset_id} ({type(err).__name__}: {err}); {ALTERNATIVES}") from None
+    files = list((builder.config.data_files or {}).get("train", []))
+    if not files:
+        raise AndreaError(f"{dataset_id} has no train split; {ALTERNATIVES}")
+    unreadable = [f for f in files if reader_for(f) is None]
+    if unreadable:
         raise AndreaError(
-            f"datasets could not load {dataset_id} ({type(err).__name__}: {err}); {ALTERNATIVES}"
-        ) from None
-    _check_schema(dataset, dataset_id)
-    inputs = [{"dataset": dataset_id, "revision": revision}]
-    return _dataset_rows(dataset, dataset_id, inputs, {"source": "hub", "dataset": dataset_id, "revision": revision})
-
-
-def local_rows(path: Path, cache_dir: str) -> RawRows:
-    import datasets
-
-    if not path.is_file():
-        raise AndreaError(
-            f"{path}: no such file; --source takes `hub`, `embedded` or the path of a local JSON, JSONL or parquet file"
+            f"{dataset_id}: {unreadable[0]} is neither JSON, JSONL (optionally .gz) nor parquet, which is what "
+            f"the pull reads; {ALTERNATIVES}"
         )
-    suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
-    builder = LOCAL_BUILDERS.get(suffixes[0].lower() if suffixes else "")
-    if builder is None:
-        raise AndreaError(f"{path}: unknown file type; use a .json, .jsonl (optionally .gz) or .parquet file")
+    return files
+
+
+def _hub_opener(url: str, offline: bool) -> Callable:
+    """Opens a data file: a local path as it is; a Hub file streamed over HTTP (nothing cached),
+    or from the local cache when offline."""
+    if not url.startswith("hf://"):
+        return lambda: open(url, "rb")
+    if offline:
+        from datasets.utils.file_utils import cached_path
+
+        return lambda: open(cached_path(url), "rb")
+    from huggingface_hub import HfFileSystem
+
+    return lambda: HfFileSystem().open(url, "rb", block_size=8 << 20)
+
+
+def hub_source(dataset_id: str, revision: str | None) -> RawSource:
     _quiet_datasets()
-    try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
-    except Exception as err:  # datasets reports unreadable files through several exception types
-        cause = err.__cause__ or err
-        raise AndreaError(
-            f"{path}: datasets could not read it as {builder} ({type(cause).__name__}: {cause})"
-        ) from None
-    _check_schema(dataset, str(path))
-    return _dataset_rows(dataset, path.name, [path], {"source": "path", "format": builder})
+    offline = _offline()
+    # a local clone of a Hub repo needs no network; an offline run reads the local cache
+    if not offline and not Path(dataset_id).is_dir():
+        revision = resolve_hub_revision(dataset_id, revision)
+    log(STAGE, f"reading {dataset_id}" + (f" at {revision}" if revision else ""))
+    urls = _train_files(dataset_id, revision, offline)
+    names = [u.split("@", 1)[-1].split("/", 1)[-1] if u.startswith("hf://") else os.path.relpath(u, dataset_id)
+             for u in urls]
+    files = [(name, file_rows(_hub_opener(url, offline), url)) for name, url in zip(names, urls)]
+    inputs = [{"dataset": dataset_id, "revision": revision, "files": names}]
+    return RawSource(files, None, dataset_id, inputs,
+                     {"source": "hub", "dataset": dataset_id, "revision": revision})
 
 
-def hermes_table(rows: list, default_source: str, dropped: Counter) -> pa.Table:
-    conversations, sources = [], []
-    for row in rows:
+# ---- the stage -------------------------------------------------------------------------------
+
+def hermes_rows(raw: RawSource, drops: Drops, parts) -> Iterator[list[dict]]:
+    """Batches of Hermes-3 rows from every file of the source; each record that cannot be one is
+    counted in `drops` with its place (FILE:LINE, or FILE:ROW for parquet)."""
+    batch = []
+    for label, rows in raw.files:
         try:
-            conversations.append(to_hermes(read_turns(row)))
-        except Dropped as drop:
-            dropped[drop.reason] += 1
-            continue
-        source = row.get("source")
-        sources.append(source if isinstance(source, str) and source else default_source)
-    return pa.table({"conversations": conversations, "source": sources}, schema=HERMES_SCHEMA)
+            for number, row in rows():
+                if isinstance(row, Unreadable):
+                    drops.add(row.reason, f"{label}:{number}")
+                    continue
+                try:
+                    turns = hermes_turns(row, parts)
+                except Dropped as drop:
+                    drops.add(drop.reason, f"{label}:{number}")
+                    continue
+                source = row.get("source")
+                batch.append({"conversations": turns,
+                              "source": source if isinstance(source, str) and source else raw.default_source})
+                if len(batch) == BATCH_ROWS:
+                    yield batch
+                    batch = []
+        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+            raise AndreaError(f"{label}: not a complete gzip file ({err}); download it again") from None
+        except pa.ArrowException as err:
+            raise AndreaError(f"{label}: not a readable parquet file ({err})") from None
+    if batch:
+        yield batch
 
 
 def pull_hermes3(source: str, out: str | os.PathLike, revision: str | None = None,
                  hub_id: str = HERMES3_DATASET) -> dict:
     """Run the stage; returns the manifest of `out`."""
+    from collections import Counter
+
     start = time.perf_counter()
     out = Path(out)
     if revision and source != "hub":
         raise AndreaError("--revision applies to `--source hub` only")
-    with tempfile.TemporaryDirectory(prefix="andrea-pull-") as cache_dir:
-        if source == "embedded":
-            raw = embedded_rows()
-        elif source == "hub":
-            raw = hub_rows(hub_id, revision)
-        else:
-            raw = local_rows(Path(source), cache_dir)
-        dropped: Counter = Counter()
-        rows_in = rows_out = 0
-        with parquet_output(out, HERMES_SCHEMA) as writer, progress(STAGE, "converting", raw.total, "rows") as advance:
-            for batch in raw.batches:
-                table = hermes_table(batch, raw.default_source, dropped)
-                writer.write_table(table)
-                rows_in += len(batch)
-                rows_out += table.num_rows
-                advance(len(batch))
-            if rows_out == 0:
-                raise AndreaError(
-                    f"{source}: none of its {rows_in:,} rows is a conversation ({dict(dropped)}); nothing written"
-                )
+    if source == "embedded":
+        raw = embedded_source()
+    elif source == "hub":
+        raw = hub_source(hub_id, revision)
+    else:
+        raw = local_source(Path(source))
+    drops, parts = Drops(), Counter()
+    rows_out = 0
+    with parquet_output(out, HERMES_SCHEMA) as writer, progress(STAGE, "converting", raw.total, "rows") as advance:
+        for batch in hermes_rows(raw, drops, parts):
+            writer.write_table(pa.Table.from_pylist(batch, schema=HERMES_SCHEMA))
+            rows_out += len(batch)
+            advance(len(batch))
+        if rows_out == 0:
+            raise AndreaError(
+                f"{source}: none of its {drops.total:,} records is a conversation in the Hermes-3 "
+                f"('conversations': [{{from, value}}]) or OpenAI ('messages': [{{role, content}}]) schema "
+                f"(dropped: {drops.summary()}); nothing written"
+            )
     manifest = write_manifest(
         out, stage=STAGE, inputs=raw.inputs, config=raw.config,
-        counts={"rows_in": rows_in, "rows_out": rows_out}, dropped=dropped,
-        wall_time_s=time.perf_counter() - start,
+        counts={"rows_in": rows_out + drops.total, "rows_out": rows_out},
+        dropped=drops.counts, dropped_at=drops.where, dropped_parts=parts, wall_time_s=time.perf_counter() - start,
     )
-    log(STAGE, f"wrote {out} ({rows_out:,} conversations; dropped {sum(dropped.values()):,})")
+    log(STAGE, f"wrote {out} ({rows_out:,} conversations; dropped {drops.total:,}"
+               + (f": {drops.summary()}" if drops.total else "") + ")")
     return manifest

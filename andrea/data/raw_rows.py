@@ -1,0 +1,267 @@
+"""Rows of raw chat files, decoded exactly: JSON Lines, JSON arrays and parquet, also gzip'd.
+
+Every reader yields `(number, row)` pairs: the line a JSON record starts on (1-based), or the
+parquet row (1-based); `row` is the record as the json module decodes it (strings byte-for-byte
+what the file holds), or `Unreadable(reason)` for a record that cannot be decoded. A bad record
+is one pair; it never ends the file and never changes the rows around it.
+
+Why not `datasets`: its JSON loader infers one Arrow type per field over a 10 MB chunk, so one
+field of another type turns the whole chunk's text into quoted JSON (`on_mixed_types="use_json"`)
+and one broken line fails the file. Here each record is decoded on its own.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import json
+import re
+from dataclasses import dataclass
+from typing import IO, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from andrea.data.tables import BATCH_ROWS
+
+READ_BYTES = 1 << 20  # what one read of a JSON array asks for; the buffer grows for larger records
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record that is not valid JSON (or whose JSON-typed parquet value is not); `reason` is a
+    drop reason of the pull."""
+
+    reason: str = "broken_json"
+
+
+Rows = Iterator[tuple[int, object]]
+
+
+def _text(raw: bytes) -> str:
+    # invalid UTF-8 bytes become lone surrogates, which the pull then drops as invalid_unicode
+    return raw.decode("utf-8", errors="surrogateescape")
+
+
+def json_lines(stream: IO[bytes]) -> Rows:
+    """One JSON value per line (blank lines skipped); split on b"\\n" only, so the Unicode line
+    separators a JSON string may hold never cut a record."""
+    for number, raw in enumerate(stream, 1):
+        text = _text(raw)
+        if number == 1:
+            text = text.removeprefix("\ufeff")
+        if not text.strip():
+            continue
+        try:
+            yield number, json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            yield number, Unreadable()
+
+
+class _Buffer:
+    """Decoded text of a stream read in line-aligned pieces, with the line number at `pos`."""
+
+    def __init__(self, stream: IO[bytes]):
+        self.stream = stream
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
+        self.text = ""
+        self.pos = 0
+        self.line = 1
+        self.eof = False
+
+    def fill(self, at_least: int = READ_BYTES) -> bool:
+        """Read on (at least `at_least` bytes, then to the end of that line); False at the end."""
+        if self.eof:
+            return False
+        raw = self.stream.read(at_least)
+        if raw and not raw.endswith(b"\n"):
+            raw += self.stream.readline(16 * READ_BYTES)
+        self.eof = not raw
+        self.text = self.text[self.pos:] + self.decoder.decode(raw, final=self.eof)
+        self.pos = 0
+        return not self.eof
+
+    def advance(self, end: int) -> None:
+        self.line += self.text.count("\n", self.pos, end)
+        self.pos = end
+
+    def skip_whitespace(self) -> str:
+        """The next character that is not whitespace, or "" at the end of the stream."""
+        while True:
+            self.advance(_WHITESPACE.match(self.text, self.pos).end())
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            if not self.fill():
+                return ""
+
+    def complete(self) -> bool:
+        """The buffer ends at a line end: no JSON token (string, number, literal) is cut, since none
+        may hold a raw newline; so an error before the end is in the text, not in the reading."""
+        return self.eof or self.text.endswith("\n")
+
+
+def _skip_broken(buf: _Buffer, indent: int | None) -> None:
+    """Move past one broken array element, tolerantly: by brackets outside strings (a string also
+    ends at a newline, which JSON forbids inside one), stopping at a ',' or ']' of the array, or at
+    a line that opens a new element at the elements' indentation."""
+    depth, in_string, i = 0, False, buf.pos
+    opener = None if indent is None else "\n" + " " * indent + "{"
+    while True:
+        if i + len(opener or " ") >= len(buf.text) and not buf.eof:
+            start = buf.pos
+            buf.fill()
+            i -= start  # fill drops the text before pos
+            continue
+        if i >= len(buf.text):
+            break
+        c = buf.text[i]
+        if in_string:
+            if c == "\\":
+                i += 2
+                continue
+            in_string = c not in '"\n'
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            if depth == 0:
+                break
+            depth -= 1
+            if depth == 0:
+                i += 1
+                break
+        elif c == "," and depth == 0:
+            break
+        if opener and c == "\n" and i > buf.pos and buf.text.startswith(opener, i):
+            i += 1
+            break
+        i += 1
+    buf.advance(min(i, len(buf.text)))
+
+
+def json_array(stream: IO[bytes]) -> Rows:
+    """The elements of a top-level JSON array, streamed: memory holds one element at a time.
+    Commas are separators only (a missing or trailing one loses nothing)."""
+    buf = _Buffer(stream)
+    if buf.skip_whitespace() != "[":
+        yield buf.line, Unreadable()
+        return
+    buf.advance(buf.pos + 1)
+    indent = -1  # of the elements' opening lines; None when they do not start lines
+    while True:
+        c = buf.skip_whitespace()
+        if c == "":  # the array never closes: the file is cut short (a cut element was counted)
+            return
+        if c == "]":
+            buf.advance(buf.pos + 1)
+            break
+        if c == ",":
+            buf.advance(buf.pos + 1)
+            continue
+        if indent == -1:
+            line_start = buf.text.rfind("\n", 0, buf.pos) + 1
+            leading = buf.text[line_start:buf.pos]
+            indent = len(leading) if line_start and not leading.strip(" ") else None
+        line = buf.line
+        while True:
+            try:
+                row, end = _DECODER.raw_decode(buf.text, buf.pos)
+            except json.JSONDecodeError as err:
+                if not buf.eof and (err.pos >= len(buf.text) or not buf.complete()):
+                    buf.fill(max(READ_BYTES, len(buf.text) - buf.pos))  # doubling: long elements parse in O(n)
+                    continue
+                yield line, Unreadable()
+                _skip_broken(buf, indent)
+            except RecursionError:
+                yield line, Unreadable()
+                _skip_broken(buf, indent)
+            else:
+                buf.advance(end)
+                yield line, row
+            break
+    if buf.skip_whitespace():  # text after the array's end
+        yield buf.line, Unreadable()
+
+
+def json_records(stream: IO[bytes]) -> Rows:
+    """A .json file: a top-level array, or else JSON Lines."""
+    if not hasattr(stream, "peek"):
+        stream = io.BufferedReader(stream)
+    head = stream.peek(64)
+    if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        return json_array(stream)
+    return json_lines(stream)
+
+
+# ---- parquet ---------------------------------------------------------------------------------
+
+def _json_leaf(feature, arrow_type: pa.DataType) -> bool:
+    if isinstance(arrow_type, pa.ExtensionType) and arrow_type.extension_name == "arrow.json":
+        return True
+    return isinstance(feature, dict) and feature.get("_type") == "Json"
+
+
+def _decoder(arrow_type: pa.DataType, feature) -> Callable | None:
+    """A function that decodes the JSON-typed values inside a value of this type (datasets stores
+    mixed-type fields as JSON text, typed `arrow.json` or marked Json in its features metadata);
+    None when the type holds none."""
+    if _json_leaf(feature, arrow_type):
+        return lambda value: value if value is None else json.loads(value)
+    if pa.types.is_struct(arrow_type):
+        fields = {}
+        for f in arrow_type:
+            sub = feature.get(f.name) if isinstance(feature, dict) else None
+            decode = _decoder(f.type, sub)
+            if decode:
+                fields[f.name] = decode
+        if not fields:
+            return None
+        return lambda value: value if value is None else {
+            k: (fields[k](v) if k in fields else v) for k, v in value.items()}
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        sub = None
+        if isinstance(feature, dict):
+            sub = feature.get("feature")
+        elif isinstance(feature, list) and feature:
+            sub = feature[0]
+        decode = _decoder(arrow_type.value_type, sub)
+        if not decode:
+            return None
+        return lambda value: value if value is None else [decode(v) for v in value]
+    return None
+
+
+def _features(schema: pa.Schema) -> dict:
+    try:
+        return json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    except (TypeError, KeyError, ValueError):
+        return {}
+
+
+def parquet_rows(source) -> Rows:
+    """Rows of a parquet file, a batch at a time, every value decoded to Python (JSON-typed ones
+    with the json module, so mixed-type fields come back as the values they were)."""
+    table = pq.ParquetFile(source)
+    features = _features(table.schema_arrow)
+    decoders = {f.name: d for f in table.schema_arrow
+                if (d := _decoder(f.type, features.get(f.name)))}
+    number = 0
+    for batch in table.iter_batches(batch_size=BATCH_ROWS):
+        for row in batch.to_pylist():
+            number += 1
+            try:
+                for name, decode in decoders.items():
+                    row[name] = decode(row[name])
+            except (json.JSONDecodeError, TypeError, RecursionError):
+                yield number, Unreadable()
+                continue
+            yield number, row
+
+
+def open_stream(file: IO[bytes], name: str) -> IO[bytes]:
+    """A buffered binary stream of an open file, gunzipped when its name ends in .gz."""
+    return gzip.GzipFile(fileobj=file, mode="rb") if name.lower().endswith(".gz") else file
