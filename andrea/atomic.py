@@ -49,6 +49,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Strict JSON (no NaN or Infinity, which JSON does not have), serialised before the file is touched."""
+    text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
     with atomic_write(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+        f.write(text)

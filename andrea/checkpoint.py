@@ -17,6 +17,7 @@ import numpy as np
 from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
 from andrea.hashing import sha256_file
+from andrea.runfiles import RunFiles
 
 HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
 HEADER_BYTES = HEADER.itemsize
@@ -60,10 +61,15 @@ def read_header(path) -> tuple[int, int]:
         raise AndreaError(f"{path}: {size} bytes is too short to be a checkpoint (header is {HEADER_BYTES} bytes)")
     header = np.fromfile(path, dtype=HEADER, count=1)[0]
     step, n = int(header["step"]), int(header["n_params"])
-    if n <= 0 or step < 0 or size != checkpoint_bytes(n):
+    if n <= 0 or step < 0:
         raise AndreaError(
-            f"{path}: not a checkpoint: {size} bytes, but a header of n_params={n} needs "
-            f"8 + 12*n = {checkpoint_bytes(max(n, 0)):,} bytes (truncated or not an ANDREA checkpoint)"
+            f"{path}: not a checkpoint: its header reads step={step}, n_params={n} (both must be "
+            "non-negative, n_params positive); the file is damaged or not an ANDREA checkpoint"
+        )
+    if size != checkpoint_bytes(n):
+        raise AndreaError(
+            f"{path}: not a checkpoint: {size:,} bytes, but a header of n_params={n:,} needs "
+            f"8 + 12*n_params = {checkpoint_bytes(n):,} bytes (truncated or not an ANDREA checkpoint)"
         )
     return step, n
 
@@ -86,22 +92,19 @@ def read_checkpoint(path, expected_n_params: int | None = None, what: str = "thi
     return (step, *(np.array(v) for v in vectors))
 
 
-class RunFiles:
-    """The files of one training run, named after its checkpoint (results/NAME.ckpt)."""
-
-    def __init__(self, ckpt: Path):
-        self.ckpt = ckpt
-        stem = ckpt.with_suffix("")
-        self.state = stem.with_name(stem.name + ".state.json")
-        self.loss = stem.with_name(stem.name + ".loss.json")
-        self.samples = stem.with_name(stem.name + ".samples.json")
-        self.log = stem.with_name(stem.name + ".log")
-        self.lock = stem.with_name(stem.name + ".lock")
-
-    def stale_temp_files(self) -> list[Path]:
-        """Temp files of an atomic write that a killed process left behind."""
-        folder = self.ckpt.parent
-        return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]
+def read_finite_weights(path, layout, what: str):
+    """(step, params) of a checkpoint for inference: weights with a NaN or infinity (a run that
+    diverged) would sample from NaN probabilities or export NaN tensors, so they are refused."""
+    step, params, _, _ = map_checkpoint(path, layout.n_params, what)
+    params = np.array(params)
+    bad = ~np.isfinite(params)
+    if bad.any():
+        tensors = [t.name for t in layout.tensors if bad[t.offset:t.end].any()]
+        raise AndreaError(
+            f"{path}: {int(bad.sum()):,} of its {params.size:,} weights are NaN or infinite (in {', '.join(tensors[:4])}"
+            f"{', ...' if len(tensors) > 4 else ''}); the run had diverged by step {step}; use an earlier checkpoint"
+        )
+    return step, params
 
 
 def read_state(ckpt) -> dict | None:

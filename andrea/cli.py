@@ -11,6 +11,7 @@ import sys
 
 from andrea import __version__
 from andrea.errors import AndreaError
+from andrea.stop_signals import STOP_SIGNALS
 
 STAGE_MODULES = [
     "andrea.data.cli",
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["train"]:
+        # before the imports below: a SIGTERM while the trainer starts is then recorded, not fatal
+        STOP_SIGNALS.install()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

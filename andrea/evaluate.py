@@ -16,6 +16,7 @@ import numpy as np
 from andrea.errors import AndreaError
 
 EVAL_FORMAT = "andrea-eval/1"
+MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this
 
 
 def validation_loss(model, windows, n_batches: int) -> float:
@@ -60,7 +61,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     """Everything `andrea eval` writes, as one JSON-ready dict. All but `throughput` is deterministic."""
     from dataclasses import asdict
 
-    from andrea.checkpoint import read_checkpoint
+    from andrea.checkpoint import read_finite_weights
     from andrea.checkpoint import read_state, recorded_sha256s
     from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
@@ -80,13 +81,16 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     tokenizer_path = find_tokenizer(data_dir, tokenizer)
     chat = load_tokenizer(tokenizer_path) if tokenizer_path else None
 
-    step, params, _, _ = read_checkpoint(ckpt, ParameterLayout(shape).n_params, f"experiment {exp.name}")
+    step, params = read_finite_weights(ckpt, ParameterLayout(shape), f"experiment {exp.name}")
     model = Model(inference_engine(engine, exp.precision), shape, exp.micro_batch_size, training=False)
     model.load_state(params)
     start = time.perf_counter()
     loss = validation_loss(model, windows, n_batches)
     model.engine.synchronize()
     wall = time.perf_counter() - start
+    if not math.isfinite(loss):
+        raise AndreaError(f"{ckpt}: its validation loss on {val_path} is {loss} although its weights are finite "
+                          "(the forward overflows); use an earlier checkpoint")
 
     targets = evaluated_targets(windows, model.micro_batch, n_batches)
     n_bytes = len(chat.decode(targets).encode("utf-8")) if chat else None
@@ -103,7 +107,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         "lineage": asdict(lineage(val_path)) if manifest_path(val_path).is_file() else None,
         "metrics": {
             "val_loss": loss,
-            "perplexity": math.exp(loss),
+            "perplexity": math.exp(loss) if loss < MAX_EXP_ARG else None,  # JSON has no infinity
             "bits_per_byte": bits_per_byte(loss, targets.size, n_bytes) if n_bytes else None,
             "tokens": int(targets.size),
             "bytes": n_bytes,
@@ -156,7 +160,7 @@ def main(args) -> int:
     m = report["metrics"]
     bpb = f"{m['bits_per_byte']:.4f}" if m["bits_per_byte"] is not None else "n/a (no tokenizer)"
     print(f"{report['experiment']['name']} step {report['checkpoint']['step']}: val_loss {m['val_loss']:.6f}  "
-          f"perplexity {m['perplexity']:.3f}  bits/byte {bpb}  {m['tokens']:,} tokens  "
+          f"perplexity {m['perplexity'] or float('inf'):.3f}  bits/byte {bpb}  {m['tokens']:,} tokens  "
           f"{report['throughput']['tokens_per_s']:,.0f} tok/s -> {args.out}")
     return 0
 

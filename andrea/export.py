@@ -93,7 +93,7 @@ def generation_config(chat) -> dict:
 def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     """Write the folder; returns the files written."""
     from andrea.atomic import atomic_path, atomic_write, write_json_atomic
-    from andrea.checkpoint import read_checkpoint
+    from andrea.checkpoint import read_finite_weights
     from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
     from andrea.manifest import write_manifest
@@ -112,7 +112,7 @@ def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     tokenizer_path = tokenizer_for(ckpt, tokenizer)
     chat = load_tokenizer(tokenizer_path)
     check_vocab(chat, shape)
-    step, params, _, _ = read_checkpoint(ckpt, layout.n_params, f"experiment {exp.name}")
+    step, params = read_finite_weights(ckpt, layout, f"experiment {exp.name}")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "model.safetensors"

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import map_checkpoint, read_header
-from andrea.hashing import sha256_file
+from andrea.checkpoint import map_checkpoint, read_header, read_state, recorded_sha256s
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
+from andrea.hashing import sha256_file
 from andrea.layout import ParameterLayout
-from andrea.checkpoint import RunFiles, read_state, recorded_sha256s
+from andrea.runfiles import RunFiles
 
 DEFAULT_EXPERIMENTS_DIR = "config/experiments"
 VECTORS = ("weights", "m", "v")
@@ -56,13 +56,19 @@ def experiment_for(ckpt, explicit=None) -> Experiment:
             f"{ckpt}: holds {n_params:,} parameters but experiment {exp.name} ({exp.path}) has {expected:,}; "
             f"it is a checkpoint of another model (matching: {owners})"
         )
-    trained = state.get("experiment", {}).get("model")
+    refuse_other_model(ckpt, state, exp, "pass the experiment it was trained with")
+    return exp
+
+
+def refuse_other_model(ckpt, state: dict | None, exp: Experiment, remedy: str) -> None:
+    """A checkpoint of another model shape can have the same n_params (vocab 448 / seq 128 against
+    vocab 512 / seq 64): its .state.json's model must be the experiment's."""
+    trained = (state or {}).get("experiment", {}).get("model")
     if trained is not None and trained != exp.raw["model"]:
         raise AndreaError(
-            f"{ckpt}: trained with model {json.dumps(trained, sort_keys=True)} (per {state_path}), but {exp.path} "
-            f"has model {json.dumps(exp.raw['model'], sort_keys=True)}; pass the experiment it was trained with"
+            f"{ckpt}: trained with model {json.dumps(trained, sort_keys=True)} (per {RunFiles(Path(ckpt)).state}), "
+            f"but {exp.path} has model {json.dumps(exp.raw['model'], sort_keys=True)}; {remedy}"
         )
-    return exp
 
 
 def tensor_stats(flat: np.ndarray) -> dict:

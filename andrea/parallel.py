@@ -22,6 +22,8 @@ import numpy as np
 
 from andrea.atomic import write_json_atomic
 from andrea.errors import AndreaError
+from andrea.runfiles import RunFiles
+from andrea.stop_signals import STOP_SIGNALS
 
 RANK_ENV, WORLD_ENV, LOCAL_ENV, NCCL_ID_ENV = "ANDREA_RANK", "ANDREA_WORLD_SIZE", "ANDREA_LOCAL_RANK", "ANDREA_NCCL_ID"
 ID_WAIT_S = 300
@@ -55,20 +57,47 @@ def new_unique_id() -> str:
     return bytes(b & 0xFF for b in nccl.get_unique_id()).hex()
 
 
-def unique_id(rank: Rank, id_file: Path) -> bytes:
-    """The NCCL id all ranks share: from the launcher's environment, or written by rank 0 under srun."""
+def job_key() -> str:
+    """What tells one srun job (and each requeue of it) from the last one in the same run folder."""
+    parts = [os.environ.get(v) for v in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")]
+    return ".".join(p or "0" for p in parts)
+
+
+def unique_id(rank: Rank, files: RunFiles) -> bytes:
+    """The NCCL id all ranks share: from the launcher's environment, or, under srun, published by rank 0
+    in NAME.ckpt.nccl-id.JOB, keyed by the job so that a requeued job never reads the last one's id."""
     if NCCL_ID_ENV in os.environ:
         return bytes.fromhex(os.environ[NCCL_ID_ENV])
+    job = job_key()
+    id_file = files.nccl_id(job)
     if rank.is_main:
+        for stale in files.nccl_ids():
+            stale.unlink(missing_ok=True)
         uid = new_unique_id()
-        write_json_atomic(id_file, uid)
+        write_json_atomic(id_file, {"job": job, "nccl_id": uid})
         return bytes.fromhex(uid)
     deadline = time.time() + ID_WAIT_S
-    while not id_file.exists():
+    while True:
+        published = _read_id(id_file)
+        if published is not None and published.get("job") == job:
+            return bytes.fromhex(published["nccl_id"])
         if time.time() > deadline:
-            raise AndreaError(f"{id_file}: rank 0 did not publish the NCCL id within {ID_WAIT_S} s")
+            raise AndreaError(f"{id_file}: rank 0 of job {job} did not publish the NCCL id within {ID_WAIT_S} s")
         time.sleep(0.1)
-    return bytes.fromhex(json.loads(id_file.read_text()))
+
+
+def _read_id(id_file: Path) -> dict | None:
+    try:
+        published = json.loads(id_file.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return published if isinstance(published, dict) else None
+
+
+def forget_unique_id(rank: Rank, files: RunFiles) -> None:
+    """Once the communicator is up every rank has read the id: rank 0 removes the file."""
+    if rank.is_main and NCCL_ID_ENV not in os.environ:
+        files.nccl_id(job_key()).unlink(missing_ok=True)
 
 
 class DataParallel:
@@ -122,7 +151,7 @@ class DataParallel:
         return bool(flags[0]), bool(flags[1])
 
 
-def launch(argv: list[str], n_gpus: int) -> int:
+def launch(argv: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
     """Start one `andrea train` process per GPU of this host; forward SIGTERM/SIGUSR1 to all."""
     from cupy.cuda import runtime
 
@@ -130,18 +159,22 @@ def launch(argv: list[str], n_gpus: int) -> int:
     if n_gpus > available:
         raise AndreaError(f"--gpus {n_gpus}: this host has {available} CUDA device(s)")
     uid = new_unique_id()
-    children = []
-    for r in range(n_gpus):
-        env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
-        children.append(subprocess.Popen([sys.executable, "-m", "andrea.cli", *argv], env=env))
+    children: list[subprocess.Popen] = []
+    pending: list[int] = []
 
     def forward(signum, frame):
+        pending.append(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
+        if STOP_SIGNALS.terminate or signal.SIGTERM in pending:
+            return sigterm_exit_code  # arrived while this process started: nothing to train
+        for r in range(n_gpus):
+            env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
+            children.append(subprocess.Popen([sys.executable, "-m", "andrea.cli", *argv], env=env))
         statuses = [child.wait() for child in children]
     finally:
         for s, handler in old.items():

@@ -146,7 +146,7 @@ def chat_turns(prompt: str, system: str | None = None) -> list[dict]:
 def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tokenizer=None, engine: str = "auto",
            temperature: float = TEMPERATURE, top_k: int = TOP_K, seed: int = 0, max_new_tokens: int = 256) -> dict:
     """One chat completion from a checkpoint; the same arguments give the same text."""
-    from andrea.checkpoint import read_checkpoint
+    from andrea.checkpoint import read_finite_weights
     from andrea.evaluate import inference_engine
     from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
@@ -156,7 +156,7 @@ def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tok
     exp = experiment_for(ckpt, experiment)
     chat = load_tokenizer(tokenizer_for(ckpt, tokenizer))
     sampler = Sampler(inference_engine(engine, exp.precision), exp.model, chat)
-    step, params, _, _ = read_checkpoint(ckpt, ParameterLayout(exp.model).n_params, f"experiment {exp.name}")
+    step, params = read_finite_weights(ckpt, ParameterLayout(exp.model), f"experiment {exp.name}")
     sampler.load_params(params)
     prompt_ids = chat.encode_prompt(chat_turns(prompt, system))
     if len(prompt_ids) >= exp.model.seq_len:

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.checkpoint import RunFiles
-from andrea.train import EXIT_NONFINITE, RESTARTS_ENV, append_jsonl
+from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record
+from andrea.stop_signals import STOP_SIGNALS
 
 # Exit statuses that a restart cannot fix: a usage/input error, or a numerical fault that would recur.
 FINAL_STATUSES = {2, EXIT_NONFINITE}
@@ -50,10 +50,15 @@ def supervise(args) -> int:
             child.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    if STOP_SIGNALS.terminate:
+        forwarded.append(signal.SIGTERM)  # arrived while this process started
     try:
         restarts = 0
         cmd = first
         while True:
+            if signal.SIGTERM in forwarded:
+                print("andrea train: SIGTERM before the trainer started; nothing trained", file=sys.stderr)
+                return args.sigterm_exit_code
             child = subprocess.Popen(cmd, env={**os.environ, RESTARTS_ENV: str(restarts)})
             status = child.wait()
             if status == 0 or status in FINAL_STATUSES or signal.SIGTERM in forwarded:
@@ -63,7 +68,7 @@ def supervise(args) -> int:
                       file=sys.stderr)
                 return 1
             restarts += 1
-            append_jsonl(files.loss, {"event": "restart", "wall": time.time(), "attempt": restarts,
+            append_record(files.loss, {"event": "restart", "wall": time.time(), "attempt": restarts,
                                       "cause": describe(status)})
             print(f"andrea train: the trainer {describe(status)}; restart {restarts} of {args.max_restarts} "
                   "from the last checkpoint", file=sys.stderr)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -24,19 +23,19 @@ from pathlib import Path
 
 from andrea import __version__
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import RunFiles, read_checkpoint, read_state, verify_against_state, write_checkpoint
+from andrea.checkpoint import read_checkpoint, read_state, verify_against_state, write_checkpoint
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
+from andrea.inspect_ckpt import refuse_other_model
 from andrea.parallel import rank_from_env
+from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line
+from andrea.stop_signals import STOP_SIGNALS
 
 STATE_FORMAT = 1
 N_SAMPLE_PROMPTS = 3
-# Exit status of a run stopped by a non-finite loss or gradient (nothing was updated).
-EXIT_NONFINITE = 3
 # How many recent checkpoints .state.json vouches for: a kill between renaming the checkpoint and
 # renaming the state leaves a checkpoint that is one of these two.
 STATE_CHECKPOINT_HISTORY = 2
-RESTARTS_ENV = "ANDREA_RESTARTS"
 
 
 def register(subparsers) -> None:
@@ -89,48 +88,6 @@ class Log:
             f.write(f"{stamp} {msg}\n")
 
 
-class Signals:
-    """Record SIGTERM / SIGUSR1; the loop acts on them at step boundaries. Handlers only set flags,
-    so a signal arriving during a checkpoint write cannot interrupt the write."""
-
-    def __init__(self):
-        self.terminate = False
-        self.snapshot = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig, handler in ((signal.SIGTERM, self._term), (signal.SIGUSR1, self._usr1)):
-            self._old[sig] = signal.signal(sig, handler)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    def _term(self, signum, frame):
-        self.terminate = True
-
-    def _usr1(self, signum, frame):
-        self.snapshot = True
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def read_loss_history(path) -> list[dict]:
-    """Step records of a .loss.json, the later line winning when a step repeats (after a crash)."""
-    by_step: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                if "event" not in rec:
-                    by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def data_fingerprint(data_dir: Path) -> dict:
     out = {}
     for name in ("train.bin", "val.bin"):
@@ -156,8 +113,14 @@ class Trainer:
         self.is_main = self.rank is None or self.rank.is_main
         if self.is_main:
             self._take_lock()
+            # refused before the engine and its memory plan are built and printed
+            self._refuse_existing_checkpoint()
+        torn = self.is_main and end_torn_line(self.files.loss)
         self.log = Log(self.files.log, console) if self.is_main else (lambda msg: None)
         self.console = console
+        if torn:
+            self.log(f"{self.files.loss}: its last line was cut short (a full disk or a kill); ended it there, "
+                     "readers skip it")
         data = Path(args.data)
         shape = self.exp.model
         self.data_dir = data
@@ -178,10 +141,10 @@ class Trainer:
             cupy.cuda.Device(self.rank.local).use()
         self.engine = make_engine("cuda" if self.rank is not None else args.engine, precision=self.exp.precision)
         if self.rank is not None:
-            from andrea.parallel import DataParallel, unique_id
+            from andrea.parallel import DataParallel, forget_unique_id, unique_id
 
-            nccl_id_file = self.files.ckpt.with_name(self.files.ckpt.name + ".nccl-id")
-            self.data_parallel = DataParallel(self.rank, unique_id(self.rank, nccl_id_file))
+            self.data_parallel = DataParallel(self.rank, unique_id(self.rank, self.files))
+            forget_unique_id(self.rank, self.files)  # every rank has joined: the id has served
             self.log(f"data parallel: {world} ranks, {self.exp.batch_size // world} sequences per rank per step")
         if self.engine.name == "numpy" and args.engine == "auto" and not cuda_available():
             self.log("engine: numpy (no CUDA device found; the NumPy reference engine runs on the CPU)")
@@ -211,6 +174,13 @@ class Trainer:
         for stale in self.files.stale_temp_files():
             stale.unlink(missing_ok=True)
 
+    def _refuse_existing_checkpoint(self) -> None:
+        if self.files.ckpt.exists() and not self.args.resume:
+            raise AndreaError(
+                f"{self.files.ckpt}: a checkpoint is already there; pass --resume to continue it, "
+                "or remove it to start over"
+            )
+
     def _setup_sampling(self, explicit_tokenizer) -> None:
         from andrea.sample import Sampler, find_tokenizer, load_tokenizer, validation_prompts
 
@@ -236,11 +206,7 @@ class Trainer:
         files, args = self.files, self.args
         if args.resume and files.ckpt.exists():
             return self._resume(stop)
-        if files.ckpt.exists():
-            raise AndreaError(
-                f"{files.ckpt}: a checkpoint is already there; pass --resume to continue it, "
-                "or remove it to start over"
-            )
+        self._refuse_existing_checkpoint()
         if args.resume:
             # Resume before the first checkpoint: start over, keeping the history (later lines win).
             self.log(f"resume: no checkpoint at {files.ckpt} yet; starting from step 0")
@@ -253,6 +219,8 @@ class Trainer:
                     self.log(f"moved {path.name} of a run that left no checkpoint to {old}")
         if args.init_from:
             step, params, m, v = self._read_verified(Path(args.init_from))
+            refuse_other_model(args.init_from, read_state(args.init_from), self.exp,
+                               "--init-from takes a checkpoint of this experiment's model shape")
             self.model.load_state(params, m, v)
             self.event("init_from", step=step, checkpoint=str(args.init_from), stop=stop, total_steps=self.total_steps)
             return step
@@ -290,15 +258,30 @@ class Trainer:
         matched = [c for c in self.recent_checkpoints if c["step"] == step]
         self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
         self.skipped_steps = [s for s in state.get("skipped_steps", []) if s <= step]
+        written_on = state.get("cpu", {}).get("blas")
+        if self.engine.name == "numpy" and written_on and written_on != self._cpu()["blas"]:
+            self.log(f"resume: written with BLAS {written_on}, now {self._cpu()['blas']}; the thread count does not "
+                     "change a CPU run's bytes, but another BLAS library or kernel may (docs/REPRODUCIBILITY.md)")
         self.event("resume", step=step, stop=stop, total_steps=self.total_steps)
         self.log(f"resumed {files.ckpt} at step {step}")
         return step
 
     # ---- outputs -----------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
-        if not self.is_main:
-            return
-        append_jsonl(self.files.loss, {"event": name, "wall": time.time(), **fields})
+        if self.is_main:
+            self._append({"event": name, "wall": time.time(), **fields})
+
+    def _append(self, record: dict) -> None:
+        try:
+            append_record(self.files.loss, record)
+        except OSError as err:
+            last = self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
+            survivor = f"the checkpoint of step {last} ({self.files.ckpt}) is intact" if last is not None \
+                else "no checkpoint was written yet"
+            raise AndreaError(
+                f"{self.files.loss}: could not append to the loss history ({err.strerror or err}); {survivor}; "
+                "free space or fix the disk, then rerun with --resume (a cut-short line is ended and skipped)"
+            ) from None
 
     def checkpoint(self, step: int, elapsed: float, reason: str) -> None:
         """Write checkpoint + state so that a kill at any instant leaves a pair that resumes:
@@ -338,6 +321,7 @@ class Trainer:
             "data": {"dir": str(self.data_dir), **data_fingerprint(self.data_dir)},
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
             "engine": self.engine.name,
+            **({"cpu": self._cpu()} if self.engine.name == "numpy" else {}),
             "n_params": self.model.layout.n_params,
             "checkpoints": self.recent_checkpoints,
             "skipped_steps": self.skipped_steps,
@@ -346,6 +330,10 @@ class Trainer:
             "elapsed_s": elapsed,
             "written_at": datetime.now(timezone.utc).isoformat(),
         }
+
+    def _cpu(self) -> dict:
+        """What a CPU run's bytes depend on: NumPy, its BLAS and how products are cut (not the thread count)."""
+        return self.engine.products.describe()
 
     def write_samples(self, step: int) -> None:
         from andrea.sample import training_samples
@@ -363,17 +351,24 @@ class Trainer:
 
         exp, model = self.exp, self.model
         stop = self.total_steps if self.args.max_steps is None else min(self.total_steps, self.args.max_steps)
+        signals = STOP_SIGNALS.install()  # already installed by the command line, unless called from Python
         step = self.start_step(stop)
         iv = exp.intervals
         self.log(f"training {exp.name}: steps {step} -> {stop} of {self.total_steps}, "
                  f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters")
+        if signals.terminate:
+            # SIGTERM while starting: nothing was trained here, the last checkpoint (if any) is current
+            self.event("sigterm", step=step, detail="before the first step")
+            self.log(f"SIGTERM while starting: nothing trained, stopped at step {step}; resume with --resume")
+            return self.args.sigterm_exit_code
         t_start = time.time()
-        with Signals() as signals, Progress(self.console, step, stop, enabled=self.is_main) as progress:
+        with Progress(self.console, step, stop, enabled=self.is_main) as progress:
             while step < stop:
                 t0 = time.time()
                 micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches,
                                                                *((self.rank.rank, self.world) if self.rank else ()))
                 lr = lr_at(exp, step, self.total_steps)
+                trained = True
                 try:
                     loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
                 except NonFiniteStep as fault:
@@ -389,22 +384,12 @@ class Trainer:
                     self.skipped_steps.append(step + 1)
                     self.event("overflow" if overflow else "nonfinite", step=step + 1, detail=str(fault), action="skip")
                     self.log(f"step {step + 1}: {fault}; step skipped (no update)")
-                    step += 1
-                    continue
+                    trained = False
                 step += 1
-                dt = time.time() - t0
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                          "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt,
-                          "time": self.elapsed_before + time.time() - t_start}
-                last = step == self.total_steps
-                if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
-                    record["val_loss"] = validation_loss(model, self.val_windows, iv["eval_batches"])
-                if self.is_main:
-                    append_jsonl(self.files.loss, record)
-                progress.update(step, record)
-                if self.sampler and ((iv["sample"] and step % iv["sample"] == 0) or last):
-                    self.write_samples(step)
+                if trained:
+                    self._after_step(step, loss, lr, norm, time.time() - t0, t_start, progress, validation_loss)
                 elapsed = self.elapsed_before + time.time() - t_start
+                # signals are acted on after every step, a skipped one too
                 if self.data_parallel is not None:
                     signals.terminate, signals.snapshot = self.data_parallel.agree(signals.terminate, signals.snapshot)
                 if signals.terminate:
@@ -414,12 +399,27 @@ class Trainer:
                 if signals.snapshot:
                     signals.snapshot = False
                     self.checkpoint(step, elapsed, "SIGUSR1")
-                elif iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
+                elif trained and iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
                     self.checkpoint(step, elapsed, "interval")
             self.checkpoint(step, self.elapsed_before + time.time() - t_start,
                             "end" if step == self.total_steps else "max-steps")
         self.log(f"done: step {step} of {self.total_steps}")
         return 0
+
+    def _after_step(self, step, loss, lr, norm, dt, t_start, progress, validation_loss) -> None:
+        """The step's record (validation loss at the eval interval), progress and samples."""
+        exp, iv = self.exp, self.exp.intervals
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                  "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt,
+                  "time": self.elapsed_before + time.time() - t_start}
+        last = step == self.total_steps
+        if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
+            record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
+        if self.is_main:
+            self._append(record)
+        progress.update(step, record)
+        if self.sampler and ((iv["sample"] and step % iv["sample"] == 0) or last):
+            self.write_samples(step)
 
 
 class Progress:
@@ -469,6 +469,24 @@ def main(args) -> int:
         from andrea.parallel import launch, rank_from_env
 
         if rank_from_env() is None:
-            return launch(sys.argv[1:], args.gpus)
+            return launch(sys.argv[1:], args.gpus, args.sigterm_exit_code)
     console = Console(stderr=True)
-    return Trainer(args, console).run()
+    try:
+        return Trainer(args, console).run()
+    except (AndreaError, OSError) as err:
+        log_failure(RunFiles(Path(args.out)).log, err)
+        raise
+    finally:
+        STOP_SIGNALS.restore()
+
+
+def log_failure(log: Path, err: Exception) -> None:
+    """The error sentence the command line prints, also in NAME.log (when its folder exists)."""
+    if isinstance(err, OSError):
+        err = f"{err.filename + ': ' if err.filename else ''}{err.strerror or err}"
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        with open(log, "a") as f:
+            f.write(f"{stamp} error: {err}\n")
+    except OSError:
+        pass  # the log's own disk failed: the command line still prints the sentence

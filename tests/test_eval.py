@@ -20,7 +20,8 @@ from andrea.manifest import manifest_path, read_manifest
 from andrea.model import init_params
 from andrea.sample import Sampler, load_tokenizer, training_samples, validation_prompts
 from andrea.shards import write_shard
-from andrea.train import N_SAMPLE_PROMPTS, read_loss_history
+from andrea.runfiles import read_loss_history
+from andrea.train import N_SAMPLE_PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "config" / "experiments" / "ANDREA-tiny-TRAIN.json"

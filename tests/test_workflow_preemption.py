@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from andrea.train import read_loss_history
+from andrea.runfiles import read_loss_history
 from test_workflow import SNAKEMAKE, copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow

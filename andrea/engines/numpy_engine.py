@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from andrea.engines.cpu_blas import BlockedProducts
+
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -54,8 +56,11 @@ class NumpyEngine:
     name = "numpy"
     xp = np
 
-    def __init__(self, dtype: str = "float32"):
+    def __init__(self, dtype: str = "float32", threads: int | None = None):
         self.dtype = np.dtype(dtype)
+        # every product through fixed blocks on one-thread BLAS: bytes independent of the thread count
+        self.products = BlockedProducts(threads)
+        self.mm = self.products.matmul
 
     # ---- buffers -------------------------------------------------------------------------
     def allocate(self, plan):
@@ -124,7 +129,7 @@ class NumpyEngine:
     # ---- attn_qkv: Q, K, V projections ----------------------------------------------------
     def attn_qkv_fwd(self, qkv, inp, W_Q, W_K, W_V):
         for i, W in enumerate((W_Q, W_K, W_V)):
-            np.matmul(inp, W, out=qkv[i])
+            self.mm(inp, W, out=qkv[i])
 
     def attn_qkv_bwd(self, dinp, dW_Q, dW_K, dW_V, dqkv, inp, W_Q, W_K, W_V, overwrite=False):
         _start(dinp, overwrite)
@@ -132,21 +137,21 @@ class NumpyEngine:
         x2 = inp.reshape(-1, C)
         for i, (W, dW) in enumerate(((W_Q, dW_Q), (W_K, dW_K), (W_V, dW_V))):
             d2 = dqkv[i].reshape(-1, C)
-            dW += x2.T @ d2
-            dinp += dqkv[i] @ W.T
+            dW += self.mm(x2.T, d2)
+            dinp += self.mm(dqkv[i], W.T)
 
     # ---- attn: causal scaled dot-product attention ----------------------------------------
     def attn_fwd(self, out, att, qkv, n_head):
         q, k, v = (_heads(qkv[i], n_head) for i in range(3))
         T = q.shape[2]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        s = (q @ k.transpose(0, 1, 3, 2)) * scale
+        s = self.mm(q, k.transpose(0, 1, 3, 2)) * scale
         s[..., _future_mask(T)] = -np.inf
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
         att[...] = s
-        out[...] = _merge_heads(att @ v)
+        out[...] = _merge_heads(self.mm(att, v))
 
     def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
         """`out` is the forward's Y: rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T."""
@@ -154,28 +159,28 @@ class NumpyEngine:
         q, k, v = (_heads(qkv[i], n_head) for i in range(3))
         scale = 1.0 / math.sqrt(q.shape[-1])
         dy = _heads(dout, n_head)
-        np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
+        self.mm(dy, v.transpose(0, 1, 3, 2), out=datt)
         # softmax backward: dS = P * (dP - rowsum(dY * Y)); masked entries have P = 0.
         ds = att * (datt - (dy * _heads(out, n_head)).sum(axis=-1)[..., None]) * scale
-        dqkv[0] += _merge_heads(ds @ k)
-        dqkv[1] += _merge_heads(ds.transpose(0, 1, 3, 2) @ q)
-        dqkv[2] += _merge_heads(att.transpose(0, 1, 3, 2) @ dy)
+        dqkv[0] += _merge_heads(self.mm(ds, k))
+        dqkv[1] += _merge_heads(self.mm(ds.transpose(0, 1, 3, 2), q))
+        dqkv[2] += _merge_heads(self.mm(att.transpose(0, 1, 3, 2), dy))
 
     # ---- attn_out: W_O projection ----------------------------------------------------------
     def attn_out_fwd(self, out, inp, W_O):
-        np.matmul(inp, W_O, out=out)
+        self.mm(inp, W_O, out=out)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         _start(dinp, overwrite)
         C = inp.shape[-1]
-        dW_O += inp.reshape(-1, C).T @ dout.reshape(-1, dout.shape[-1])
-        dinp += dout @ W_O.T
+        dW_O += self.mm(inp.reshape(-1, C).T, dout.reshape(-1, dout.shape[-1]))
+        dinp += self.mm(dout, W_O.T)
 
     # ---- mlp: W_1, GELU, W_2 ---------------------------------------------------------------
     def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
-        np.matmul(inp, W_1, out=pre)
+        self.mm(inp, W_1, out=pre)
         act[...] = _gelu(pre)
-        np.matmul(act, W_2, out=out)
+        self.mm(act, W_2, out=out)
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
         """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
@@ -183,11 +188,11 @@ class NumpyEngine:
         C, F = W_1.shape
         if recompute:
             act[...] = _gelu(pre)
-        dW_2 += act.reshape(-1, F).T @ dout.reshape(-1, C)
-        np.matmul(dout, W_2.T, out=dpre)
+        dW_2 += self.mm(act.reshape(-1, F).T, dout.reshape(-1, C))
+        self.mm(dout, W_2.T, out=dpre)
         dpre *= _gelu_grad(pre)
-        dW_1 += inp.reshape(-1, C).T @ dpre.reshape(-1, F)
-        dinp += dpre @ W_1.T
+        dW_1 += self.mm(inp.reshape(-1, C).T, dpre.reshape(-1, F))
+        dinp += self.mm(dpre, W_1.T)
 
     # ---- residual_add ----------------------------------------------------------------------
     def residual_add(self, out, a, b):
@@ -199,7 +204,7 @@ class NumpyEngine:
 
     # ---- loss: tied projection + softmax cross-entropy ------------------------------------
     def loss_fwd(self, losses, probs, inp, wte, targets):
-        np.matmul(inp, wte.T, out=probs)
+        self.mm(inp, wte.T, out=probs)
         probs -= probs.max(axis=-1, keepdims=True)
         np.exp(probs, out=probs)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -219,8 +224,8 @@ class NumpyEngine:
         C = inp.shape[-1]
         V = wte.shape[0]
         t = self.dtype.type(scale)
-        dwte += t * (dlogits.reshape(-1, V).T @ inp.reshape(-1, C))
-        dinp += t * (dlogits @ wte)
+        dwte += t * self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C))
+        dinp += t * self.mm(dlogits, wte)
 
     def mean_loss(self, losses) -> float:
         return float(losses.mean(dtype=np.float64))

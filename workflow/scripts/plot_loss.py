@@ -5,7 +5,7 @@ import math
 import sys
 from html import escape
 
-from andrea.train import read_loss_history
+from andrea.runfiles import read_loss_history
 
 WIDTH, HEIGHT = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 44, 52

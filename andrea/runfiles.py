@@ -1,0 +1,94 @@
+"""The files of one training run and the loss history's reader and writer.
+
+For results/NAME.ckpt: NAME.state.json, NAME.loss.json (JSON Lines: one object per step or event,
+appended across resumes, never truncated), NAME.samples.json, NAME.log, NAME.lock, and while a
+data-parallel run under srun starts, NAME.nccl-id.JOB. Imported by the trainer, its supervisor and
+the report; imports nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+# Exit status of a run stopped by a non-finite loss or gradient (nothing was updated).
+EXIT_NONFINITE = 3
+# The supervisor's restart count, handed to the trainer it starts.
+RESTARTS_ENV = "ANDREA_RESTARTS"
+
+
+class RunFiles:
+    """The files of one training run, named after its checkpoint (results/NAME.ckpt)."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt = Path(ckpt)
+        stem = self.ckpt.with_suffix("")
+        self.state = stem.with_name(stem.name + ".state.json")
+        self.loss = stem.with_name(stem.name + ".loss.json")
+        self.samples = stem.with_name(stem.name + ".samples.json")
+        self.log = stem.with_name(stem.name + ".log")
+        self.lock = stem.with_name(stem.name + ".lock")
+
+    def nccl_id(self, job: str) -> Path:
+        """Where rank 0 publishes the NCCL id for the ranks of one job (see andrea/parallel.py)."""
+        return self.ckpt.with_name(f"{self.ckpt.name}.nccl-id.{job}")
+
+    def nccl_ids(self) -> list[Path]:
+        return sorted(self.ckpt.parent.glob(f"{self.ckpt.name}.nccl-id*"))
+
+    def stale_temp_files(self) -> list[Path]:
+        """Temp files of an atomic write that a killed process left behind."""
+        folder = self.ckpt.parent
+        return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line; a write that fails (disk full) names the file. Strict JSON: a NaN or
+    infinity in a record is a bug upstream, not something to write."""
+    line = json.dumps(record, allow_nan=False) + "\n"
+    try:
+        with open(path, "a") as f:
+            f.write(line)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+def end_torn_line(path: Path) -> bool:
+    """If the history's last line lacks its newline (a write cut short by a full disk or a kill), end
+    it, so the next record starts a line of its own; readers then skip the torn one. True if it did."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return False
+    if size == 0:
+        return False
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return False
+        f.write(b"\n")
+    return True
+
+
+def iter_records(path) -> Iterator[dict]:
+    """Every line of a JSON Lines history that is a JSON object; torn, empty or foreign lines are skipped."""
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                rec = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def read_loss_history(path) -> list[dict]:
+    """Step records of a .loss.json, the later line winning when a step repeats (after a crash)."""
+    by_step: dict[int, dict] = {}
+    for rec in iter_records(path):
+        if "event" not in rec and isinstance(rec.get("step"), int):
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
