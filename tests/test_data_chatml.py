@@ -88,6 +88,9 @@ def test_documents_end_with_endoftext(chat, corpus):
 @given(st.one_of(
     st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=200),
     st.text(alphabet=" \t\n\r\u00a0\u3000\u2028's0123456789abcXYZ.,!?-_<|>é日🙂", max_size=200),
+    # unspaced scripts next to others, and runs longer than a word may be
+    st.text(alphabet="日本語한국어ภาษาไทยカタカナ、。！ａ𠀋 abc=\n", max_size=300),
+    st.tuples(st.sampled_from("a =日"), st.integers(60, 200)).map(lambda c: c[0] * c[1]),
 ))
 def test_word_cache_gives_the_ids_tokenizer_json_gives(chat, text):
     assert chat.encode_text(text) == chat.tokenizer.encode(text, add_special_tokens=False).ids

@@ -42,18 +42,25 @@ def bad_inputs(tmp):
         (["prep-megachat", "--in", str(tmp / "x.parquet"), "--val-fraction", "1.5"], ["--val-fraction", "[0, 1)"]),
         (["train-tokenizer", "--vocab-size", "70000"], ["70,000", "65,536"]),
         (["train-tokenizer", "--in", str(tmp / "megachat" / "train.parquet")], ["turns", "prep-megachat"]),
+        (["train-tokenizer", "--max-token-length", "100"], ["--max-token-length 100", "[1, 64]"]),
+        (["train-tokenizer", "--unspaced-chunk", "0"], ["--unspaced-chunk 0", "[1, 16]"]),
         (["tokenize", "--tokenizer", str(big), "--out-dir", str(big.parent)], ["vocabulary size", "65,536"]),
         (["tokenize", "--tokenizer", str(big), "--out-dir", str(tmp / "elsewhere")], ["--tokenizer", "one folder"]),
         (["lineage", str(tmp / "notes.txt")], ["notes.txt", "no manifest"]),
     ]
 
 
+N_CASES = 15
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    return bad_inputs(tmp_path_factory.mktemp("bad"))
+    cases = bad_inputs(tmp_path_factory.mktemp("bad"))
+    assert len(cases) == N_CASES
+    return cases
 
 
-@pytest.mark.parametrize("index", range(13))
+@pytest.mark.parametrize("index", range(N_CASES))
 def test_bad_input_gives_one_clear_sentence_and_exit_code_2(cases, index, capsys):
     argv, words = cases[index]
     assert main(argv) == 2

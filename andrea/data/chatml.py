@@ -7,9 +7,12 @@ literal text, so a conversation that contains the string "<|im_start|>" cannot f
 Prep, train-tokenizer, tokenize, sampling and eval all go through this module.
 
 Encoding is byte-level BPE on pre-split words. The split pattern is GPT-2's with its character
-classes spelled out, so Python's `re` and the tokenizers library (Oniguruma) split alike: we
-split here and look each word up in a cache, asking the tokenizer only for words not seen yet.
-That gives the ids `tokenizer.json` gives, at about twice its speed per core.
+classes spelled out, so Python's `re` and the tokenizers library (Oniguruma) split alike, plus
+one rule: scripts written without spaces (CJK, kana, Hangul, Thai, ...) split into words of at
+most `unspaced_chunk` characters, so a paragraph of Chinese is not one "word" (which made BPE
+training take gigabytes and learn nothing reusable). We split here and look each word up in a
+cache, asking the tokenizer only for words not seen yet. That gives the ids `tokenizer.json`
+gives, at about twice its speed per core.
 """
 
 from __future__ import annotations
@@ -31,14 +34,37 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 _WHITESPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
                "\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
 _PUNCTUATION = r"!-/:-@\[-`{-~"
-SPLIT_PATTERN = (
-    r"'(?:s|t|re|ve|m|ll|d)"
-    rf"| ?[^{_WHITESPACE}0-9{_PUNCTUATION}]+"
-    r"| ?[0-9]{1,3}"
-    rf"| ?[{_PUNCTUATION}]+"
-    rf"|[{_WHITESPACE}]+(?![^{_WHITESPACE}])"
-    rf"|[{_WHITESPACE}]+"
-)
+# Scripts written without spaces between words, as character ranges (CJK ideographs with their
+# radicals, strokes, symbols, compatibility and full-width forms; kana; Hangul; Thai, Lao, Myanmar,
+# Khmer). U+3000 is white space and stays there.
+_UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1100-\u11ff\u1780-\u17ff\u2e80-\u2fff\u3001-\u303f"
+             "\u3040-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\ufe30-\ufe4f\uff00-\uffef"
+             "\U0001b000-\U0001b16f\U00020000-\U000323af")
+UNSPACED_CHUNK = 1  # default characters per word of an unspaced script: distinct words stay few
+MAX_UNSPACED_CHUNK = 16
+MAX_TOKEN_LENGTH = 16  # default longest token a tokenizer learns, in bytes
+# Longest run of letters, punctuation or white space that is one word: BPE training time grows
+# with the square of a word's length (200,000 'A's took 21 s), and no token can be this long.
+MAX_WORD_CHARS = 64
+
+
+def split_pattern(unspaced_chunk: int = UNSPACED_CHUNK) -> str:
+    """The word-split regex: GPT-2's rules, with runs cut every MAX_WORD_CHARS characters, and
+    runs of unspaced scripts every `unspaced_chunk`."""
+    if not 1 <= unspaced_chunk <= MAX_UNSPACED_CHUNK:
+        raise AndreaError(f"unspaced_chunk {unspaced_chunk} must lie in [1, {MAX_UNSPACED_CHUNK}]")
+    run = f"{{1,{MAX_WORD_CHARS}}}"
+    return (
+        r"'(?:s|t|re|ve|m|ll|d)"
+        rf"| ?[^{_WHITESPACE}0-9{_PUNCTUATION}{_UNSPACED}]{run}"
+        rf"| ?[{_UNSPACED}]{{1,{unspaced_chunk}}}"
+        r"| ?[0-9]{1,3}"
+        rf"| ?[{_PUNCTUATION}]{run}"
+        rf"|[{_WHITESPACE}]{run}(?![^{_WHITESPACE}])"
+        rf"|[{_WHITESPACE}]{run}"
+    )
+
+
 WORD_CACHE_LIMIT = 1 << 20  # words; cleared when full, which bounds memory on large corpora
 
 Turns = Sequence[Mapping[str, str]]  # [{"role": ..., "content": ...}, ...]
@@ -49,12 +75,12 @@ def render(turns: Turns) -> str:
     return "".join(f"{IM_START}{t['role']}\n{t['content']}{IM_END}\n" for t in turns)
 
 
-def pre_tokenizer():
-    """The tokenizers pre-tokenizer every ANDREA tokenizer is trained with."""
+def pre_tokenizer(unspaced_chunk: int = UNSPACED_CHUNK):
+    """The tokenizers pre-tokenizer an ANDREA tokenizer is trained with."""
     from tokenizers import Regex, pre_tokenizers
 
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(split_pattern(unspaced_chunk)), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 
@@ -63,15 +89,27 @@ def _pre_tokenizer_json(tokenizer) -> dict:
     return json.loads(tokenizer.to_str())["pre_tokenizer"]
 
 
+def unspaced_chunk_of(tokenizer) -> int | None:
+    """The `unspaced_chunk` an ANDREA pre-tokenizer was built with; None for any other pre-tokenizer."""
+    from tokenizers import Tokenizer, models
+
+    found = _pre_tokenizer_json(tokenizer)
+    # candidates: the counted repeats in the pattern (one of them is the unspaced chunk)
+    for chunk in sorted({int(n) for n in re.findall(r"\]\{1,(\d+)\}", json.dumps(found))}):
+        if 1 <= chunk <= MAX_UNSPACED_CHUNK:
+            reference = Tokenizer(models.BPE())
+            reference.pre_tokenizer = pre_tokenizer(chunk)
+            if _pre_tokenizer_json(reference) == found:
+                return chunk
+    return None
+
+
 class ChatTokenizer:
     """A byte-level BPE tokenizer made by `andrea train-tokenizer`, with ChatML structure on top."""
 
     def __init__(self, tokenizer, name: str = "tokenizer"):
-        from tokenizers import Tokenizer, models
-
-        reference = Tokenizer(models.BPE())
-        reference.pre_tokenizer = pre_tokenizer()
-        if _pre_tokenizer_json(tokenizer) != _pre_tokenizer_json(reference):
+        self.unspaced_chunk = unspaced_chunk_of(tokenizer)
+        if self.unspaced_chunk is None:
             raise AndreaError(f"{name}: its pre-tokenizer is not ANDREA's; retrain it with `andrea train-tokenizer`")
         ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
         if None in ids:
@@ -81,7 +119,7 @@ class ChatTokenizer:
         # match special tokens only where we insert them by id, never inside content
         self.tokenizer.encode_special_tokens = True
         self.endoftext_id, self.im_start_id, self.im_end_id = ids
-        self._split = re.compile(SPLIT_PATTERN).findall
+        self._split = re.compile(split_pattern(self.unspaced_chunk)).findall
         self._word_ids: dict[str, list[int]] = {}
         self._forget_words()
 

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from andrea.data import HERMES3_DATASET
+from andrea.data.chatml import MAX_TOKEN_LENGTH, UNSPACED_CHUNK
 
 
 def _pull(args) -> int:
@@ -26,7 +27,9 @@ def _prep(args) -> int:
 def _train_tokenizer(args) -> int:
     from andrea.data.train_tokenizer import train_tokenizer
 
-    train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency)
+    args.input = args.input or ["results/data/megachat/train.parquet"]
+    train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency,
+                    max_token_length=args.max_token_length, unspaced_chunk=args.unspaced_chunk, threads=args.threads)
     return 0
 
 
@@ -89,9 +92,16 @@ def register(subparsers) -> None:
         "<|endoftext|>, <|im_start|>, <|im_end|> get ids 0, 1, 2. Deterministic for the same input. "
         "Put it in the folder tokenize writes to: training reads tokenizer.json next to the shards.",
     )
-    p.add_argument("--in", dest="input", default="results/data/megachat/train.parquet", help="MegaChat train parquet")
+    p.add_argument("--in", dest="input", action="append", metavar="PARQUET",
+                   help="MegaChat train parquet; repeat it to train on the union of several sources' train splits "
+                   "(default: results/data/megachat/train.parquet)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokens including the 3 special ones; at most 65536")
     p.add_argument("--min-frequency", type=int, default=2, help="fewest occurrences for a pair to be merged")
+    p.add_argument("--max-token-length", type=int, default=MAX_TOKEN_LENGTH,
+                   help="longest token, in bytes (characters of the byte-level alphabet)")
+    p.add_argument("--unspaced-chunk", type=int, default=UNSPACED_CHUNK,
+                   help="characters per word for scripts written without spaces (CJK, kana, Hangul, Thai, ...)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="training threads")
     p.add_argument("--out", default="results/data/tokens-V4096/tokenizer.json", help="output tokenizer.json")
     p.set_defaults(func=_train_tokenizer)
 

@@ -1,8 +1,14 @@
 """Stage train-tokenizer: MegaChat train split -> byte-level BPE `tokenizer.json`.
 
-Trained on exactly the pieces tokenize encodes ("{role}\\n{content}" per turn), split into words
-by `chatml.pre_tokenizer`, with the ChatML special tokens at ids 0, 1, 2 and all 256 bytes in the
+Trained on exactly the pieces tokenize encodes ("{role}\\n{content}" per turn) of one or more
+train splits (several sources: their union, in the order given), split into words by
+`chatml.pre_tokenizer`, with the ChatML special tokens at ids 0, 1, 2 and all 256 bytes in the
 base alphabet, so any text encodes. No normalizer: decoding gives back the bytes encoded.
+
+Bounds: no token is longer than `max_token_length` characters (of the byte-level alphabet, i.e.
+bytes: a run of 200,000 'A's gives tokens of at most that length), and scripts written without
+spaces split into words of `unspaced_chunk` characters, so memory follows the number of distinct
+words, not the length of a paragraph. Training runs on `threads` threads (tokenizers' pool).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from andrea.atomic import atomic_path
-from andrea.data.chatml import SPECIAL_TOKENS, pre_tokenizer
+from andrea.data.chatml import (MAX_TOKEN_LENGTH, MAX_UNSPACED_CHUNK, MAX_WORD_CHARS, SPECIAL_TOKENS, UNSPACED_CHUNK,
+                                pre_tokenizer)
 from andrea.data.progress import log, progress
 from andrea.data.tables import iter_rows, open_parquet
 from andrea.errors import AndreaError
@@ -36,36 +43,50 @@ def check_vocab_size(vocab_size: int, what: str) -> None:
         )
 
 
-def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.PathLike,
-                    min_frequency: int = 2) -> dict:
-    """Run the stage; returns the manifest of `out`."""
+def train_tokenizer(in_paths, vocab_size: int, out: str | os.PathLike, min_frequency: int = 2,
+                    max_token_length: int = MAX_TOKEN_LENGTH, unspaced_chunk: int = UNSPACED_CHUNK,
+                    threads: int | None = None) -> dict:
+    """Run the stage on one train parquet or a list of them; returns the manifest of `out`."""
+    if threads is not None:
+        if threads < 1:
+            raise AndreaError(f"--threads {threads} must be at least 1")
+        # read when tokenizers first starts its pool, i.e. by the training below in a fresh process
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     start = time.perf_counter()
-    in_path, out = Path(in_path), Path(out)
+    in_paths = [Path(p) for p in (in_paths if isinstance(in_paths, (list, tuple)) else [in_paths])]
+    out = Path(out)
     check_vocab_size(vocab_size, "--vocab-size")
-    table = open_parquet(in_path, required=("turns",), made_by="prep-megachat")
-    n_rows = table.metadata.num_rows
+    if not 1 <= max_token_length <= MAX_WORD_CHARS:
+        raise AndreaError(f"--max-token-length {max_token_length} must lie in [1, {MAX_WORD_CHARS}] "
+                          f"(the longest word the pre-tokenizer makes)")
+    if not 1 <= unspaced_chunk <= MAX_UNSPACED_CHUNK:
+        raise AndreaError(f"--unspaced-chunk {unspaced_chunk} must lie in [1, {MAX_UNSPACED_CHUNK}]")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizer(unspaced_chunk)
+    tokenizer.decoder = decoders.ByteLevel()
+    tables = [open_parquet(p, required=("turns",), made_by="prep-megachat") for p in in_paths]
+    n_rows = sum(t.metadata.num_rows for t in tables)
     counts = {"rows": 0, "turns": 0, "content_bytes": 0}
 
     def pieces() -> Iterator[str]:
         with progress(STAGE, "reading text", n_rows, "conversations") as advance:
-            for batch in iter_rows(table, ["turns"]):
-                for row in batch:
-                    for turn in row["turns"]:
-                        counts["turns"] += 1
-                        counts["content_bytes"] += len(turn["content"].encode())
-                        yield f"{turn['role']}\n{turn['content']}"
-                counts["rows"] += len(batch)
-                advance(len(batch))
+            for table in tables:
+                for batch in iter_rows(table, ["turns"]):
+                    for row in batch:
+                        for turn in row["turns"]:
+                            counts["turns"] += 1
+                            counts["content_bytes"] += len(turn["content"].encode())
+                            yield f"{turn['role']}\n{turn['content']}"
+                    counts["rows"] += len(batch)
+                    advance(len(batch))
         log(STAGE, f"learning merges up to {vocab_size:,} tokens")
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizer()
-    tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
+        max_token_length=max_token_length,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,  # its bar writes to stdout and redraws in logs
@@ -77,9 +98,9 @@ def train_tokenizer(in_path: str | os.PathLike, vocab_size: int, out: str | os.P
     with atomic_path(out) as tmp:
         tokenizer.save(str(tmp))
     manifest = write_manifest(
-        out, stage=STAGE, inputs=[in_path],
-        config={"vocab_size": vocab_size, "min_frequency": min_frequency, "model": "byte-level BPE",
-                "special_tokens": list(SPECIAL_TOKENS)},
+        out, stage=STAGE, inputs=in_paths,
+        config={"vocab_size": vocab_size, "min_frequency": min_frequency, "max_token_length": max_token_length,
+                "unspaced_chunk": unspaced_chunk, "model": "byte-level BPE", "special_tokens": list(SPECIAL_TOKENS)},
         counts={**counts, "vocab_size": actual}, wall_time_s=time.perf_counter() - start,
     )
     log(STAGE, f"wrote {out} ({actual:,} tokens, trained on {counts['content_bytes'] / 1e6:.1f} MB of text)")

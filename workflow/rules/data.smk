@@ -49,12 +49,17 @@ rule train_tokenizer:
         manifest="results/data/tokens-V{vocab}/tokenizer.json.manifest.json",
     log:
         "results/logs/train_tokenizer/V{vocab}.log",
+    threads: job_threads("train_tokenizer")
     params:
         min_frequency=config["tokenizer"]["min_frequency"],
+        max_token_length=config["tokenizer"]["max_token_length"],
+        unspaced_chunk=config["tokenizer"]["unspaced_chunk"],
         code=code_version("train_tokenizer"),
     shell:
         "andrea train-tokenizer --in {input.train} --vocab-size {wildcards.vocab}"
-        " --min-frequency {params.min_frequency} --out {output.tokenizer} > {log} 2>&1"
+        " --min-frequency {params.min_frequency} --max-token-length {params.max_token_length}"
+        " --unspaced-chunk {params.unspaced_chunk} --threads {threads}"
+        " --out {output.tokenizer} > {log} 2>&1"
 
 
 # The shards go next to their tokenizer: training reads all three from one folder.
