@@ -73,7 +73,7 @@ def main() -> int:
         table = pq.read_table(tmp / "megachat" / "train.parquet", columns=["turns"])
         batches = table.to_batches(max_chunksize=1024)
         turns = table.column("turns").to_pylist()
-        pieces = [f"{t['role']}\n{t['content']}" for conv in turns for t in conv]
+        pieces = [piece for conv in turns for t in conv for piece in (f"{t['role']}\n", t["content"])]
         megabytes = sum(len(t["content"].encode()) for conv in turns for t in conv) / 1e6
 
         def andrea_one_core():

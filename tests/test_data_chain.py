@@ -17,7 +17,8 @@ from andrea.shards import read_shard
 
 DATA = "results/data"
 ARTIFACTS = ["hermes3.parquet", "megachat/train.parquet", "megachat/val.parquet",
-             "tokens-V4096/tokenizer.json", "tokens-V4096/train.bin", "tokens-V4096/val.bin"]
+             "tokens-V4096/tokenizer.json", "tokens-V4096/train.bin", "tokens-V4096/val.bin",
+             "tokens-V4096/train.mask.bin", "tokens-V4096/val.mask.bin"]
 VOLATILE = ("wall_time_s", "created_utc", "git_commit")  # a commit may land between the two runs
 
 
@@ -39,7 +40,7 @@ def runs(tmp_path_factory):
 
 def test_every_artifact_has_a_manifest_of_its_stage(runs):
     data = runs[0]
-    stages = ["pull-hermes3", "prep-megachat", "prep-megachat", "train-tokenizer", "tokenize", "tokenize"]
+    stages = ["pull-hermes3", "prep-megachat", "prep-megachat", "train-tokenizer"] + ["tokenize"] * 4
     for name, stage in zip(ARTIFACTS, stages):
         manifest = read_manifest(data / name)
         assert manifest["stage"] == stage and manifest["sha256"] == sha256_file(data / name)

@@ -167,11 +167,17 @@ class ChatTokenizer:
     def _ids(self, words: list[str]) -> list[int]:
         return list(chain.from_iterable(map(self._word_ids.__getitem__, words)))
 
+    def _turn_words(self, turn) -> tuple[list[str], list[str]]:
+        """A turn's header words (<|im_start|>, the role, the newline) and content words. Header and
+        content are split apart, so no word (hence no token) straddles the start of the content."""
+        return [IM_START, *self._split(f"{turn['role']}\n")], self._split(turn["content"])
+
     def _conversation_words(self, turns: Turns) -> list[str]:
         words = []
         for turn in turns:
-            words.append(IM_START)
-            words += self._split(f"{turn['role']}\n{turn['content']}")
+            header, content = self._turn_words(turn)
+            words += header
+            words += content
             words += (IM_END, "\n")
         return words
 
@@ -198,6 +204,47 @@ class ChatTokenizer:
             words.append(ENDOFTEXT)
         self._learn(words)
         return self._ids(words)
+
+    def encode_documents_masked(self, conversations: Iterable[Turns]) -> tuple[list[int], bytearray]:
+        """`encode_documents` and its loss mask, one byte per token: the turn's weight (1 when it
+        has none) for an assistant turn's content tokens and its <|im_end|>, 0 for everything else
+        (system, user and tool turns, role headers, <|im_start|>, the newline after <|im_end|>,
+        <|endoftext|>)."""
+        words: list[str] = []
+        runs: list[list[int]] = []  # [end in words, mask value], adjacent runs of one value merged
+
+        def run(value: int) -> None:
+            if runs and runs[-1][1] == value:
+                runs[-1][0] = len(words)
+            else:
+                runs.append([len(words), value])
+
+        for turns in conversations:
+            for turn in turns:
+                header, content = self._turn_words(turn)
+                words += header
+                if turn["role"] == "assistant":
+                    run(0)
+                    words += content
+                    words.append(IM_END)
+                    run(int(turn.get("weight", 1)))
+                    words.append("\n")
+                else:
+                    words += content
+                    words += (IM_END, "\n")
+                run(0)
+            words.append(ENDOFTEXT)
+            run(0)
+        self._learn(words)
+        ids: list[int] = []
+        mask = bytearray()
+        start = 0
+        for end, value in runs:
+            part = self._ids(words[start:end])
+            ids += part
+            mask += bytes((value,)) * len(part)
+            start = end
+        return ids, mask
 
     def encode_prompt(self, turns: Turns) -> list[int]:
         """A conversation followed by an open assistant turn, for the model to complete."""

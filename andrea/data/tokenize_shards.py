@@ -1,6 +1,8 @@
-"""Stage tokenize: MegaChat train/val -> `train.bin` / `val.bin` token shards.
+"""Stage tokenize: MegaChat train/val -> `train.bin` / `val.bin` token shards and their loss masks
+`train.mask.bin` / `val.mask.bin` (see andrea.shards for both formats and the mask convention).
 
-Every conversation is encoded through `andrea.data.chatml` and followed by <|endoftext|>.
+Every conversation is encoded through `andrea.data.chatml` and followed by <|endoftext|>; the mask
+is 1 on the tokens of assistant content and the assistant's <|im_end|> (times the turn's weight).
 Batches are encoded by up to `--threads` worker processes (encoding holds the GIL; small inputs
 stay in this process) and written in input order, so the shards do not depend on the number of
 workers. The shards sit beside the tokenizer that made them: training reads DIR/train.bin,
@@ -30,13 +32,17 @@ from andrea.data.tables import open_parquet
 from andrea.data.train_tokenizer import check_vocab_size
 from andrea.errors import AndreaError
 from andrea.manifest import write_manifest
-from andrea.shards import shard_writer
+from andrea.shards import mask_path, mask_writer, shard_writer
 
 STAGE = "tokenize"
 TOKENIZER_NAME = "tokenizer.json"
 ENCODE_BATCH_ROWS = 1024
 # below this much work a worker process costs more to start (about a second of imports) than it saves
 ROWS_PER_WORKER = 16 * ENCODE_BATCH_ROWS
+
+SHARD_CONFIG = {"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"}
+MASK_CONFIG = {"format": "andrea loss mask v1, uint8 per token", "targets": "assistant content and <|im_end|>",
+               "weights": "per-turn weight", "convention": "mask[i] weights the prediction of token i"}
 
 _worker_chat: ChatTokenizer | None = None
 
@@ -47,13 +53,15 @@ def _start_worker(tokenizer_path: str) -> None:
     _worker_chat = ChatTokenizer.load(tokenizer_path)
 
 
-def encode_batch(batch: pa.RecordBatch, chat: ChatTokenizer | None = None) -> tuple[int, bytes]:
-    """(rows, uint16 tokens) of a batch of MegaChat rows, each conversation followed by <|endoftext|>."""
+def encode_batch(batch: pa.RecordBatch, chat: ChatTokenizer | None = None) -> tuple[int, bytes, bytes]:
+    """(rows, uint16 tokens, uint8 mask) of a batch of MegaChat rows, each conversation followed by
+    <|endoftext|>."""
     chat = chat or _worker_chat
-    return batch.num_rows, array("H", chat.encode_documents(batch.column("turns").to_pylist())).tobytes()
+    ids, mask = chat.encode_documents_masked(batch.column("turns").to_pylist())
+    return batch.num_rows, array("H", ids).tobytes(), bytes(mask)
 
 
-def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) -> Iterator[tuple[int, bytes]]:
+def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) -> Iterator[tuple[int, bytes, bytes]]:
     """pool.map with at most `window` batches in flight (map would read the whole file first)."""
     pending: deque = deque()
     for batch in batches:
@@ -64,11 +72,12 @@ def _in_order(pool: Executor, batches: Iterable[pa.RecordBatch], window: int) ->
         yield pending.popleft().result()
 
 
-def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str, append,
+def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str, append, append_mask,
                    pool: Executor | None, workers: int) -> dict:
     """Encode all conversations of one split in order, passing each batch's tokens to `append`
-    (a shard writer); encoded in `pool` when there is one. Returns the split's counts."""
-    counts = {"conversations": 0, "content_bytes": 0, "tokens": 0}
+    (a shard writer) and its mask to `append_mask`; encoded in `pool` when there is one. Returns
+    the split's counts."""
+    counts = {"conversations": 0, "content_bytes": 0, "tokens": 0, "target_tokens": 0}
 
     def batches() -> Iterator[pa.RecordBatch]:
         for batch in table.iter_batches(batch_size=ENCODE_BATCH_ROWS, columns=["turns"]):
@@ -79,17 +88,21 @@ def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str, append
 
     with progress(STAGE, f"encoding {name}", table.metadata.num_rows, "conversations") as advance:
         encoded = _in_order(pool, batches(), 2 * workers) if pool else (encode_batch(b, chat) for b in batches())
-        for rows, part in encoded:
+        for rows, part, mask_part in encoded:
             tokens = np.frombuffer(part, dtype=np.uint16)
+            mask = np.frombuffer(mask_part, dtype=np.uint8)
             append(tokens)
+            append_mask(mask)
             counts["tokens"] += int(tokens.size)
+            counts["target_tokens"] += int(np.count_nonzero(mask))
             advance(rows)
     return counts
 
 
 def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_dir: str | os.PathLike,
              threads: int = os.cpu_count() or 1) -> dict[str, dict]:
-    """Run the stage; returns the manifests of train.bin and val.bin."""
+    """Run the stage; returns the manifests of train.bin and val.bin (their masks' manifests sit
+    beside the masks)."""
     tokenizer_path, in_dir, out_dir = Path(tokenizer_path), Path(in_dir), Path(out_dir)
     if tokenizer_path.resolve() != (out_dir / TOKENIZER_NAME).resolve():
         raise AndreaError(
@@ -114,14 +127,18 @@ def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_d
         for split in SPLITS:
             start = time.perf_counter()
             shard = out_dir / f"{split}.bin"
-            with shard_writer(shard) as append:
-                counts = tokenize_split(chat, tables[split], parquets[split].name, append, pool, workers)
+            mask = mask_path(shard)
+            with shard_writer(shard) as append, mask_writer(mask) as append_mask:
+                counts = tokenize_split(chat, tables[split], parquets[split].name, append, append_mask, pool, workers)
+            inputs = [tokenizer_path, parquets[split]]
             manifests[split] = write_manifest(
-                shard, stage=STAGE, inputs=[tokenizer_path, parquets[split]],
-                config={"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"},
-                counts=counts, wall_time_s=time.perf_counter() - start,
+                shard, stage=STAGE, inputs=inputs, config=SHARD_CONFIG, counts=counts,
+                wall_time_s=time.perf_counter() - start,
             )
-            log(STAGE, f"wrote {shard} ({counts['tokens']:,} tokens, {counts['conversations']:,} conversations)")
+            write_manifest(mask, stage=STAGE, inputs=inputs, config=MASK_CONFIG, counts=counts,
+                           wall_time_s=time.perf_counter() - start)
+            log(STAGE, f"wrote {shard} and {mask.name} ({counts['tokens']:,} tokens, "
+                       f"{counts['target_tokens']:,} of them assistant targets; {counts['conversations']:,} conversations)")
     finally:
         if pool:
             pool.shutdown(cancel_futures=True)

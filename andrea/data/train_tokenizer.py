@@ -1,6 +1,6 @@
 """Stage train-tokenizer: MegaChat train split -> byte-level BPE `tokenizer.json`.
 
-Trained on exactly the pieces tokenize encodes ("{role}\\n{content}" per turn) of one or more
+Trained on exactly the pieces tokenize encodes ("{role}\\n" and the content of each turn) of one or more
 train splits (several sources: their union, in the order given), split into words by
 `chatml.pre_tokenizer`, with the ChatML special tokens at ids 0, 1, 2 and all 256 bytes in the
 base alphabet, so any text encodes. No normalizer: decoding gives back the bytes encoded.
@@ -78,7 +78,8 @@ def train_tokenizer(in_paths, vocab_size: int, out: str | os.PathLike, min_frequ
                         for turn in row["turns"]:
                             counts["turns"] += 1
                             counts["content_bytes"] += len(turn["content"].encode())
-                            yield f"{turn['role']}\n{turn['content']}"
+                            yield f"{turn['role']}\n"  # header and content apart, as tokenize splits them
+                            yield turn["content"]
                     counts["rows"] += len(batch)
                     advance(len(batch))
         log(STAGE, f"learning merges up to {vocab_size:,} tokens")

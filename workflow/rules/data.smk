@@ -73,6 +73,10 @@ rule tokenize:
         val="results/data/tokens-V{vocab}/val.bin",
         train_manifest="results/data/tokens-V{vocab}/train.bin.manifest.json",
         val_manifest="results/data/tokens-V{vocab}/val.bin.manifest.json",
+        train_mask="results/data/tokens-V{vocab}/train.mask.bin",
+        val_mask="results/data/tokens-V{vocab}/val.mask.bin",
+        train_mask_manifest="results/data/tokens-V{vocab}/train.mask.bin.manifest.json",
+        val_mask_manifest="results/data/tokens-V{vocab}/val.mask.bin.manifest.json",
     log:
         "results/logs/tokenize/V{vocab}.log",
     threads: job_threads("tokenize")
