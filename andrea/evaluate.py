@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from andrea.atomic import write_json_atomic
+from andrea.checkpoint import read_finite_weights, read_state, recorded_sha256s
 from andrea.errors import AndreaError
+from andrea.hashing import sha256_file
+from andrea.inference import find_tokenizer, inference_engine, load_tokenizer
+from andrea.inspect_ckpt import experiment_for
+from andrea.layout import ParameterLayout
+from andrea.loader import TokenWindows
+from andrea.manifest import lineage, manifest_path, read_manifest, write_manifest
+from andrea.model import Model
 
 EVAL_FORMAT = "andrea-eval/1"
 MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this
@@ -36,20 +46,8 @@ def bits_per_byte(mean_loss: float, n_tokens: int, n_bytes: int) -> float:
     return mean_loss * n_tokens / math.log(2) / n_bytes
 
 
-def inference_engine(name: str, precision: str):
-    """The engine that runs a checkpoint: CUDA at the experiment's precision, or the NumPy engine
-    (fp32, the only precision it has) when there is no device."""
-    from andrea.engines import cuda_available, make_engine
-
-    on_cuda = name == "cuda" or (name == "auto" and cuda_available())
-    return make_engine(name, precision=precision if on_cuda else "fp32")
-
-
 def _file_record(path: Path) -> dict:
     """A file as the eval report names it: path, sha256 and, when a stage made it, its manifest's sha256."""
-    from andrea.hashing import sha256_file
-    from andrea.manifest import manifest_path, read_manifest
-
     record = {"path": str(path), "sha256": sha256_file(path)}
     if manifest_path(path).is_file():
         record["manifest_sha256"] = read_manifest(path)["sha256"]
@@ -59,17 +57,6 @@ def _file_record(path: Path) -> dict:
 def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: str = "auto",
                         n_batches: int | None = None) -> dict:
     """Everything `andrea eval` writes, as one JSON-ready dict. All but `throughput` is deterministic."""
-    from dataclasses import asdict
-
-    from andrea.checkpoint import read_finite_weights
-    from andrea.checkpoint import read_state, recorded_sha256s
-    from andrea.inspect_ckpt import experiment_for
-    from andrea.layout import ParameterLayout
-    from andrea.loader import TokenWindows
-    from andrea.manifest import lineage, manifest_path
-    from andrea.model import Model
-    from andrea.sample import find_tokenizer, load_tokenizer
-
     ckpt, data_dir = Path(ckpt), Path(data_dir)
     exp = experiment_for(ckpt, experiment)
     shape = exp.model
@@ -143,9 +130,6 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from andrea.atomic import write_json_atomic
-    from andrea.manifest import write_manifest
-
     report = evaluate_checkpoint(args.experiment, args.ckpt, args.data, tokenizer=args.tokenizer,
                                  engine=args.engine, n_batches=args.batches)
     write_json_atomic(args.out, report)

@@ -151,8 +151,9 @@ class DataParallel:
         return bool(flags[0]), bool(flags[1])
 
 
-def launch(argv: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
-    """Start one `andrea train` process per GPU of this host; forward SIGTERM/SIGUSR1 to all."""
+def launch(command: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
+    """Start one process per GPU of this host running `command` (the `andrea train` command of a rank,
+    from andrea.train.child_command); forward SIGTERM/SIGUSR1 to all."""
     from cupy.cuda import runtime
 
     available = runtime.getDeviceCount()
@@ -174,7 +175,7 @@ def launch(argv: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
             return sigterm_exit_code  # arrived while this process started: nothing to train
         for r in range(n_gpus):
             env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
-            children.append(subprocess.Popen([sys.executable, "-m", "andrea.cli", *argv], env=env))
+            children.append(subprocess.Popen(command, env=env))
         statuses = [child.wait() for child in children]
     finally:
         for s, handler in old.items():

@@ -7,44 +7,22 @@ Generation stops at `<|im_end|>` (the end of the assistant's turn) or `<|endofte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 
+from andrea.checkpoint import read_finite_weights
 from andrea.data.chatml import ChatTokenizer
 from andrea.errors import AndreaError
+# find_tokenizer: the trainer finds its sampling tokenizer through this module
+from andrea.inference import find_tokenizer, inference_engine, load_tokenizer, tokenizer_for  # noqa: F401
+from andrea.inspect_ckpt import experiment_for
+from andrea.layout import ParameterLayout
+from andrea.model import Model
 
 TEMPERATURE = 0.8
 TOP_K = 40
 TRAINING_MAX_NEW_TOKENS = 48
 ASSISTANT_OPENER = "assistant\n"
-
-
-def load_tokenizer(path) -> ChatTokenizer:
-    return ChatTokenizer.load(path)
-
-
-def find_tokenizer(data_dir, explicit=None) -> Path | None:
-    """--tokenizer when given, else DATA/tokenizer.json when it exists (the data stages keep it beside the shards)."""
-    from andrea.data.tokenize_shards import TOKENIZER_NAME
-
-    if explicit:
-        return Path(explicit)
-    candidate = Path(data_dir) / TOKENIZER_NAME
-    return candidate if candidate.is_file() else None
-
-
-def tokenizer_for(ckpt, explicit=None) -> Path:
-    """The tokenizer of a checkpoint: --tokenizer, else the one beside the data it was trained on."""
-    from andrea.checkpoint import read_state
-
-    state = read_state(ckpt) or {}
-    data_dir = state.get("data", {}).get("dir")
-    path = find_tokenizer(data_dir, explicit) if (explicit or data_dir) else None
-    if path is None:
-        where = f"in {data_dir}, the data folder its .state.json records" if data_dir else "recorded for it"
-        raise AndreaError(f"{ckpt}: no tokenizer.json {where}; pass --tokenizer")
-    return path
 
 
 def check_vocab(tokenizer: ChatTokenizer, shape) -> None:
@@ -59,8 +37,6 @@ class Sampler:
     """A batch-1 inference model sharing the training model's engine and shape."""
 
     def __init__(self, engine, shape, tokenizer: ChatTokenizer):
-        from andrea.model import Model
-
         check_vocab(tokenizer, shape)
         self.engine = engine
         self.shape = shape
@@ -146,11 +122,6 @@ def chat_turns(prompt: str, system: str | None = None) -> list[dict]:
 def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tokenizer=None, engine: str = "auto",
            temperature: float = TEMPERATURE, top_k: int = TOP_K, seed: int = 0, max_new_tokens: int = 256) -> dict:
     """One chat completion from a checkpoint; the same arguments give the same text."""
-    from andrea.checkpoint import read_finite_weights
-    from andrea.evaluate import inference_engine
-    from andrea.inspect_ckpt import experiment_for
-    from andrea.layout import ParameterLayout
-
     if max_new_tokens < 1:
         raise AndreaError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     exp = experiment_for(ckpt, experiment)

@@ -16,19 +16,16 @@ from andrea.stop_signals import STOP_SIGNALS
 
 # Exit statuses that a restart cannot fix: a usage/input error, or a numerical fault that would recur.
 FINAL_STATUSES = {2, EXIT_NONFINITE}
+# How each attempt starts (attempt_command), so the trainer's command handed to supervise() leaves them out.
+START_OPTIONS = ("resume", "init_from")
 
 
-def child_command(args) -> list[str]:
-    cmd = [sys.executable, "-m", "andrea.cli", "train", "--experiment", args.experiment, "--data", args.data,
-           "--out", args.out, "--engine", args.engine, "--on-nonfinite", args.on_nonfinite,
-           "--sigterm-exit-code", str(args.sigterm_exit_code)]
-    if args.max_steps is not None:
-        cmd += ["--max-steps", str(args.max_steps)]
-    if args.tokenizer:
-        cmd += ["--tokenizer", args.tokenizer]
-    if args.gpus:
-        cmd += ["--gpus", str(args.gpus)]
-    return cmd
+def attempt_command(command: list[str], args, files: RunFiles, attempt: int) -> list[str]:
+    """The trainer's command for one attempt: the first starts as asked; a restart continues from the
+    last checkpoint, or starts over (from --init-from, if given) when none was written yet."""
+    if attempt == 0:
+        return command + (["--resume"] if args.resume else ["--init-from", args.init_from] if args.init_from else [])
+    return command + (["--resume"] if files.ckpt.exists() or not args.init_from else ["--init-from", args.init_from])
 
 
 def describe(status: int) -> str:
@@ -37,10 +34,9 @@ def describe(status: int) -> str:
     return f"exited with status {status}"
 
 
-def supervise(args) -> int:
+def supervise(args, command: list[str]) -> int:
+    """Run `command` (the trainer's, less START_OPTIONS) until it finishes or fails for good."""
     files = RunFiles(Path(args.out))
-    base = child_command(args)
-    first = base + (["--resume"] if args.resume else ["--init-from", args.init_from] if args.init_from else [])
     forwarded: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -54,12 +50,12 @@ def supervise(args) -> int:
         forwarded.append(signal.SIGTERM)  # arrived while this process started
     try:
         restarts = 0
-        cmd = first
         while True:
             if signal.SIGTERM in forwarded:
                 print("andrea train: SIGTERM before the trainer started; nothing trained", file=sys.stderr)
                 return args.sigterm_exit_code
-            child = subprocess.Popen(cmd, env={**os.environ, RESTARTS_ENV: str(restarts)})
+            child = subprocess.Popen(attempt_command(command, args, files, restarts),
+                                     env={**os.environ, RESTARTS_ENV: str(restarts)})
             status = child.wait()
             if status == 0 or status in FINAL_STATUSES or signal.SIGTERM in forwarded:
                 return status if status >= 0 else 128 - status
@@ -72,8 +68,6 @@ def supervise(args) -> int:
                                       "cause": describe(status)})
             print(f"andrea train: the trainer {describe(status)}; restart {restarts} of {args.max_restarts} "
                   "from the last checkpoint", file=sys.stderr)
-            # A restart continues from the last checkpoint, or starts over if none was written yet.
-            cmd = base + (["--resume"] if files.ckpt.exists() or not args.init_from else ["--init-from", args.init_from])
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

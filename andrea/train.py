@@ -13,6 +13,7 @@ SIGUSR1: checkpoint, continue. See docs/RELIABILITY.md for every failure the loo
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -27,15 +28,18 @@ from andrea.checkpoint import read_checkpoint, read_state, verify_against_state,
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
 from andrea.inspect_ckpt import refuse_other_model
-from andrea.parallel import rank_from_env
+from andrea.parallel import launch, rank_from_env
 from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line
 from andrea.stop_signals import STOP_SIGNALS
+from andrea.supervise import START_OPTIONS, supervise
 
 STATE_FORMAT = 1
 N_SAMPLE_PROMPTS = 3
 # How many recent checkpoints .state.json vouches for: a kill between renaming the checkpoint and
 # renaming the state leaves a checkpoint that is one of these two.
 STATE_CHECKPOINT_HISTORY = 2
+# Options of the supervisor itself, never handed to the trainer processes it starts.
+SUPERVISOR_ONLY = ("supervise", "max_restarts")
 
 
 def register(subparsers) -> None:
@@ -46,6 +50,12 @@ def register(subparsers) -> None:
         "checkpoint and, beside it, .state.json, .loss.json (one JSON line per step), .samples.json and "
         ".log. SIGTERM checkpoints and exits; SIGUSR1 checkpoints and continues.",
     )
+    add_options(p)
+    p.set_defaults(func=main)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """Every option of `andrea train`; child_command() re-emits them for the processes it starts."""
     p.add_argument("--experiment", required=True, help="experiment JSON (config/experiments/ANDREA-*-TRAIN.json)")
     p.add_argument("--data", required=True, help="folder with train.bin, val.bin and optionally tokenizer.json")
     p.add_argument("--out", required=True, help="checkpoint to write, e.g. results/ANDREA-12M.ckpt")
@@ -71,7 +81,22 @@ def register(subparsers) -> None:
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="data-parallel training on N GPUs of this host through NCCL (one process per GPU; "
                    "under SLURM, srun starts one task per GPU instead); the experiment's batch_size is the global batch")
-    p.set_defaults(func=main)
+
+
+def child_command(args: argparse.Namespace, omit: tuple[str, ...] = ()) -> list[str]:
+    """The `andrea train` command of a trainer process the supervisor or the launcher starts: every
+    option of add_options() whose parsed value is not its default, less the supervisor's own and
+    those in `omit`, so that an option added there reaches the child with no change here."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_options(parser)
+    cmd = [sys.executable, "-m", "andrea.cli", "train"]
+    for action in parser._actions:  # argparse lists a parser's options only there
+        value = getattr(args, action.dest)
+        if action.dest in SUPERVISOR_ONLY + omit or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        cmd += [flag] if action.nargs == 0 else [flag, str(value)]
+    return cmd
 
 
 class Log:
@@ -462,14 +487,9 @@ def main(args) -> int:
     from rich.console import Console
 
     if args.supervise:
-        from andrea.supervise import supervise
-
-        return supervise(args)
-    if args.gpus:
-        from andrea.parallel import launch, rank_from_env
-
-        if rank_from_env() is None:
-            return launch(sys.argv[1:], args.gpus, args.sigterm_exit_code)
+        return supervise(args, child_command(args, omit=START_OPTIONS))
+    if args.gpus and rank_from_env() is None:
+        return launch(child_command(args), args.gpus, args.sigterm_exit_code)
     console = Console(stderr=True)
     try:
         return Trainer(args, console).run()

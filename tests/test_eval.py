@@ -14,11 +14,12 @@ from andrea.cli import main as cli
 from andrea.config import load_experiment
 from andrea.engines.numpy_engine import NumpyEngine
 from andrea.evaluate import evaluate_checkpoint, evaluated_targets
+from andrea.inference import load_tokenizer
 from andrea.layout import ParameterLayout
 from andrea.loader import TokenWindows
 from andrea.manifest import manifest_path, read_manifest
 from andrea.model import init_params
-from andrea.sample import Sampler, load_tokenizer, training_samples, validation_prompts
+from andrea.sample import Sampler, training_samples, validation_prompts
 from andrea.shards import write_shard
 from andrea.runfiles import read_loss_history
 from andrea.train import N_SAMPLE_PROMPTS

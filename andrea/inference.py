@@ -1,0 +1,44 @@
+"""What running a checkpoint needs besides its weights, for `andrea eval`, `andrea sample`, the
+training loop's samples and the Hugging Face export: the engine to run it on, and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from andrea.checkpoint import read_state
+from andrea.data.chatml import ChatTokenizer
+from andrea.engines import cuda_available, make_engine
+from andrea.errors import AndreaError
+
+
+def inference_engine(name: str, precision: str):
+    """The engine that runs a checkpoint: CUDA at the experiment's precision, or the NumPy engine
+    (fp32, the only precision it has) when there is no device."""
+    on_cuda = name == "cuda" or (name == "auto" and cuda_available())
+    return make_engine(name, precision=precision if on_cuda else "fp32")
+
+
+def load_tokenizer(path) -> ChatTokenizer:
+    return ChatTokenizer.load(path)
+
+
+def find_tokenizer(data_dir, explicit=None) -> Path | None:
+    """--tokenizer when given, else DATA/tokenizer.json when it exists (the data stages keep it beside the shards)."""
+    # inside: the tokenize stage imports pyarrow, which `andrea --help` should not wait for
+    from andrea.data.tokenize_shards import TOKENIZER_NAME
+
+    if explicit:
+        return Path(explicit)
+    candidate = Path(data_dir) / TOKENIZER_NAME
+    return candidate if candidate.is_file() else None
+
+
+def tokenizer_for(ckpt, explicit=None) -> Path:
+    """The tokenizer of a checkpoint: --tokenizer, else the one beside the data it was trained on."""
+    state = read_state(ckpt) or {}
+    data_dir = state.get("data", {}).get("dir")
+    path = find_tokenizer(data_dir, explicit) if (explicit or data_dir) else None
+    if path is None:
+        where = f"in {data_dir}, the data folder its .state.json records" if data_dir else "recorded for it"
+        raise AndreaError(f"{ckpt}: no tokenizer.json {where}; pass --tokenizer")
+    return path

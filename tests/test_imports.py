@@ -1,0 +1,91 @@
+"""The package's layers import only those below them (DESIGN.md, "Layout of the repository"), so the
+modules of `andrea` import each other without a cycle. The graph is read from the source, imports
+inside functions included: an import moved into a function still runs, it only hides the cycle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from andrea.errors import AndreaError
+from andrea.hashing import code_files, code_hash, imported_names
+
+PACKAGE = Path(__file__).resolve().parents[1] / "andrea"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): (set(imported_names(p)) & modules) - {module_name(p)} for p in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, in sorted order for a stable answer)."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if cycle := visit(nxt):
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if cycle := visit(start):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()
+    assert "andrea.engines" in graph["andrea.train"]  # only imported inside Trainer.__init__
+    assert "andrea.engines.numpy_engine" in graph["andrea.engines"]  # only inside make_engine
+
+
+@pytest.mark.parametrize("graph, cycle", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b", "c"}, "b": set(), "c": {"c2"}, "c2": {"c"}}, ["c", "c2", "c"]),
+])
+def test_find_cycle(graph, cycle):
+    assert find_cycle(graph) == cycle
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_code_files_follow_every_import_of_the_package(tmp_path):
+    """What a stage's code hash covers (andrea.hashing.code_hash, the workflow's code_version)."""
+    pkg = tmp_path / "andrea"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "stage.py").write_text("import json\n\ndef run():\n    from andrea.sub import helper\n")
+    (pkg / "sub" / "helper.py").write_text("from andrea.sub.leaf import X\n")
+    (pkg / "sub" / "leaf.py").write_text("X = 1\n")
+    (pkg / "unused.py").write_text("")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "k.cu").write_text("")
+    files = {p.relative_to(tmp_path).as_posix() for p in code_files(tmp_path, ["andrea.stage", "kernels/"])}
+    assert files == {"andrea/__init__.py", "andrea/stage.py", "andrea/sub/__init__.py", "andrea/sub/helper.py",
+                     "andrea/sub/leaf.py", "kernels/k.cu"}
+    before = code_hash(tmp_path, ["andrea.stage"])
+    (pkg / "sub" / "leaf.py").write_text("X = 2\n")
+    assert code_hash(tmp_path, ["andrea.stage"]) != before
+    with pytest.raises(AndreaError, match="andrea.nope: no such module"):
+        code_files(tmp_path, ["andrea.nope"])
