@@ -2,9 +2,13 @@
 
 import http.client
 import json
+import os
+import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -45,9 +49,9 @@ def tree(tmp_path):
 
 
 @contextmanager
-def running(results):
+def running(results, **options):
     """A dashboard server on a free loopback port, serving in a background thread."""
-    srv = DashboardServer(results, port=0)
+    srv = DashboardServer(results, port=0, **options)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     try:
         yield srv
@@ -93,6 +97,103 @@ def test_range_sends_only_the_appended_bytes(server, tree):
     assert resp.status == 416 and resp.getheader("Content-Range") == f"bytes */{len(full)}"
 
 
+@pytest.mark.parametrize("header, begin, end", [
+    ("bytes=0-0", 0, 1),
+    ("bytes=3-5", 3, 6),
+    ("bytes=3-100000", 3, None),
+    ("bytes=-5", -5, None),
+    ("bytes=-100000", 0, None),
+    ("BYTES=0-1", 0, 2),
+])
+def test_range_forms(server, tree, header, begin, end):
+    full = (tree / "run.loss.json").read_bytes()
+    first, stop, _ = slice(begin, end).indices(len(full))
+    resp, data = request(server, "GET", "/results/run.loss.json", {"Range": header})
+    assert resp.status == 206 and data == full[first:stop]
+    assert resp.getheader("Content-Range") == f"bytes {first}-{stop - 1}/{len(full)}"
+    assert int(resp.getheader("Content-Length")) == stop - first
+
+
+@pytest.mark.parametrize("header", ["bytes=5-2", "bytes=-0", "bytes=" + "9" * 5000 + "-"])
+def test_unsatisfiable_range_is_416(server, tree, header):
+    size = (tree / "run.loss.json").stat().st_size
+    resp, _ = request(server, "GET", "/results/run.loss.json", {"Range": header})
+    assert resp.status == 416 and resp.getheader("Content-Range") == f"bytes */{size}"
+    assert int(resp.getheader("Content-Length")) >= 0
+
+
+@pytest.mark.parametrize("header", [
+    "bytes=\xb2-", "bytes=1-\xb2", "bytes=\u0663-", "bytes=-", "bytes=", "bytes=abc-", "bytes=1-2-3", "bytes=+5-",
+    "bytes=5_0-", "bytes=0x10-", "bytes= 5-", "bytes=5 -", "bytes=-\xb9",
+])
+def test_malformed_range_is_400(server, header):
+    # Sent as raw bytes: http.client would refuse U+0663, which a client may still send as UTF-8.
+    value = header.encode("utf-8") if any(ord(ch) > 255 for ch in header) else header.encode("latin-1")
+    with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"GET /results/run.loss.json HTTP/1.1\r\nHost: 127.0.0.1\r\nRange: " + value
+                     + b"\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+
+
+@pytest.mark.parametrize("header", ["items=0-5", "bytes=0-1,3-4"])
+def test_range_the_server_does_not_take_sends_the_whole_file(server, tree, header):
+    resp, data = request(server, "GET", "/results/run.loss.json", {"Range": header})
+    assert resp.status == 200 and data == (tree / "run.loss.json").read_bytes()
+
+
+def test_an_idle_connection_is_closed(tree):
+    with running(tree) as srv:
+        assert 10 <= srv.idle_timeout <= 120  # long enough for any poll interval a person picks
+    with running(tree, idle_timeout=0.3) as srv:
+        with socket.create_connection(srv.server_address[:2], timeout=10) as sock:
+            start = time.monotonic()
+            assert sock.recv(1) == b""  # the server hung up on a client that sent nothing
+            assert time.monotonic() - start < 5
+        conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=10)
+        conn.request("GET", "/api/runs")
+        assert conn.getresponse().read()
+        time.sleep(1)
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            conn.request("GET", "/api/runs")  # the kept-alive connection was closed while idle
+            conn.getresponse()
+        conn.close()
+
+
+def test_a_burst_of_connections_is_queued(tree):
+    """200 clients connecting at once all get through the kernel's handshake, then all get served."""
+    srv = DashboardServer(tree, port=0)
+    socks = []
+    serving = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    try:
+        for _ in range(200):  # before the server accepts any: only the listen backlog holds them
+            sock = socket.socket(srv.address_family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.connect_ex(srv.server_address[:2])
+            socks.append(sock)
+        deadline = time.monotonic() + 0.5
+        pending = list(socks)
+        while pending and time.monotonic() < deadline:
+            _, ready, _ = select.select([], pending, [], 0.05)
+            pending = [s for s in pending if s not in ready]
+        assert not pending, f"{len(pending)} of 200 connections are still waiting for the handshake"
+        serving.start()
+        for sock in socks:
+            sock.setblocking(True)
+            sock.settimeout(10)
+            sock.sendall(b"HEAD /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        for sock in socks:
+            assert sock.recv(64).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for sock in socks:
+            sock.close()
+        if serving.is_alive():
+            srv.shutdown()
+        srv.server_close()
+
+
 def test_run_list_covers_subfolders_and_skips_links_out(server):
     resp, data = request(server, "GET", "/api/runs")
     runs = {r["id"]: r for r in json.loads(data)["runs"]}
@@ -100,6 +201,34 @@ def test_run_list_covers_subfolders_and_skips_links_out(server):
     assert runs["run"]["state"] == {"step": 2, "total_steps": 40, "experiment": "tiny"}
     assert runs["run"]["size"] == len("".join(json.dumps(rec) + "\n" for rec in LOSS_LINES))
     assert runs["sub/other"]["state"] is None
+
+
+def test_a_hard_linked_copy_is_listed_once(tmp_path):
+    """The workflow trains in runs/NAME/KEY/ and hard-links the finished files into results/."""
+    results = tmp_path / "results"
+    trained = results / "runs" / "tiny" / "3f2a" / "tiny.loss.json"
+    trained.parent.mkdir(parents=True)
+    trained.write_text("".join(json.dumps(rec) + "\n" for rec in LOSS_LINES))
+    (results / "a" / "b").mkdir(parents=True)
+    os.link(trained, results / "a" / "b" / "tiny.loss.json")
+    with running(results) as srv:
+        ids = [r["id"] for r in json.loads(request(srv, "GET", "/api/runs")[1])["runs"]]
+        assert ids == ["a/b/tiny"]  # of two nested copies, the one fewer folders down
+        os.link(trained, results / "tiny.loss.json")
+        (results / "tiny.state.json").write_text(json.dumps({"step": 2, "total_steps": 40}))
+        (results / "other.loss.json").write_text(json.dumps(LOSS_LINES[1]) + "\n")
+        runs = json.loads(request(srv, "GET", "/api/runs")[1])["runs"]
+    assert [r["id"] for r in runs] == ["other", "tiny"]
+    assert runs[1]["state"]["total_steps"] == 40
+
+
+@pytest.mark.parametrize("state", ["null", "[1, 2]", "7", '"text"', '{"experiment": "tiny", "step": 3}', "{torn"])
+def test_a_state_file_that_is_not_an_object_is_passed_over(tree, server, state):
+    (tree / "run.state.json").write_text(state)
+    resp, data = request(server, "GET", "/api/runs")
+    runs = {r["id"]: r for r in json.loads(data)["runs"]}
+    assert resp.status == 200 and set(runs) == {"run", "sub/other"}
+    assert runs["run"]["state"] in (None, {"step": 3, "total_steps": None, "experiment": None})
 
 
 @pytest.mark.parametrize("path, status", [
@@ -137,6 +266,13 @@ def test_read_only(server, tree, method):
     resp, _ = request(server, method, "/results/run.loss.json", body=b'{"step": 99}\n')
     assert resp.status == 405 and resp.getheader("Allow") == "GET, HEAD"
     assert {p: p.read_bytes() for p in tree.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("method", ["OPTIONS", "TRACE", "CONNECT", "PROPFIND", "FOO"])
+def test_other_methods_are_not_allowed(server, method):
+    resp, _ = request(server, method, "/results/run.loss.json")
+    assert resp.status == 405 and resp.getheader("Allow") == "GET, HEAD"
+    assert request(server, "GET", "/api/runs")[0].status == 200
 
 
 def test_foreign_host_header_is_refused(server):

@@ -192,3 +192,42 @@ def test_page_opens_from_file_and_reads_a_dropped_run(tmp_path, page):
     page.set_input_files("#pick", str(run))
     wait_points(page, "finished loss", 30)
     assert page.locator("tr[data-run=finished] [data-cell=step]").inner_text() == "30"
+
+
+def steps_read(page, run):
+    return page.evaluate("(id) => window.andreaDashboard.runs.get(id).records.map((r) => r.step)", run)
+
+
+def test_page_skips_lines_that_are_not_json_objects(tmp_path, page):
+    """A line that is not a JSON object (torn by a full disk, `null`, a number, an array, garbage) is
+    passed over; the records around it, and one appended onto a torn line, are drawn. A last line
+    still being written waits for the rest, also when its first bytes are not an object yet."""
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / "torn.loss.json"
+    run.write_text(lines([1, 2]) + "null\n" + lines([3]) + '42\n[1, 2]\n"text"\ntrue\n}{ not json\n\n'
+                   + json.dumps(record(4))[:25] + json.dumps(record(5)) + "\n"  # torn, then appended to
+                   + lines([6]) + json.dumps(record(7))[:30] + "\n" + lines([8]))
+    good = [1, 2, 3, 5, 6, 8]
+
+    with running(results) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=torn")
+        wait_points(page, "torn loss", len(good))
+        assert steps_read(page, "torn") == good
+        read_to_end = "([id, size]) => window.andreaDashboard.runs.get(id).offset === size"
+
+        append(run, "nul")
+        page.wait_for_function(read_to_end, arg=["torn", run.stat().st_size], timeout=10_000)
+        append(run, "l\n" + lines([9])[:20])
+        page.wait_for_function(read_to_end, arg=["torn", run.stat().st_size], timeout=10_000)
+        assert steps_read(page, "torn") == good
+        append(run, lines([9])[20:] + "[]\n" + lines([10]))
+        wait_points(page, "torn loss", len(good) + 2)
+        assert steps_read(page, "torn") == good + [9, 10]
+        assert "error" not in page.get_attribute("#source", "class")
+
+    static = Path(__file__).resolve().parents[1] / "andrea" / "dashboard" / "static"
+    page.goto(static.joinpath("index.html").as_uri())
+    page.set_input_files("#pick", str(run))
+    wait_points(page, "torn loss", len(good) + 2)
+    assert steps_read(page, "torn") == good + [9, 10]

@@ -1,8 +1,9 @@
 """The dashboard server: the page and the run files under a results folder, read-only.
 
-Routes (GET and HEAD only; every other method gets 405):
+Routes (GET and HEAD only; every other method gets 405 with `Allow: GET, HEAD`):
     /                  the page (static/index.html); other paths are files of static/
-    /api/runs          every NAME.loss.json under the results folder, with size, age and state summary
+    /api/runs          every NAME.loss.json under the results folder (once, however many hard links or
+                       symlinks inside reach it), with size, age and state summary
     /results/REL       a .json file under the results folder; `Range: bytes=N-` returns only
                        what was appended since byte N, so a poll of a long run sends kilobytes, not megabytes
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import socket
 import time
 from http import HTTPStatus
@@ -28,7 +30,12 @@ from andrea.errors import AndreaError
 STATIC = Path(__file__).resolve().parent / "static"
 LOSS_SUFFIX = ".loss.json"
 STATE_SUFFIX = ".state.json"
-# What `andrea train` logs each time it (re)starts (andrea/train.py, Trainer.run).
+ALLOWED_METHODS = ("GET", "HEAD")
+# A connection that sends no request (or stalls mid-request, or stops reading a response) for this
+# long is closed: the page polls every two seconds, so only abandoned connections reach it.
+IDLE_TIMEOUT_S = 30.0
+# ASCII digits only: str.isdigit() takes '²' (which int() refuses), int() takes '٣' and '5_0'.
+BYTE_RANGE = re.compile(r"([0-9]*)-([0-9]*)")
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".json": "application/json; charset=utf-8"}
@@ -61,55 +68,86 @@ def resolve_under(root: str, rel: str) -> str:
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """(first, last) byte of a single `bytes=N-` or `bytes=N-M` range; None means send everything."""
-    if not header or not header.startswith("bytes=") or "," in header:
+    """(first, last) byte of a single range: `bytes=N-`, `bytes=N-M` or `bytes=-N` (the last N bytes).
+    None means send everything: no Range, another unit, or several ranges (RFC 9110 lets a server
+    ignore those). A malformed range is refused with 400, one that selects no byte with 416."""
+    if not header:
         return None
-    first, _, last = header[len("bytes="):].partition("-")
-    if not first.isdigit() or (last and not last.isdigit()):
+    unit, equals, spec = header.strip().partition("=")
+    if equals and (unit.lower() != "bytes" or "," in spec):
         return None
-    first_i = int(first)
-    if first_i >= size:
-        raise Refused(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, "nothing past this offset yet",
+    match = BYTE_RANGE.fullmatch(spec) if equals else None
+    if not match or not any(match.groups()):
+        raise Refused(HTTPStatus.BAD_REQUEST, "malformed Range header; expected bytes=FIRST-, bytes=FIRST-LAST "
+                      "or bytes=-LENGTH in ASCII digits")
+    first, last = match.groups()
+    if first:
+        first_i, last_i = byte_position(first, size), byte_position(last, size) if last else size - 1
+    else:
+        first_i, last_i = size - byte_position(last, size), size - 1
+    if first_i >= size or last_i < first_i:
+        raise Refused(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, "nothing in this range",
                       {"Content-Range": f"bytes */{size}"})
-    return first_i, min(int(last), size - 1) if last else size - 1
+    return first_i, min(last_i, size - 1)
+
+
+def byte_position(digits: str, size: int) -> int:
+    """ASCII digits as a byte position, capped at `size` (int() refuses 4,300 digits and more)."""
+    digits = digits.lstrip("0")
+    return size if len(digits) > len(str(size)) else min(int(digits or "0"), size)
 
 
 def read_state(path: str) -> dict | None:
+    """The summary of a .state.json; None for one that is unreadable or not a JSON object."""
     try:
         state = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(state, dict):
+        return None
+    experiment = state.get("experiment")
     return {"step": state.get("step"), "total_steps": state.get("total_steps"),
-            "experiment": (state.get("experiment") or {}).get("name")}
+            "experiment": experiment.get("name") if isinstance(experiment, dict) else None}
+
+
+def path_rank(rel: str) -> tuple[int, str]:
+    """Fewest folders down first, then by name: the order runs are listed and copies are chosen in."""
+    return rel.count("/"), rel
 
 
 def run_summaries(root: str) -> list[dict]:
-    """Every NAME.loss.json under `root` that resolves inside it, with what the page's header needs."""
-    runs = []
+    """Every NAME.loss.json under `root` that resolves inside it, with what the page's header needs.
+    A file reached by several paths is listed once, under the path fewest folders down: the workflow
+    trains in runs/NAME/KEY/ and hard-links the finished files into the results folder."""
+    found: dict[tuple[int, int], tuple[str, os.stat_result]] = {}
     for folder, dirs, files in os.walk(root):
         dirs.sort()
-        for name in sorted(files):
+        for name in files:
             if not name.endswith(LOSS_SUFFIX):
                 continue
             path = os.path.join(folder, name)
             real = inside(root, path)
             if real is None:
                 continue
-            stem = path[: -len(LOSS_SUFFIX)]
-            state = inside(root, stem + STATE_SUFFIX)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
             try:
                 st = os.stat(real)
             except FileNotFoundError:  # moved aside (a fresh start) since the folder was listed
                 continue
-            runs.append({
-                "id": rel[: -len(LOSS_SUFFIX)],
-                "loss": rel,
-                "size": st.st_size,
-                "file_id": f"{st.st_dev}:{st.st_ino}",
-                "age_s": round(time.time() - st.st_mtime, 3),
-                "state": read_state(state) if state else None,
-            })
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            kept = found.get((st.st_dev, st.st_ino))
+            if kept is None or path_rank(rel) < path_rank(kept[0]):
+                found[st.st_dev, st.st_ino] = rel, st
+    runs = []
+    for rel, st in sorted(found.values(), key=lambda f: path_rank(f[0])):
+        state = inside(root, os.path.join(root, rel[: -len(LOSS_SUFFIX)] + STATE_SUFFIX))
+        runs.append({
+            "id": rel[: -len(LOSS_SUFFIX)],
+            "loss": rel,
+            "size": st.st_size,
+            "file_id": f"{st.st_dev}:{st.st_ino}",
+            "age_s": round(time.time() - st.st_mtime, 3),
+            "state": read_state(state) if state else None,
+        })
     return runs
 
 
@@ -118,17 +156,27 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the page polls the same host every few seconds
     server: DashboardServer
 
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout  # StreamRequestHandler.setup puts it on the socket
+        super().setup()
+
+    def parse_request(self) -> bool:
+        """The standard library's parsing, then 405 for every method but GET and HEAD (it would
+        answer 501 to one it finds no do_METHOD for)."""
+        if not super().parse_request():
+            return False
+        if self.command in ALLOWED_METHODS:
+            return True
+        self.close_connection = True  # its body is left unread, so the connection cannot carry another request
+        self._error(Refused(HTTPStatus.METHOD_NOT_ALLOWED, "the dashboard is read-only",
+                            {"Allow": ", ".join(ALLOWED_METHODS)}))
+        return False
+
     def do_GET(self) -> None:
         self._serve(send_body=True)
 
     def do_HEAD(self) -> None:
         self._serve(send_body=False)
-
-    def _refuse_write(self) -> None:
-        self.close_connection = True  # its body is left unread, so the connection cannot carry another request
-        self._error(Refused(HTTPStatus.METHOD_NOT_ALLOWED, "the dashboard is read-only", {"Allow": "GET, HEAD"}))
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_write
 
     def _serve(self, send_body: bool) -> None:
         try:
@@ -210,6 +258,11 @@ class Handler(BaseHTTPRequestHandler):
         if isinstance(code, int) and code >= 400 and code != HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE:
             super().log_request(code, size)
 
+    def log_error(self, format, *args) -> None:
+        # A connection closed for idling (a browser tab keeping it alive, then left) is routine.
+        if not format.startswith("Request timed out"):
+            super().log_error(format, *args)
+
 
 def content_type(path: str) -> str:
     return CONTENT_TYPES.get(os.path.splitext(path)[1], "application/octet-stream")
@@ -238,8 +291,13 @@ def bind_family(host: str, allow_remote: bool) -> socket.AddressFamily:
 
 class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
+    # The standard library listens with a backlog of 5: a burst of connections (many tabs, a script)
+    # overflows it and waits out TCP's retransmission, a second or more. The kernel caps this at
+    # net.core.somaxconn.
+    request_queue_size = 1024
 
-    def __init__(self, results: str | Path, host: str = "127.0.0.1", port: int = 8765, allow_remote: bool = False):
+    def __init__(self, results: str | Path, host: str = "127.0.0.1", port: int = 8765, allow_remote: bool = False,
+                 idle_timeout: float = IDLE_TIMEOUT_S):
         self.address_family = bind_family(host, allow_remote)
         results = Path(results)
         if not results.is_dir():
@@ -248,6 +306,7 @@ class DashboardServer(ThreadingHTTPServer):
         self.results_label = str(results)
         self.static = os.path.realpath(STATIC)
         self.allow_remote = allow_remote
+        self.idle_timeout = idle_timeout
         try:
             super().__init__((host, port), Handler)
         except OSError as err:

@@ -58,9 +58,8 @@ class Run {
     const end = buf.lastIndexOf(10) + 1;  // whole lines only: the trainer may be mid-write
     this.tail = buf.slice(end);
     for (const line of decoder.decode(buf.subarray(0, end)).split("\n")) {
-      if (!line.trim()) continue;
-      let rec;
-      try { rec = JSON.parse(line); } catch { continue; }  // a line torn by a crash, then appended to
+      const rec = parseRecord(line);
+      if (!rec) continue;
       if (rec.event) this.events.push(rec);
       else if (Number.isFinite(rec.step)) this.add(rec);
     }
@@ -85,6 +84,17 @@ class Run {
 }
 
 // ---- reading ------------------------------------------------------------------------------------
+
+// The JSON object on a whole line, or null: a line that is not one (`null`, a number, an array, a
+// line torn by a full disk or a crash) is passed over. When the next append glued a whole record onto
+// a torn line, that record is the part from one of its "{" to the end that parses (a "{" nested
+// inside the record leaves the record's own "}" behind, so it never parses).
+function parseRecord(line) {
+  for (let i = line.indexOf("{"); i >= 0; i = line.indexOf("{", i + 1)) {
+    try { return JSON.parse(line.slice(i)); } catch { /* not an object from here on */ }
+  }
+  return null;
+}
 
 async function detectSource() {
   try {
