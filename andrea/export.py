@@ -50,7 +50,7 @@ def gpt2_tensors(layout, params: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def gpt2_config(shape, chat) -> dict:
-    from andrea.engines.numpy_engine import LN_EPS
+    from andrea.ops.layernorm import LN_EPS
 
     return {
         "architectures": ["GPT2LMHeadModel"],

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from andrea.errors import AndreaError
+from andrea.precision import PRECISIONS
 
 KERNEL_FILES = (
     "embed", "layernorm", "attn_qkv", "attn", "attn_bf16", "attn_out", "mlp", "residual_add", "loss",
@@ -22,7 +23,7 @@ COMMON_HEADER = "common.cuh"
 ARCHS = ("sm_80", "sm_89", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17",)
 # Each precision is its own build of the same sources: the activation type act_t (common.cuh).
-BUILDS = {"fp32": (), "tf32": (), "bf16": ("-DACT_BF16",), "fp16": ("-DACT_FP16",)}
+BUILDS = {name: p.build_defines for name, p in PRECISIONS.items()}
 
 
 def build_options(precision: str) -> tuple[str, ...]:

@@ -78,8 +78,12 @@ class ParameterLayout:
         return flat[t.offset:t.end].reshape(t.shape)
 
     def layer(self, flat, layer: int) -> dict:
-        """Views of one layer's tensors, keyed by their short name (W_Q, LN1.gamma, ...)."""
-        return {t: self.view(flat, f"h{layer}.{t}") for t in LAYER_TENSORS}
+        """Views of one layer's tensors, keyed by their short name (W_Q, LN1.gamma, ...), and W_QKV: W_Q, W_K
+        and W_V, which the layout stores back to back, as one [3, C, C] view (the attn_qkv op's weights)."""
+        views = {t: self.view(flat, f"h{layer}.{t}") for t in LAYER_TENSORS}
+        C = self.shape.d_model
+        views["W_QKV"] = flat[self.span(f"h{layer}.W_Q", f"h{layer}.W_V")].reshape(3, C, C)
+        return views
 
     def span(self, first: str, last: str) -> slice:
         """The flat range from tensor `first` through tensor `last` (in layout order)."""

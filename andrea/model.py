@@ -89,17 +89,17 @@ class Model:
         self.engine = engine
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
-        self.graphs = graphs and hasattr(engine, "capture")
+        self.graphs = graphs and engine.traits.graphs
         self._step_graphs: dict = {}  # (loss grad scale, reduce) -> recorded micro-batch
-        self.loss_scale = LossScale() if getattr(engine, "loss_scaling", False) and training else None
+        self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
         self.plan = plan_model(self.layout, micro_batch, training=training,
-                               attention=getattr(engine, "attention", "probs"),
-                               act_dtype=getattr(engine, "act_dtype", None), recompute=tuple(recompute),
-                               loss_chunks=loss_chunks, engine_buffers=getattr(engine, "own_buffers", ()))
+                               attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
+                               recompute=tuple(recompute), loss_chunks=loss_chunks,
+                               engine_buffers=engine.traits.own_buffers)
         self.recompute = tuple(recompute) if training else ()
         self.buf = engine.allocate(self.plan)
         self.training = training
@@ -165,7 +165,7 @@ class Model:
         e.layernorm_fwd(self.saved("ln1", 0), b["ln1_mean"][0], b["ln1_rstd"][0], res[0], p0["LN1.gamma"], p0["LN1.beta"])
         # Each residual add runs with the LayerNorm that reads its sum (residual_add, then layernorm_fwd).
         for l, (p, w) in enumerate(zip(P["layers"], W["layers"])):
-            e.attn_qkv_fwd(b["qkv"][l], self.saved("ln1", l), w["W_Q"], w["W_K"], w["W_V"])
+            e.attn_qkv_fwd(b["qkv"][l], self.saved("ln1", l), w["W_QKV"])
             e.attn_fwd(b["atty"][l], b["att"][l], b["qkv"][l], H)
             e.attn_out_fwd(b["branch"], b["atty"][l], w["W_O"])
             e.residual_layernorm_fwd(b["residual_mid"][l], self.saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
@@ -193,7 +193,7 @@ class Model:
             probs = b["probs"][:piece.stop - start]
             e.loss_fwd(b["losses"][piece], probs, b["lnf"][piece], W["wte"], b["targets"][piece])
             if backward:
-                e.loss_bwd(b["d_ln"][piece], self.G["wte"], probs, probs, b["lnf"][piece], W["wte"], b["targets"][piece],
+                e.loss_bwd(b["d_ln"][piece], self.G["wte"], probs, b["lnf"][piece], W["wte"], b["targets"][piece],
                            self._loss_grad_scale(), overwrite=True)
 
     def saved(self, name: str, l: int):
@@ -239,8 +239,7 @@ class Model:
             e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
-            e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], self.saved("ln1", l), w["W_Q"], w["W_K"],
-                           w["W_V"], overwrite=True)
+            e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], b["d_qkv"], self.saved("ln1", l), w["W_QKV"], overwrite=True)
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])
             if l > 0:  # the previous layer's MLP branch joined the stream here
                 e.layernorm_residual_bwd(dres, d_branch, *ln1)

@@ -43,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from andrea.config import ModelShape  # noqa: E402
+from andrea.ops import op_cost  # noqa: E402
+from andrea.precision import PRECISIONS  # noqa: E402
 from andrea.engines.crosscheck import (  # noqa: E402
     OPS, OpShape, compare_op, lr_at, OPTIMIZER, step_allocations, synthetic_micro_batches, train_run,
 )
@@ -53,8 +55,7 @@ SHAPES = {name: ModelShape(**json.loads((EXPERIMENTS / f"ANDREA-{name}-TRAIN.jso
 # NumPy reference micro-batches for the op checks: 120M at B=1 keeps the float64 reference (a
 # [1024, 768] x [768, 50304] product and its two backward products) to seconds on the host.
 OP_BATCH = {"tiny": 4, "12M": 4, "120M": 1}
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-LOW = ("bf16", "fp16")  # 16-bit activations: these run the experiment's memory options
+LOW = tuple(name for name, p in PRECISIONS.items() if p.low)  # 16-bit activations: these run the experiment's memory options
 LIMITS = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2, "fp16": 1e-2}  # relative error ||got - ref|| / ||ref|| against float64
 TRAIN = {"tiny": (4, 2), "12M": (2, 2)}  # (micro-batch, micro-batches) for the 20-step comparison
 TRAIN_STEPS = 20
@@ -459,7 +460,7 @@ def op_calls(model) -> dict:
         "embed_fwd": lambda: e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"]),
         "layernorm_fwd": lambda: e.layernorm_fwd(ln1, b["ln1_mean"][0], b["ln1_rstd"][0], res[0],
                                                  p["LN1.gamma"], p["LN1.beta"]),
-        "attn_qkv_fwd": lambda: e.attn_qkv_fwd(b["qkv"][0], ln1, w["W_Q"], w["W_K"], w["W_V"]),
+        "attn_qkv_fwd": lambda: e.attn_qkv_fwd(b["qkv"][0], ln1, w["W_QKV"]),
         "attn_fwd": lambda: e.attn_fwd(b["atty"][0], b["att"][0], b["qkv"][0], H),
         "attn_out_fwd": lambda: e.attn_out_fwd(b["branch"], b["atty"][0], w["W_O"]),
         "residual_layernorm_fwd": lambda: e.residual_layernorm_fwd(b["residual_mid"][0], ln2, b["ln2_mean"][0],
@@ -467,7 +468,7 @@ def op_calls(model) -> dict:
                                                                    p["LN2.gamma"], p["LN2.beta"]),
         "mlp_fwd": lambda: e.mlp_fwd(b["branch"], b["mlp_pre"][0], act, ln2, w["W_1"], w["W_2"]),
         "loss_fwd": lambda: e.loss_fwd(b["losses"][:piece], probs, lnf, W["wte"], targets),
-        "loss_bwd": lambda: e.loss_bwd(b["d_ln"][:piece], G["wte"], probs, probs, lnf, W["wte"], targets, 1.0 / n_pos),
+        "loss_bwd": lambda: e.loss_bwd(b["d_ln"][:piece], G["wte"], probs, lnf, W["wte"], targets, 1.0 / n_pos),
         "mlp_bwd": lambda: e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, b["d_branch"], ln2,
                                      b["mlp_pre"][0], act, w["W_1"], w["W_2"], recompute=gelu),
         "layernorm_residual_bwd": lambda: e.layernorm_residual_bwd(b["d_residual"], b["d_branch"], g["LN2.gamma"],
@@ -477,8 +478,7 @@ def op_calls(model) -> dict:
                                                  res[0], p["LN1.gamma"], b["ln1_mean"][0], b["ln1_rstd"][0]),
         "attn_out_bwd": lambda: e.attn_out_bwd(b["d_atty"], g["W_O"], b["d_branch"], b["atty"][0], w["W_O"]),
         "attn_bwd": lambda: e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][0], b["atty"][0], b["att"][0], H),
-        "attn_qkv_bwd": lambda: e.attn_qkv_bwd(b["d_ln"], g["W_Q"], g["W_K"], g["W_V"], b["d_qkv"], ln1,
-                                               w["W_Q"], w["W_K"], w["W_V"]),
+        "attn_qkv_bwd": lambda: e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], b["d_qkv"], ln1, w["W_QKV"]),
         "embed_bwd": lambda: e.embed_bwd(G["wte"], G["wpe"], b["d_residual"], b["tokens"]),
         "grad_norm": lambda: (e.grad_norm_partial(b["grad_norm_partials"], b["grads"]),
                               e.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])),
@@ -486,36 +486,6 @@ def op_calls(model) -> dict:
                                            eps=1e-8, weight_decay=0.1, step=1, decay_ranges=model.layout.decay_ranges(),
                                            params_lp=b.get("params_lp")),
     }
-
-
-def op_cost(op: str, shape: ModelShape, B: int, n_params: int, act_bytes: int = 4) -> tuple[float, float]:
-    """(FLOPs, fewest device bytes) of one call: each input read once, each output written once.
-    Attention counts what its fused kernels compute: products over the causal half of T x T (one such
-    product is B T^2 C FLOPs), 2 forward and 7 backward (see kernels/attn.cu), no T x T bytes.
-    Bytes count every element at the activations' size (act_bytes), except the optimizer's."""
-    T, C, V = shape.seq_len, shape.d_model, shape.vocab_size
-    N, F, A, S = B * T, 4 * shape.d_model, B * shape.n_head * T * T // 2, B * shape.n_head * T
-    f = act_bytes
-    return {
-        "embed_fwd": (N * C, f * 3 * N * C),
-        "embed_bwd": (2 * N * C, f * (N * C + 2 * min(N, V) * C + 2 * T * C)),
-        "layernorm_fwd": (8 * N * C, f * 2 * N * C),
-        "layernorm_bwd": (14 * N * C, f * 4 * N * C),
-        "attn_qkv_fwd": (6 * N * C * C, f * (4 * N * C + 3 * C * C)),
-        "attn_qkv_bwd": (12 * N * C * C, f * (6 * N * C + 9 * C * C)),
-        "attn_fwd": (2 * B * T * T * C + 5 * A, f * (4 * N * C + S)),
-        "attn_bwd": (7 * B * T * T * C + 8 * A, f * (11 * N * C + 3 * S)),
-        "attn_out_fwd": (2 * N * C * C, f * (2 * N * C + C * C)),
-        "attn_out_bwd": (4 * N * C * C, f * (4 * N * C + 3 * C * C)),
-        "mlp_fwd": (4 * N * C * F + 20 * N * F, f * (2 * N * C + 2 * N * F + 2 * C * F)),
-        "mlp_bwd": (8 * N * C * F + 30 * N * F, f * (3 * N * C + 3 * N * F + 6 * C * F)),
-        "residual_layernorm_fwd": (9 * N * C, f * 4 * N * C),
-        "layernorm_residual_bwd": (14 * N * C, f * 5 * N * C),
-        "loss_fwd": (2 * N * C * V + 5 * N * V, f * (N * C + V * C + N * V)),
-        "loss_bwd": (4 * N * C * V + 2 * N * V, f * (2 * N * V + N * C * 2 + 3 * V * C)),
-        "grad_norm": (2 * n_params, 4 * n_params),
-        "adamw_step": (16 * n_params, 4 * 7 * n_params + (act_bytes if act_bytes < 4 else 0) * n_params),
-    }[op]
 
 
 # calls of each op in one training step of one micro-batch (grad_norm and AdamW once per step); the

@@ -92,3 +92,21 @@ def test_length_in_epochs(tmp_path, tiny_experiment_raw):
     exp = load_experiment(_write(tmp_path, tiny_experiment_raw))
     # 64 * 100 + 1 tokens -> 100 windows of 64; 2 epochs of batch 8 -> 25 steps
     assert exp.total_steps(64 * 100 + 1) == 25
+
+
+def test_the_schema_lists_the_precision_table():
+    from andrea.config import experiment_schema
+    from andrea.precision import PRECISIONS
+
+    assert experiment_schema()["properties"]["precision"]["enum"] == list(PRECISIONS)
+
+
+def test_the_layout_views_w_qkv_as_the_three_projections():
+    from andrea.config import ModelShape
+
+    layout = ParameterLayout(ModelShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4))
+    flat = np.arange(layout.n_params, dtype=np.float32)
+    layer = layout.layer(flat, 1)
+    assert layer["W_QKV"].shape == (3, 8, 8)
+    for i, name in enumerate(("W_Q", "W_K", "W_V")):
+        assert np.shares_memory(layer["W_QKV"][i], flat) and np.array_equal(layer["W_QKV"][i], layer[name])

@@ -155,7 +155,7 @@ def test_plan_is_one_allocation(engines):
     # one allocation: the plan's bytes but the engine's own buffers (held since the engine started), each
     # buffer padded to 256 bytes, rounded up by the pool (512)
     carved = model.plan.total_bytes - engines["fp32"].own_bytes
-    assert {b.name for b in engines["fp32"].own_buffers} <= {b.name for b in model.plan.buffers}
+    assert {b.name for b in engines["fp32"].traits.own_buffers} <= {b.name for b in model.plan.buffers}
     assert carved <= grown <= carved + 256 * len(model.plan.buffers) + 512
 
 

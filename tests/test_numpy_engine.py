@@ -52,15 +52,15 @@ def op_layernorm(rng):
 
 
 def op_attn_qkv(rng):
-    x = {"inp": rand(rng, B, T, C), "W_Q": rand(rng, C, C), "W_K": rand(rng, C, C), "W_V": rand(rng, C, C)}
+    x = {"inp": rand(rng, B, T, C), "W_QKV": rand(rng, 3, C, C)}
 
     def fwd(x):
         out = np.zeros((3, B, T, C))
-        E.attn_qkv_fwd(out, x["inp"], x["W_Q"], x["W_K"], x["W_V"])
+        E.attn_qkv_fwd(out, x["inp"], x["W_QKV"])
         return out, None
 
     def bwd(x, saved, dout, g):
-        E.attn_qkv_bwd(g["inp"], g["W_Q"], g["W_K"], g["W_V"], dout, x["inp"], x["W_Q"], x["W_K"], x["W_V"])
+        E.attn_qkv_bwd(g["inp"], g["W_QKV"], dout, x["inp"], x["W_QKV"])
 
     return x, fwd, bwd
 
@@ -211,7 +211,7 @@ def test_loss_gradient_matches_finite_difference():
     np.testing.assert_allclose(losses, ref, rtol=1e-12)
     scale = 1.0 / (B * T)
     dinp, dwte = np.zeros_like(inp), np.zeros_like(wte)
-    E.loss_bwd(dinp, dwte, np.zeros((B, T, V)), probs, inp, wte, targets, scale)
+    E.loss_bwd(dinp, dwte, probs, inp, wte, targets, scale, dlogits=np.zeros((B, T, V)))
     rng = np.random.default_rng(0)
     for arr, grad in ((inp, dinp), (wte, dwte)):
         for i in rng.choice(arr.size, 12, replace=False):
@@ -223,7 +223,7 @@ def test_loss_gradient_matches_finite_difference():
             arr.flat[i] = orig
             assert grad.flat[i] == pytest.approx((lp - lm) / (2 * h), rel=1e-6, abs=1e-9)
     once = (dinp.copy(), dwte.copy())
-    E.loss_bwd(dinp, dwte, np.zeros((B, T, V)), probs, inp, wte, targets, scale)
+    E.loss_bwd(dinp, dwte, probs, inp, wte, targets, scale, dlogits=np.zeros((B, T, V)))
     np.testing.assert_allclose(dinp, 2 * once[0], rtol=1e-12)
     np.testing.assert_allclose(dwte, 2 * once[1], rtol=1e-12)
 
@@ -312,13 +312,13 @@ def test_loss_gradient_in_place_matches_a_separate_buffer():
     scale = 1.0 / (B * T)
     separate = np.zeros((B, T, V))
     d_own = (np.zeros_like(inp), np.zeros_like(wte))
-    E.loss_bwd(*d_own, separate, probs, inp, wte, targets, scale)
+    E.loss_bwd(*d_own, probs, inp, wte, targets, scale, dlogits=separate)
     onehot = np.zeros((B, T, V))
     np.put_along_axis(onehot, targets[..., None], 1.0, -1)
     np.testing.assert_allclose(separate, probs - onehot, rtol=0, atol=1e-15)
     shared = probs.copy()
     d_shared = (np.zeros_like(inp), np.zeros_like(wte))
-    E.loss_bwd(*d_shared, shared, shared, inp, wte, targets, scale)
+    E.loss_bwd(*d_shared, shared, inp, wte, targets, scale)
     np.testing.assert_array_equal(shared, separate)
     for a, b in zip(d_shared, d_own):
         np.testing.assert_array_equal(a, b)

@@ -1,0 +1,165 @@
+"""attn_fwd / attn_bwd: causal scaled dot-product attention.
+
+NumPy saves the probabilities [B, H, T, T] in `att` (the plan's attention = "probs"). The CUDA half is
+fused and saves the per-row logsumexp [B, H, T] instead ("lse"; `d_att` [B, H, T] then holds
+rowsum(dY * Y)): kernels/attn.cu (TF32 products on widened tiles; 3xTF32 in fp32) at any head width up
+to 64, and at head width 64 in the 16-bit builds kernels/attn_bf16.cu (the bf16 or f16 mma), whose
+launch shape is the module's constant attn_bf16_launch, read when it loads."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from andrea.errors import AndreaError
+from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
+
+KERNELS = {"attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
+           "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")}
+ATTN_BF16_HEAD = 64  # the only head width kernels/attn_bf16.cu takes
+MMA16_KERNEL_FILE = "attn_bf16"  # built only for the precisions whose activations are 16-bit
+
+
+def engine_buffers() -> tuple:
+    return ()
+
+
+def shared_memory() -> dict[str, int]:
+    """Dynamic shared memory of kernels/attn.cu's kernels: Q, K, V tiles forward; Q, dY, K, V tiles and a
+    query tile's lse and D backward."""
+    k = kernel_defines("attn")
+    tile = k["ATTN_TILE"] * k["ATTN_LD"] * 4
+    return {"k_attn_fwd": 3 * tile, "k_attn_bwd_dq": 4 * tile + 2 * k["ATTN_TILE"] * 4,
+            "k_attn_bwd": 4 * tile + 2 * k["ATTN_TILE"] * 4}
+
+
+@functools.cache
+def _future_mask(T):
+    return np.triu(np.ones((T, T), dtype=bool), k=1)
+
+
+def _heads(x, H):
+    """[B, T, C] -> [B, H, T, C/H]"""
+    B, T, C = x.shape
+    return x.reshape(B, T, H, C // H).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(x):
+    """[B, H, T, hd] -> [B, T, H*hd]"""
+    B, H, T, hd = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+
+
+class NumpyOps:
+    def attn_fwd(self, out, att, qkv, n_head):
+        q, k, v = (_heads(qkv[i], n_head) for i in range(3))
+        T = q.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        s = self.mm(q, k.transpose(0, 1, 3, 2)) * scale
+        s[..., _future_mask(T)] = -np.inf
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        att[...] = s
+        out[...] = _merge_heads(self.mm(att, v))
+
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
+        """`out` is the forward's Y: rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T."""
+        start_grad(dqkv, overwrite)
+        q, k, v = (_heads(qkv[i], n_head) for i in range(3))
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dy = _heads(dout, n_head)
+        self.mm(dy, v.transpose(0, 1, 3, 2), out=datt)
+        # softmax backward: dS = P * (dP - rowsum(dY * Y)); masked entries have P = 0.
+        ds = att * (datt - (dy * _heads(out, n_head)).sum(axis=-1)[..., None]) * scale
+        dqkv[0] += _merge_heads(self.mm(ds, k))
+        dqkv[1] += _merge_heads(self.mm(ds.transpose(0, 1, 3, 2), q))
+        dqkv[2] += _merge_heads(self.mm(att.transpose(0, 1, 3, 2), dy))
+
+
+class CudaOps:
+    def _attn_shape(self, qkv, n_head):
+        k = kernel_defines("attn")
+        _, B, T, C = qkv.shape
+        hd = C // n_head
+        if hd > k["ATTN_TILE"] or hd % 4:
+            raise AndreaError(f"head width {hd} (d_model {C} / n_head {n_head}): the fused attention takes a "
+                              f"multiple of 4 up to {k['ATTN_TILE']}")
+        grid = (B * n_head, -(-T // k["ATTN_TILE"]))
+        split = self.precision == "fp32"  # 3xTF32 products; tf32 takes one TF32 product
+        return grid, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head), np.float32(1.0 / math.sqrt(hd)),
+                      np.int32(split))
+
+    def _bf16_attention(self, qkv, n_head) -> tuple | None:
+        """Arguments of kernels/attn_bf16.cu when it takes this shape (16-bit build, head width 64), else None."""
+        _, B, T, C = qkv.shape
+        if "attn_bf16_launch" not in self.k or C != ATTN_BF16_HEAD * n_head:
+            return None
+        return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
+                               np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
+
+    def attn_fwd(self, out, att, qkv, n_head):
+        bf16 = self._bf16_attention(qkv, n_head)
+        if bf16:
+            heads, T, dims = bf16
+            threads, rows, _, _ = self.k["attn_bf16_launch"]
+            self.k["k_attn_fwd_bf16"]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims))
+            return
+        grid, dims = self._attn_shape(qkv, n_head)
+        self.k["k_attn_fwd"](grid, (kernel_defines("attn")["ATTN_THREADS"],), (out, att, qkv, *dims),
+                             shared_mem=shared_memory()["k_attn_fwd"])
+
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
+        add = np.int32(not overwrite)
+        bf16 = self._bf16_attention(qkv, n_head)
+        if bf16:
+            heads, T, dims = bf16
+            threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
+            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add))
+            self.k["k_attn_bwd_bf16"]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add))
+            return
+        grid, dims = self._attn_shape(qkv, n_head)
+        threads, smem = (kernel_defines("attn")["ATTN_THREADS"],), shared_memory()
+        # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
+        self.k["k_attn_bwd_dq"](grid, threads, (dqkv, datt, dout, out, qkv, att, *dims, add),
+                                shared_mem=smem["k_attn_bwd_dq"])
+        self.k["k_attn_bwd"](grid, threads, (dqkv, datt, dout, qkv, att, *dims, add), shared_mem=smem["k_attn_bwd"])
+
+
+def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
+    """What the fused kernels compute: products over the causal half of T x T (one such product is
+    B T^2 C FLOPs), 2 forward and 7 backward (see kernels/attn.cu), no T x T bytes."""
+    N, A, S = B * T, B * H * T * T // 2, B * H * T
+    return {"attn_fwd": (2 * B * T * T * C + 5 * A, f * (4 * N * C + S)),
+            "attn_bwd": (7 * B * T * T * C + 8 * A, f * (11 * N * C + 3 * S))}[call]
+
+
+def attention_lse(qkv, n_head: int) -> np.ndarray:
+    """Per-row logsumexp of the causal scaled scores, [B, H, T], in float64: what a fused attention saves."""
+    _, B, T, C = qkv.shape
+    hd = C // n_head
+    q, k = (np.asarray(qkv[i], dtype=np.float64).reshape(B, T, n_head, hd).transpose(0, 2, 1, 3) for i in (0, 1))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    s[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    top = s.max(axis=-1, keepdims=True)
+    return (top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+CASES = ("attn",)
+OVERWRITE_CASES = ("attn",)
+
+
+def case(name: str, s, draw: Draw) -> OpCase:
+    B, T, C, H = s.B, s.T, s.C, s.H
+    a = {"qkv": draw.randn(3, B, T, C), "out": draw.nan(B, T, C), "att": draw.nan(B, H, T, T),
+         "dqkv": draw.grad_in(3, B, T, C), "datt": draw.nan(B, H, T, T), "dout": draw.randn(B, T, C)}
+
+    def run(E, x):
+        E.attn_fwd(x["out"], x["att"], x["qkv"], H)
+        E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["out"], x["att"], H, overwrite=draw.overwrite)
+
+    # datt is scratch: its contents are the engine's
+    return OpCase(a, run, ("out", "att", "dqkv"), lse_arrays={"att": draw.nan(B, H, T), "datt": draw.nan(B, H, T)},
+                  lse_reference=lambda x: {"att": attention_lse(x["qkv"], H)}, act=("qkv", "out", "dqkv", "dout"))

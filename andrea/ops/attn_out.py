@@ -1,0 +1,56 @@
+"""attn_out_fwd / attn_out_bwd: the W_O projection, out = inp @ W_O. cuBLAS products only (no kernel file)."""
+
+from __future__ import annotations
+
+from andrea.ops.base import Draw, OpCase, start_grad
+
+KERNELS: dict = {}
+
+
+def engine_buffers() -> tuple:
+    return ()
+
+
+class NumpyOps:
+    def attn_out_fwd(self, out, inp, W_O):
+        self.mm(inp, W_O, out=out)
+
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
+        start_grad(dinp, overwrite)
+        C = inp.shape[-1]
+        dW_O += self.mm(inp.reshape(-1, C).T, dout.reshape(-1, dout.shape[-1]))
+        dinp += self.mm(dout, W_O.T)
+
+
+class CudaOps:
+    def attn_out_fwd(self, out, inp, W_O):
+        C = inp.shape[-1]
+        self.blas.gemm(out, inp, W_O, inp.size // C, C, C)
+
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
+        C = inp.shape[-1]
+        N = inp.size // C
+        self.blas.gemm(dW_O, inp, dout, C, C, N, trans_a=True, beta=1.0)
+        self.blas.gemm(dinp, dout, W_O, N, C, C, trans_b=True, beta=0.0 if overwrite else 1.0)
+
+
+def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
+    N = B * T
+    return {"attn_out_fwd": (2 * N * C * C, f * (2 * N * C + C * C)),
+            "attn_out_bwd": (4 * N * C * C, f * (4 * N * C + 3 * C * C))}[call]
+
+
+CASES = ("attn_out",)
+OVERWRITE_CASES = ("attn_out",)
+
+
+def case(name: str, s, draw: Draw) -> OpCase:
+    B, T, C = s.B, s.T, s.C
+    a = {"inp": draw.randn(B, T, C), "W_O": draw.randn(C, C, scale=C**-0.5), "out": draw.nan(B, T, C),
+         "dinp": draw.grad_in(B, T, C), "dW_O": draw.randn(C, C), "dout": draw.randn(B, T, C)}
+
+    def run(E, x):
+        E.attn_out_fwd(x["out"], x["inp"], x["W_O"])
+        E.attn_out_bwd(x["dinp"], x["dW_O"], x["dout"], x["inp"], x["W_O"], overwrite=draw.overwrite)
+
+    return OpCase(a, run, ("out", "dinp", "dW_O"), act=("inp", "W_O", "out", "dinp", "dout"))

@@ -1,0 +1,71 @@
+"""embed_fwd / embed_bwd: token + position embedding (kernels/embed.cu)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from andrea.errors import AndreaError
+from andrea.ops.base import Draw, OpCase, kernel_defines
+
+KERNELS = {"embed": ("k_embed_fwd", "k_embed_bwd")}
+
+
+def engine_buffers() -> tuple:
+    return ()
+
+
+# a block per position: 128 x 16 bytes covers a bf16 row of C <= 1024 in one sweep (the kernel loops wider rows)
+EMBED_FWD_THREADS = 128
+
+
+class NumpyOps:
+    def embed_fwd(self, out, tokens, wte, wpe):
+        T = tokens.shape[1]
+        np.add(wte[tokens], wpe[:T], out=out)
+
+    def embed_bwd(self, dwte, dwpe, dout, tokens):
+        T = tokens.shape[1]
+        # np.add.at accumulates repeated token ids in index order: deterministic.
+        np.add.at(dwte, tokens.reshape(-1), dout.reshape(-1, dout.shape[-1]))
+        dwpe[:T] += dout.sum(axis=0)
+
+
+class CudaOps:
+    def embed_fwd(self, out, tokens, wte, wpe):
+        B, T = tokens.shape
+        C = wte.shape[1]
+        n_pos = B * T
+        self._launch("k_embed_fwd", n_pos, EMBED_FWD_THREADS, out, tokens, wte, wpe, np.int64(n_pos), np.int32(T),
+                     np.int32(C))
+
+    def embed_bwd(self, dwte, dwpe, dout, tokens):
+        B, T = tokens.shape
+        C = dwte.shape[1]
+        k = kernel_defines("embed")
+        threads, cols = k["EMBED_BWD_THREADS"], k["EMBED_BWD_COLS"]
+        if C > threads * cols:
+            raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * cols} columns")
+        self._launch("k_embed_bwd", B * T + T, threads, dwte, dwpe, dout, tokens, np.int64(B * T), np.int32(T),
+                     np.int32(C))
+
+
+def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
+    N = B * T
+    return {"embed_fwd": (N * C, f * 3 * N * C),
+            "embed_bwd": (2 * N * C, f * (N * C + 2 * min(N, V) * C + 2 * T * C))}[call]
+
+
+CASES = ("embed",)
+OVERWRITE_CASES = ()
+
+
+def case(name: str, s, draw: Draw) -> OpCase:
+    B, T, C, V = s.B, s.T, s.C, s.V
+    a = {"tokens": draw.tokens(B, T, V), "wte": draw.randn(V, C), "wpe": draw.randn(T, C),
+         "out": draw.nan(B, T, C), "dwte": draw.randn(V, C), "dwpe": draw.randn(T, C), "dout": draw.randn(B, T, C)}
+
+    def run(E, x):
+        E.embed_fwd(x["out"], x["tokens"], x["wte"], x["wpe"])
+        E.embed_bwd(x["dwte"], x["dwpe"], x["dout"], x["tokens"])
+
+    return OpCase(a, run, ("out", "dwte", "dwpe"), act=("out",))

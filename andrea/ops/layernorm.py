@@ -1,0 +1,150 @@
+"""layernorm_fwd / layernorm_bwd (kernels/layernorm.cu), with the residual connection fused on either
+side: residual_layernorm_fwd (residual_add, then the LayerNorm reading its sum) and
+layernorm_residual_bwd (the LayerNorm's backward, then that residual connection's backward in place)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from andrea.errors import AndreaError
+from andrea.memory import BufferSpec
+from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr
+
+LN_EPS = 1e-5
+KERNELS = {"layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum",
+                         *(f"k_layernorm_bwd_cached{j}" for j in range(1, 5)))}
+# The cached backward (k_layernorm_bwd_cached<J>): J 16-byte groups a lane, J = 1 .. its instances above.
+LN_BWD_MAX_GROUPS = 4
+LN_BWD_ROWS = 32  # rows of a chunk of the cached backward (more where ln_partials could not hold that many chunks)
+LN_MAX_C = 4096  # widest row the backward's partial sums (ln_partials) hold
+
+
+def engine_buffers() -> tuple[BufferSpec, ...]:
+    """The backward's dgamma/dbeta partial sums: LN_CHUNKS chunks x (dgamma, dbeta) x LN_MAX_C."""
+    return (BufferSpec("ln_partials", (2 * kernel_defines("layernorm")["LN_CHUNKS"] * LN_MAX_C,), "float32", "scratch"),)
+
+
+class NumpyOps:
+    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta):
+        mean[...] = inp.mean(axis=-1)
+        xc = inp - mean[..., None]
+        rstd[...] = 1.0 / np.sqrt((xc * xc).mean(axis=-1) + LN_EPS)
+        np.multiply(xc * rstd[..., None], gamma, out=out)
+        out += beta
+
+    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta):
+        """residual_add(res_out, a, b) then layernorm_fwd(out, mean, rstd, res_out, ...): the residual
+        connection and the LayerNorm after it (an engine may run them as one pass)."""
+        self.residual_add(res_out, a, b)
+        self.layernorm_fwd(out, mean, rstd, res_out, gamma, beta)
+
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        xhat = (inp - mean[..., None]) * rstd[..., None]
+        dbeta += dout.sum(axis=(0, 1))
+        dgamma += (dout * xhat).sum(axis=(0, 1))
+        dxhat = dout * gamma
+        dinp += rstd[..., None] * (
+            dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+        )
+
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        """layernorm_bwd, then the backward of the residual connection in front of it, in place: the
+        stream's gradient dinp flows on unchanged (x_out = x_in + branch gives d x_in = d x_out) and the
+        branch's gradient dbranch is overwritten with it (an engine may run both as one pass)."""
+        self.layernorm_bwd(dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd)
+        dbranch[...] = dinp
+
+
+class CudaOps:
+    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta):
+        self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0)
+
+    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta):
+        """residual_add(res_out, a, b) then layernorm_fwd(out, mean, rstd, res_out, ...), in one pass."""
+        self._layernorm_fwd(out, mean, rstd, res_out, gamma, beta, a, b, 1)
+
+    def _layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, a, b, fused):
+        C = inp.shape[-1]
+        rows = inp.size // C
+        threads = kernel_defines("layernorm")["LN_THREADS"]
+        self._launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
+                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
+
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0)
+
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+        """layernorm_bwd, then the residual connection in front of it in place: dinp (the stream's gradient)
+        flows on unchanged and dbranch (overwritten) receives it, in one pass."""
+        self._layernorm_bwd(dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, 1)
+
+    def _layernorm_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, fused):
+        k = kernel_defines("layernorm")
+        C = inp.shape[-1]
+        if C > LN_MAX_C:
+            raise AndreaError(f"d_model {C} is wider than the LayerNorm backward's {LN_MAX_C} columns")
+        rows = inp.size // C
+        partials = self.own["ln_partials"]
+        groups = -(-C // (32 * self.act_vec))
+        aligned = all(ptr(a) % 16 == 0 for a in (dinp, dbranch, dout, inp, gamma))
+        if groups <= LN_BWD_MAX_GROUPS and C % self.act_vec == 0 and aligned:
+            capacity = partials.size // (2 * C)  # chunks whose partial sums ln_partials holds
+            per_chunk = max(LN_BWD_ROWS, -(-rows // capacity))
+            chunks = -(-rows // per_chunk)
+            self._launch(f"k_layernorm_bwd_cached{groups}", chunks, k["LN_BWD_WARPS"] * 32,
+                         dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                         np.int32(per_chunk), np.int32(chunks), np.int32(fused))
+        else:
+            chunks = k["LN_CHUNKS"]
+            row_blocks = blocks(rows, k["LN_THREADS"] // 32)
+            self._launch("k_layernorm_bwd", row_blocks + chunks * blocks(C, 32), k["LN_THREADS"],
+                         dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                         np.int32(row_blocks), np.int32(fused))
+        self._launch("k_layernorm_bwd_sum", blocks(C, 32), k["LN_SUM_THREADS"], dgamma, dbeta, partials,
+                     np.int32(C), np.int32(chunks))
+
+
+def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
+    N = B * T
+    return {"layernorm_fwd": (8 * N * C, f * 2 * N * C),
+            "layernorm_bwd": (14 * N * C, f * 4 * N * C),
+            "residual_layernorm_fwd": (9 * N * C, f * 4 * N * C),
+            "layernorm_residual_bwd": (14 * N * C, f * 5 * N * C)}[call]
+
+
+CASES = ("layernorm", "residual_layernorm", "layernorm_residual")
+OVERWRITE_CASES = ()
+
+
+def case(name: str, s, draw: Draw) -> OpCase:
+    B, T, C = s.B, s.T, s.C
+    if name == "layernorm":
+        a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
+             "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T),
+             "dinp": draw.randn(B, T, C), "dgamma": draw.randn(C), "dbeta": draw.randn(C), "dout": draw.randn(B, T, C)}
+
+        def run(E, x):
+            E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
+            E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"])
+
+        return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out"))
+    if name == "residual_layernorm":  # residual_add and the layernorm_fwd after it, as one call
+        a = {"a": draw.randn(B, T, C) * 3 + 1, "b": draw.randn(B, T, C), "gamma": draw.randn(C),
+             "beta": draw.randn(C), "res": draw.nan(B, T, C), "out": draw.nan(B, T, C), "mean": draw.nan(B, T),
+             "rstd": draw.nan(B, T)}
+
+        def run(E, x):
+            E.residual_layernorm_fwd(x["res"], x["out"], x["mean"], x["rstd"], x["a"], x["b"], x["gamma"], x["beta"])
+
+        return OpCase(a, run, ("res", "out", "mean", "rstd"), act=("a", "b", "res", "out"))
+    # layernorm_residual: layernorm_bwd and the residual connection's backward, as one call
+    a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
+         "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T), "dinp": draw.randn(B, T, C),
+         "dbranch": draw.nan(B, T, C), "dgamma": draw.randn(C), "dbeta": draw.randn(C), "dout": draw.randn(B, T, C)}
+
+    def run(E, x):
+        E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
+        E.layernorm_residual_bwd(x["dinp"], x["dbranch"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"],
+                                 x["mean"], x["rstd"])
+
+    return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch"))
