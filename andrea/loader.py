@@ -1,42 +1,117 @@
-"""Token batches from a shard; the batch for step s is a pure function of (seed, s).
+"""Token batches from the shards of one or more sources; the batch for step s is a pure function of
+(seed, s).
 
-Scheme: the shard's tokens are cut into W = (N - 1) // T non-overlapping windows of T + 1 tokens
-(window w starts at w * T; inputs are its first T tokens, targets its last T). Sample j of the run
+A data folder is either one source (DIR/train.bin, DIR/val.bin: the single-folder layout) or a
+folder of sources (DIR/<name>/train.bin, ..., as `andrea tokenize --source` writes them), read in
+name order; `TokenWindows(DIR/train.bin, ...)` finds the sources beside that path.
+
+Scheme: each source's tokens are cut into W_k = (N_k - 1) // T non-overlapping windows of T + 1
+tokens (window w starts at w * T; inputs are its first T tokens, targets its last T). The windows
+of all sources share one index space, source after source (so no window crosses a source boundary,
+and each source is drawn in proportion to its tokens); W = sum W_k. Sample j of the run
 (j = step * batch_size + i) is window perm_e[j mod W] with e = j // W and perm_e a permutation of
 the W windows drawn from PCG64(seed, e): each epoch visits every window once, in a fresh order.
-Resume therefore needs only the step. Validation reads windows 0, 1, 2, ... in order.
+Resume therefore needs only the step. With one source this is exactly the single-shard scheme.
+Validation reads windows 0, 1, 2, ... in order: the sources' val sets one after the other.
+
+Loss masks (DIR/<name>/train.mask.bin beside each shard, see andrea.shards): the target weights of
+a batch, aligned with its targets, come from `train_micro_weights` / `val_weights`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from andrea.errors import AndreaError
-from andrea.shards import read_shard
+from andrea.manifest import manifest_path, read_manifest
+from andrea.shards import mask_path, read_mask, read_shard
+
+
+def source_shards(path) -> list[tuple[str | None, Path]]:
+    """(source name, shard) pairs for `path` = DIR/<split>.bin, in name order: the sources that
+    `andrea tokenize --source` wrote together (its union shard's manifest names them, so a folder
+    left from an earlier configuration is not read), else every DIR/<name>/<split>.bin; with no
+    source folders, [(None, path)]: the single-folder layout."""
+    path = Path(path)
+    folder = path.parent
+    if manifest_path(path).is_file():
+        names = read_manifest(path)["config"].get("sources")
+        if names:
+            return [(name, folder / name / path.name) for name in sorted(names)]
+    found = sorted(p for p in folder.glob(f"*/{path.name}") if p.is_file()) if folder.is_dir() else []
+    return [(p.parent.name, p) for p in found] or [(None, path)]
+
+
+class ConcatenatedTokens:
+    """The tokens of several shards read as one sequence (what `.tokens` is for a folder of
+    sources), without copying them into memory until asked for as an array."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [p.size for p in parts])
+        self.size = int(self.starts[-1])
+        self.dtype = parts[0].dtype
+        self.shape = (self.size,)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __array__(self, dtype=None, copy=None):
+        whole = np.concatenate([np.asarray(p) for p in self.parts])
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            i = int(index) + (self.size if int(index) < 0 else 0)
+            k = int(np.searchsorted(self.starts, i, side="right")) - 1
+            return self.parts[k][i - self.starts[k]]
+        start, stop, step = index.indices(self.size)
+        if step != 1:
+            return np.asarray(self)[index]
+        pieces = [np.asarray(part[max(start, a) - a: min(stop, b) - a])
+                  for part, a, b in zip(self.parts, self.starts[:-1], self.starts[1:]) if max(start, a) < min(stop, b)]
+        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
 
 
 class TokenWindows:
     def __init__(self, path, seq_len: int, seed: int = 0, vocab_size: int | None = None):
         self.path = path
-        self.tokens = read_shard(path)
+        found = source_shards(path)
+        self.sources = [name for name, _ in found]
+        self.shards = [shard for _, shard in found]
+        parts = [read_shard(shard) for shard in self.shards]
+        self.tokens = parts[0] if len(parts) == 1 else ConcatenatedTokens(parts)
+        self._parts = parts
         self.seq_len = seq_len
         self.seed = seed
-        self.n_windows = (self.tokens.size - 1) // seq_len
+        per_source = np.array([max(0, (p.size - 1) // seq_len) for p in parts], dtype=np.int64)
+        self.window_offsets = np.concatenate([[0], np.cumsum(per_source)])  # source k: [off[k], off[k+1])
+        self.n_windows = int(self.window_offsets[-1])
         if self.n_windows < 1:
-            raise AndreaError(
-                f"{path}: {self.tokens.size} tokens is fewer than one sequence of {seq_len + 1}; "
-                "add data or use a shorter seq_len"
-            )
-        if vocab_size is not None and self.tokens.size:
-            top = int(self.tokens.max())
-            if top >= vocab_size:
+            if len(parts) == 1:
                 raise AndreaError(
-                    f"{path}: token id {top} does not fit the model's vocab_size {vocab_size}; "
-                    "tokenize with a tokenizer of that size"
+                    f"{path}: {parts[0].size} tokens is fewer than one sequence of {seq_len + 1}; "
+                    "add data or use a shorter seq_len"
                 )
+            raise AndreaError(
+                f"{path}: none of its sources ({', '.join(self.sources)}) has one sequence of {seq_len + 1} "
+                "tokens; add data or use a shorter seq_len"
+            )
+        if vocab_size is not None:
+            for shard, part in zip(self.shards, parts):
+                top = int(part.max()) if part.size else -1
+                if top >= vocab_size:
+                    raise AndreaError(
+                        f"{shard}: token id {top} does not fit the model's vocab_size {vocab_size}; "
+                        "tokenize with a tokenizer of that size"
+                    )
+        self._masks: list[np.ndarray] | None = None
         self._perm_epoch = -1
         self._perm = None
 
+    # ---- which window ------------------------------------------------------------------------
     def _window(self, sample: int) -> int:
         epoch, index = divmod(sample, self.n_windows)
         if epoch != self._perm_epoch:
@@ -45,20 +120,71 @@ class TokenWindows:
             self._perm_epoch = epoch
         return int(self._perm[index])
 
+    def window_source(self, window: int) -> int:
+        """Index (into `sources`) of the source a window lies in."""
+        return int(np.searchsorted(self.window_offsets, window, side="right")) - 1
+
+    def _start(self, window: int) -> tuple[int, int]:
+        k = self.window_source(window)
+        return k, int(window - self.window_offsets[k]) * self.seq_len
+
+    def _train_windows(self, step: int, batch_size: int, rank: int, world: int) -> list[int]:
+        share = batch_size // world
+        first = step * batch_size + rank * share
+        return [self._window(first + i) for i in range(share)]
+
+    def _val_windows(self, index: int, batch_size: int) -> list[int]:
+        first = index * batch_size
+        return [(first + i) % self.n_windows for i in range(batch_size)]
+
+    # ---- tokens ------------------------------------------------------------------------------
     def _gather(self, windows) -> tuple[np.ndarray, np.ndarray]:
         T = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[w * T: w * T + T + 1], dtype=np.int32) for w in windows])
+        rows = []
+        for w in windows:
+            k, start = self._start(w)
+            rows.append(np.asarray(self._parts[k][start: start + T + 1], dtype=np.int32))
+        rows = np.stack(rows)
         return rows[:, :-1].copy(), rows[:, 1:].copy()
 
     def train_micro_batches(self, step: int, batch_size: int, micro_batches: int, rank: int = 0, world: int = 1):
         """The step's batch (rows [rank·B/world, (rank+1)·B/world) of it on a data-parallel rank),
         split into micro_batches (tokens, targets) pairs."""
-        share = batch_size // world
-        first = step * batch_size + rank * share
-        x, y = self._gather([self._window(first + i) for i in range(share)])
+        x, y = self._gather(self._train_windows(step, batch_size, rank, world))
         return list(zip(np.split(x, micro_batches), np.split(y, micro_batches)))
 
     def val_batch(self, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Validation micro-batch `index`: windows in order, wrapping if the shard is short."""
-        first = index * batch_size
-        return self._gather([(first + i) % self.n_windows for i in range(batch_size)])
+        """Validation micro-batch `index`: windows in order, wrapping if the shards are short."""
+        return self._gather(self._val_windows(index, batch_size))
+
+    def train_sources(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> np.ndarray:
+        """The source index of each sequence of the step's batch (this rank's rows)."""
+        return np.array([self.window_source(w) for w in self._train_windows(step, batch_size, rank, world)])
+
+    # ---- loss masks --------------------------------------------------------------------------
+    @property
+    def has_masks(self) -> bool:
+        return all(mask_path(shard).is_file() for shard in self.shards)
+
+    def _weights(self, windows) -> np.ndarray:
+        if self._masks is None:
+            missing = [str(mask_path(s)) for s in self.shards if not mask_path(s).is_file()]
+            if missing:
+                raise AndreaError(f"{missing[0]}: no loss mask beside the shard; rerun `andrea tokenize`")
+            self._masks = [read_mask(mask_path(s), part.size) for s, part in zip(self.shards, self._parts)]
+        T = self.seq_len
+        rows = []
+        for w in windows:
+            k, start = self._start(w)
+            rows.append(np.asarray(self._masks[k][start + 1: start + T + 1], dtype=np.float32))
+        return np.stack(rows)
+
+    def train_micro_weights(self, step: int, batch_size: int, micro_batches: int, rank: int = 0,
+                            world: int = 1) -> list[np.ndarray]:
+        """Target weights (0/1, float32) of each micro-batch of `train_micro_batches`, same shapes
+        as its targets: weights[b, t] = mask[start_b + 1 + t]."""
+        return np.split(self._weights(self._train_windows(step, batch_size, rank, world)), micro_batches)
+
+    def val_weights(self, index: int, batch_size: int) -> np.ndarray:
+        """Target weights of `val_batch(index, batch_size)`."""
+        return self._weights(self._val_windows(index, batch_size))

@@ -1,5 +1,6 @@
-"""The whole data chain through the real CLI, offline, on the embedded corpus: outputs, byte-identical
-reruns (with 1 and 2 encoder workers), shards that decode to the ChatML text, lineage."""
+"""The whole data chain through the real CLI, offline, on the embedded corpus (its pydocs domain):
+outputs, byte-identical reruns (with 1 and 2 encoder workers), shards that decode to the ChatML
+text, lineage."""
 
 import json
 import shutil
@@ -28,7 +29,8 @@ def run_chain(root, threads):
         mp.chdir(root)
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setattr(tokenize_shards, "ROWS_PER_WORKER", 1)  # use worker processes even on this small corpus
-        for argv in (["pull-hermes3"], ["prep-megachat"], ["train-tokenizer"], ["tokenize", "--threads", str(threads)]):
+        for argv in (["pull-hermes3", "--source", "embedded:pydocs"], ["prep-megachat"], ["train-tokenizer"],
+                     ["tokenize", "--threads", str(threads)]):
             assert main(argv) == 0, argv
     return root / DATA
 
@@ -46,7 +48,7 @@ def test_every_artifact_has_a_manifest_of_its_stage(runs):
         assert manifest["stage"] == stage and manifest["sha256"] == sha256_file(data / name)
         assert manifest["inputs"] and manifest["wall_time_s"] >= 0
     pulled = read_manifest(data / "hermes3.parquet")
-    assert pulled["inputs"][0]["uri"].endswith("hermes3-embedded.jsonl.gz")
+    assert pulled["inputs"][0]["uri"] == "andrea:data/embedded/pydocs.jsonl.gz"
     assert pulled["counts"]["rows_out"] == pq.read_metadata(data / "hermes3.parquet").num_rows >= 5000
     prep = read_manifest(data / "megachat/train.parquet")["counts"]
     assert prep["rows_in"] == prep["train_rows"] + prep["val_rows"] + prep["dropped_rows"]
@@ -82,7 +84,7 @@ def test_shards_decode_to_the_megachat_text(runs):
 def test_lineage_prints_the_chain_back_to_the_pull(runs, capsys):
     assert main(["lineage", str(runs[0] / "tokens-V4096/train.bin")]) == 0
     out = capsys.readouterr().out
-    for stage in ("[tokenize]", "[train-tokenizer]", "[prep-megachat]", "[pull-hermes3]", "hermes3-embedded.jsonl.gz"):
+    for stage in ("[tokenize]", "[train-tokenizer]", "[prep-megachat]", "[pull-hermes3]", "pydocs.jsonl.gz"):
         assert stage in out
     assert " modified" not in out and " missing" not in out
 

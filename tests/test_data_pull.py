@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -126,14 +127,34 @@ def test_hub_failures_say_why_and_what_to_do_instead(tmp_path, fake_hub, hub_id,
     assert not (tmp_path / "x.parquet").exists()
 
 
+def test_embedded_domains_pull_one_or_all(tmp_path):
+    from andrea.data.embedded_corpus import DOMAINS, info
+
+    counts = {}
+    for source in ("embedded", *(f"embedded:{d}" for d in DOMAINS)):
+        manifest = pull.pull_hermes3(source, tmp_path / f"{source}.parquet")
+        assert manifest["dropped"] == {} and manifest["config"] == {"source": source}
+        counts[source] = manifest["counts"]["rows_out"]
+    assert [i["uri"] for i in manifest["inputs"]] == [f"andrea:data/embedded/{DOMAINS[-1]}.jsonl.gz"]
+    assert counts["embedded"] == sum(counts[f"embedded:{d}"] for d in DOMAINS) == sum(
+        info(d)["conversations"] for d in DOMAINS)
+    sources = set(pq.read_table(tmp_path / "embedded.parquet", columns=["source"]).column("source").to_pylist())
+    assert {s.split("/")[0] for s in sources} == set(DOMAINS)
+
+
 def test_embedded_corpus_is_verified_before_use(tmp_path, monkeypatch):
-    info = json.loads(pull.EMBEDDED_INFO.read_text())
-    assert info["license"] == "PSF-2.0" and info["conversations"] >= 5000 and info["text_bytes"] >= 1_500_000
-    tampered = tmp_path / "info.json"
-    tampered.write_text(json.dumps({**info, "sha256": "0" * 64}))
-    monkeypatch.setattr(pull, "EMBEDDED_INFO", tampered)
+    from andrea.data import embedded_corpus
+
+    for path in embedded_corpus.EMBEDDED_DIR.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    meta = json.loads((tmp_path / "pydocs.json").read_text())
+    (tmp_path / "pydocs.json").write_text(json.dumps({**meta, "sha256": "0" * 64}))
+    monkeypatch.setattr(embedded_corpus, "EMBEDDED_DIR", tmp_path)
     with pytest.raises(AndreaError, match="does not match"):
         pull.pull_hermes3("embedded", tmp_path / "out.parquet")
+    assert not (tmp_path / "out.parquet").exists(), "no row is read before every domain is verified"
+    with pytest.raises(AndreaError, match="unknown embedded corpus domain 'nope'"):
+        pull.pull_hermes3("embedded:nope", tmp_path / "out.parquet")
 
 
 def test_rows_outside_both_schemas_are_dropped_and_counted(tmp_path):

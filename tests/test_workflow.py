@@ -1,4 +1,5 @@
-"""The Snakemake workflow through the real `snakemake` CLI, on ANDREA-tiny from the embedded corpus.
+"""The Snakemake workflow through the real `snakemake` CLI, on ANDREA-tiny from the embedded corpus
+(one source per domain, as the default config lists them).
 
 Each test works in a temporary copy of the workflow, its config and the sources it hashes, so the
 repository's own results/ and .snakemake/ are never touched.
@@ -6,6 +7,7 @@ repository's own results/ and .snakemake/ are never touched.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,6 +24,7 @@ BIN = Path(sys.executable).parent
 SNAKEMAKE = BIN / "snakemake"
 COPIED = ("Snakefile", "workflow", "config", "profiles", "andrea", "kernels")
 DATA_STAGES = {"pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize"}
+SOURCES = [s["name"] for s in yaml.safe_load((REPO / "config" / "config.yaml").read_text())["data"]["sources"]]
 REPORT_RULES = {"plot_loss", "eval_table", "all"}
 
 pytestmark = pytest.mark.slow
@@ -75,8 +78,19 @@ def job_counts(output: str) -> Counter:
 
 
 def planned(workdir: Path, *args: str) -> set[str]:
+    return set(planned_counts(workdir, *args))
+
+
+def planned_counts(workdir: Path, *args: str) -> Counter:
     proc = snakemake(workdir, "--dry-run", *args)
-    return set(job_counts(proc.stdout + proc.stderr))
+    return job_counts(proc.stdout + proc.stderr)
+
+
+def set_data(workdir: Path, data: dict) -> None:
+    path = workdir / "config" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["data"] = data
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +100,8 @@ def built(tmp_path_factory) -> Path:
     proc = snakemake(workdir)
     ran = job_counts(proc.stdout + proc.stderr)
     assert set(ran) == DATA_STAGES | {"train", "eval"} | REPORT_RULES
+    assert len(SOURCES) >= 2 and ran["pull_hermes3"] == ran["prep_megachat"] == len(SOURCES)
+    assert ran["train_tokenizer"] == ran["tokenize"] == 1
     return workdir
 
 
@@ -93,8 +109,17 @@ def test_end_to_end_on_tiny(built):
     results = built / "results"
     for name in ("ANDREA-tiny.ckpt", "ANDREA-tiny.loss.json", "ANDREA-tiny.state.json",
                  "eval/ANDREA-tiny.json", "report/ANDREA-tiny.loss.svg", "report/evaluation.html",
-                 "data/tokens-V512/train.bin.manifest.json"):
+                 "data/tokens-V512/train.bin.manifest.json", "data/tokens-V512/tokenizer.json"):
         assert (results / name).is_file(), name
+    for source in SOURCES:
+        for name in (f"sources/{source}/hermes3.parquet", f"sources/{source}/megachat/val.parquet.manifest.json",
+                     f"tokens-V512/{source}/train.bin", f"tokens-V512/{source}/val.mask.bin.manifest.json"):
+            assert (results / "data" / name).is_file(), name
+    tokenizer_inputs = json.loads((results / "data/tokens-V512/tokenizer.json.manifest.json").read_text())["inputs"]
+    assert [i["path"] for i in tokenizer_inputs] == [f"../sources/{s}/megachat/train.parquet" for s in SOURCES]
+    lineage = subprocess.run([str(BIN / "andrea"), "lineage", f"results/data/tokens-V512/{SOURCES[-1]}/train.bin"],
+                             cwd=built, capture_output=True, text=True)
+    assert lineage.returncode == 0 and f"{SOURCES[-1]}.jsonl.gz" in lineage.stdout, lineage.stdout
     train_log = (results / "logs/train/ANDREA-tiny.log").read_text()
     assert len(re.findall(r"engine: numpy", train_log)) == 1, "the NumPy engine is named once"
     assert "ANDREA-tiny" in (results / "report/evaluation.html").read_text()
@@ -134,9 +159,17 @@ def test_code_change_reruns_what_runs_it(built):
 
 def test_forcerun_prep_megachat(built):
     proc = snakemake(built, "--forcerun", "prep_megachat")
-    ran = set(job_counts(proc.stdout + proc.stderr))
-    assert ran == DATA_STAGES - {"pull_hermes3"} | {"train", "eval"} | REPORT_RULES
+    ran = job_counts(proc.stdout + proc.stderr)
+    assert set(ran) == DATA_STAGES - {"pull_hermes3"} | {"train", "eval"} | REPORT_RULES
+    assert ran["prep_megachat"] == len(SOURCES)
     assert planned(built) == set()
+
+
+def test_forcerun_of_one_sources_prep_reruns_that_sources_chain_only(built):
+    counts = planned_counts(built, "--forcerun", f"results/data/sources/{SOURCES[0]}/megachat/train.parquet")
+    assert counts["prep_megachat"] == 1 and "pull_hermes3" not in counts
+    # the tokenizer is trained on every source, so it and what follows it rerun
+    assert set(counts) == DATA_STAGES - {"pull_hermes3"} | {"train", "eval"} | REPORT_RULES
 
 
 def test_report_has_loss_curve_and_eval_table(built):
@@ -148,8 +181,21 @@ def test_report_has_loss_curve_and_eval_table(built):
 def test_dry_run_of_12m_lists_all_stages(tmp_path):
     workdir = copy_workflow(tmp_path)
     proc = snakemake(workdir, "--dry-run", "--printshellcmds", "results/ANDREA-12M.ckpt")
-    assert set(job_counts(proc.stdout)) == DATA_STAGES | {"train"}
+    counts = job_counts(proc.stdout)
+    assert set(counts) == DATA_STAGES | {"train"}
+    assert counts["pull_hermes3"] == counts["prep_megachat"] == len(SOURCES)
     assert "--vocab-size 4096" in proc.stdout and "--data results/data/tokens-V4096" in proc.stdout
+    for source in SOURCES:
+        assert f"--source {source}=results/data/sources/{source}/megachat" in proc.stdout
+
+
+def test_the_single_source_form_still_works(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    set_data(workdir, {"source": "embedded:pydocs", "val_fraction": 0.05})
+    proc = snakemake(workdir, "--dry-run", "--printshellcmds", "results/ANDREA-tiny.ckpt")
+    counts = job_counts(proc.stdout)
+    assert counts["pull_hermes3"] == counts["prep_megachat"] == 1
+    assert "--source embedded:pydocs --out results/data/sources/pydocs/hermes3.parquet" in proc.stdout
 
 
 def test_bad_config_and_unknown_experiment_fail_clearly(tmp_path):
@@ -162,6 +208,14 @@ def test_bad_config_and_unknown_experiment_fail_clearly(tmp_path):
     assert proc.returncode != 0
     assert "Failed validating 'exclusiveMaximum'" in proc.stdout + proc.stderr
     assert "['val_fraction']" in proc.stdout + proc.stderr
+    for data, says in (({"source": "embedded", "sources": [{"name": "a", "source": "embedded"}]},
+                        "data has both `sources` and `source`"),
+                       ({"sources": [{"name": "a", "source": "embedded"}, {"name": "a", "source": "hub"}]},
+                        "two sources named 'a'"),
+                       ({"sources": [{"name": "../up", "source": "embedded"}]}, "does not match")):
+        set_data(workdir, data)
+        proc = snakemake(workdir, "--dry-run", check=False)
+        assert proc.returncode != 0 and says in proc.stdout + proc.stderr, (says, proc.stdout + proc.stderr)
 
 
 def test_lint_leaves_only_the_documented_warning(tmp_path):

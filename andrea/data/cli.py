@@ -35,8 +35,20 @@ def _train_tokenizer(args) -> int:
 
 def _tokenize(args) -> int:
     from andrea.data.tokenize_shards import tokenize
+    from andrea.errors import AndreaError
 
-    tokenize(args.tokenizer, args.in_dir, args.out_dir, threads=args.threads)
+    sources = None
+    if args.source:
+        sources = {}
+        for spec in args.source:
+            name, sep, folder = spec.partition("=")
+            if not sep or not name or not folder:
+                raise AndreaError(f"--source {spec}: write it as NAME=MEGACHAT_DIR")
+            if name in sources:
+                raise AndreaError(f"--source {name} is given twice; each source needs a name of its own")
+            sources[name] = folder
+    in_dir = args.in_dir if args.in_dir or sources else "results/data/megachat"
+    tokenize(args.tokenizer, in_dir, args.out_dir, threads=args.threads, sources=sources)
     return 0
 
 
@@ -58,13 +70,15 @@ def register(subparsers) -> None:
         "pull-hermes3", formatter_class=fmt,
         help="pull raw chats into one Hermes-3 parquet (Hub, embedded corpus or local file)",
         description="Pull raw chat data into a parquet file in the Hermes-3 schema "
-        "(conversations: [{from, value}], plus a source column). --source embedded (the default) "
-        "needs no network: a corpus of Python's own documentation shipped in the package.",
+        "(conversations: [{from, value, weight}], plus a source column), every text exactly as the source holds "
+        "it; a record that cannot be one is counted with its line in the manifest. --source embedded (the "
+        "default) needs no network: a corpus shipped in the package (Python's documentation, WordNet).",
     )
-    p.add_argument("--source", default="embedded", metavar="hub|embedded|PATH",
-                   help="`hub`: NousResearch/Hermes-3-Dataset through datasets (HF_TOKEN, HF_HUB_OFFLINE "
-                   "are honoured); `embedded`: the packaged corpus; PATH: a local .json, .jsonl[.gz] or "
-                   ".parquet file in the Hermes-3 or OpenAI (messages: [{role, content}]) schema")
+    p.add_argument("--source", default="embedded", metavar="hub|embedded[:DOMAIN]|PATH",
+                   help="`hub`: the train split of --hub-id, streamed (HF_TOKEN, HF_HUB_OFFLINE are honoured); "
+                   "`embedded`: every domain of the packaged corpus, `embedded:DOMAIN` one of them; PATH: a local "
+                   ".json, .jsonl (optionally .gz) or .parquet file in the Hermes-3 or OpenAI "
+                   "(messages: [{role, content}]) schema")
     p.add_argument("--out", default="results/data/hermes3.parquet", help="output parquet")
     p.add_argument("--revision", help="Hub branch, tag or commit for --source hub (None: main); "
                    "the manifest records the commit it resolves to")
@@ -109,11 +123,16 @@ def register(subparsers) -> None:
         "tokenize", formatter_class=fmt,
         help="encode MegaChat train/val into llm.c token shards",
         description="Encode every MegaChat conversation as ChatML token ids, each followed by <|endoftext|>, "
-        "into OUT_DIR/train.bin and OUT_DIR/val.bin (llm.c shards: 256 x int32 header, uint16 tokens). "
-        "The tokenizer must be OUT_DIR/tokenizer.json, so training finds all three together.",
+        "into OUT_DIR/train.bin and OUT_DIR/val.bin (llm.c shards: 256 x int32 header, uint16 tokens) with "
+        "their loss masks (train.mask.bin, val.mask.bin); with --source, per source into OUT_DIR/NAME/ and "
+        "their union into OUT_DIR. The tokenizer must be OUT_DIR/tokenizer.json, so training finds it beside them.",
     )
     p.add_argument("--tokenizer", default="results/data/tokens-V4096/tokenizer.json", help="tokenizer.json")
-    p.add_argument("--in-dir", default="results/data/megachat", help="folder with train.parquet and val.parquet")
+    p.add_argument("--in-dir", help="one source: folder with train.parquet and val.parquet "
+                   "(default: results/data/megachat)")
+    p.add_argument("--source", action="append", metavar="NAME=DIR",
+                   help="a source's MegaChat folder; repeat for several: each is written to OUT_DIR/NAME/, "
+                   "their union to OUT_DIR")
     p.add_argument("--out-dir", default="results/data/tokens-V4096", help="folder for train.bin and val.bin")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="parallel encoders (worker processes: encoding holds the GIL); "

@@ -1,7 +1,8 @@
 """Stage pull-hermes3: raw chat data -> one parquet file in the Hermes-3 schema.
 
 Sources: the Hub (the files of a dataset's train split, streamed at the commit its revision
-resolves to), the corpus embedded in this package (the offline default), or a local JSON, JSONL
+resolves to), the corpus embedded in this package (the offline default: `embedded` for all its
+domains, `embedded:<domain>` for one), or a local JSON, JSONL
 (optionally gzip'd) or parquet file in either chat schema. Every record is decoded on its own
 (`andrea.data.raw_rows`), so the output holds each kept text exactly as the source does; a record
 that cannot be put in the Hermes-3 schema is one drop, counted by reason with the first few line
@@ -20,20 +21,16 @@ from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
-from andrea.data import HERMES3_DATASET
+from andrea.data import HERMES3_DATASET, embedded_corpus
 from andrea.data.conversations import Dropped, hermes_turns
 from andrea.data.drops import Drops
 from andrea.data.progress import log, progress
 from andrea.data.raw_rows import Rows, Unreadable, json_lines, json_records, open_stream, parquet_rows
 from andrea.data.tables import BATCH_ROWS, parquet_output
 from andrea.errors import AndreaError
-from andrea.hashing import sha256_file
 from andrea.manifest import write_manifest
 
 STAGE = "pull-hermes3"
-EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
-EMBEDDED_CORPUS = EMBEDDED_DIR / "hermes3-embedded.jsonl.gz"
-EMBEDDED_INFO = EMBEDDED_DIR / "hermes3-embedded.json"
 # file name ending -> reader of its (decompressed) bytes
 READERS: dict[str, Callable] = {".jsonl": json_lines, ".jsonl.gz": json_lines, ".json": json_records,
                                 ".json.gz": json_records, ".parquet": parquet_rows}
@@ -72,21 +69,21 @@ def file_rows(opener: Callable, name: str) -> Callable[[], Rows]:
     return rows
 
 
-def embedded_source() -> RawSource:
-    import json
-
-    info = json.loads(EMBEDDED_INFO.read_text(encoding="utf-8"))
-    digest = sha256_file(EMBEDDED_CORPUS)
-    if digest != info["sha256"]:
-        raise AndreaError(
-            f"{EMBEDDED_CORPUS}: sha256 {digest[:12]}… does not match {EMBEDDED_INFO.name} "
-            f"({info['sha256'][:12]}…); reinstall andrea or regenerate it with scripts/make_embedded_corpus.py"
-        )
-    uri = f"andrea:data/embedded/{EMBEDDED_CORPUS.name}"
-    return RawSource([(EMBEDDED_CORPUS.name, file_rows(lambda: open(EMBEDDED_CORPUS, "rb"), EMBEDDED_CORPUS.name))],
-                     info["conversations"], "embedded",
-                     inputs=[{"uri": uri, "sha256": digest, "license": info["license"]}],
-                     config={"source": "embedded"})
+def embedded_source(source: str) -> RawSource:
+    """`embedded:<domain>`: one domain of the packaged corpus; `embedded`: every domain, in
+    DOMAINS order, as one source. Each domain's file is checked against its sha256 before any row
+    is read (`embedded_corpus.iter_rows`)."""
+    domain = source.partition(":")[2]
+    if source != "embedded" and not domain:
+        raise AndreaError(f"--source {source}: name a domain, e.g. embedded:{embedded_corpus.DOMAINS[0]}")
+    domains = [domain] if domain else list(embedded_corpus.DOMAINS)
+    verified = [(d, embedded_corpus.iter_rows(d)) for d in domains]  # all checked before the first row
+    infos = [embedded_corpus.info(d) for d in domains]
+    files = [(embedded_corpus.corpus_file(d).name, (lambda rows=rows: enumerate(rows, 1))) for d, rows in verified]
+    inputs = [{"uri": f"andrea:data/embedded/{meta['file']}", "sha256": meta["sha256"], "license": meta["license"]}
+              for meta in infos]
+    return RawSource(files, sum(meta["conversations"] for meta in infos), "embedded", inputs=inputs,
+                     config={"source": source})
 
 
 def local_source(path: Path) -> RawSource:
@@ -253,8 +250,8 @@ def pull_hermes3(source: str, out: str | os.PathLike, revision: str | None = Non
     out = Path(out)
     if revision and source != "hub":
         raise AndreaError("--revision applies to `--source hub` only")
-    if source == "embedded":
-        raw = embedded_source()
+    if source == "embedded" or source.startswith("embedded:"):
+        raw = embedded_source(source)
     elif source == "hub":
         raw = hub_source(hub_id, revision)
     else:

@@ -5,13 +5,15 @@ Every conversation is encoded through `andrea.data.chatml` and followed by <|end
 is 1 on the tokens of assistant content and the assistant's <|im_end|> (times the turn's weight).
 Batches are encoded by up to `--threads` worker processes (encoding holds the GIL; small inputs
 stay in this process) and written in input order, so the shards do not depend on the number of
-workers. The shards sit beside the tokenizer that made them: training reads DIR/train.bin,
-DIR/val.bin and DIR/tokenizer.json from one folder.
+workers. The shards sit beside the tokenizer that made them: one source's in DIR, or each of
+several sources' in DIR/<name>/ with their union in DIR (training reads the sources, see
+andrea.loader, and DIR/tokenizer.json).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from array import array
 from collections import deque
@@ -32,13 +34,15 @@ from andrea.data.tables import open_parquet
 from andrea.data.train_tokenizer import check_vocab_size
 from andrea.errors import AndreaError
 from andrea.manifest import write_manifest
-from andrea.shards import mask_path, mask_writer, shard_writer
+from andrea.shards import mask_path, mask_writer, read_mask, read_shard, shard_writer
 
 STAGE = "tokenize"
 TOKENIZER_NAME = "tokenizer.json"
 ENCODE_BATCH_ROWS = 1024
 # below this much work a worker process costs more to start (about a second of imports) than it saves
 ROWS_PER_WORKER = 16 * ENCODE_BATCH_ROWS
+COPY_TOKENS = 1 << 22  # tokens per piece when the union shard is copied together
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 SHARD_CONFIG = {"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"}
 MASK_CONFIG = {"format": "andrea loss mask v1, uint8 per token", "targets": "assistant content and <|im_end|>",
@@ -99,11 +103,56 @@ def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str, append
     return counts
 
 
-def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_dir: str | os.PathLike,
-             threads: int = os.cpu_count() or 1) -> dict[str, dict]:
-    """Run the stage; returns the manifests of train.bin and val.bin (their masks' manifests sit
-    beside the masks)."""
-    tokenizer_path, in_dir, out_dir = Path(tokenizer_path), Path(in_dir), Path(out_dir)
+def _write_split(chat, table, parquet: Path, shard: Path, inputs: list, pool, workers: int) -> dict:
+    """One split of one source: its shard, its mask and both manifests; returns the shard's manifest."""
+    start = time.perf_counter()
+    mask = mask_path(shard)
+    with shard_writer(shard) as append, mask_writer(mask) as append_mask:
+        counts = tokenize_split(chat, table, parquet.name, append, append_mask, pool, workers)
+    manifest = write_manifest(shard, stage=STAGE, inputs=inputs, config=SHARD_CONFIG, counts=counts,
+                              wall_time_s=time.perf_counter() - start)
+    write_manifest(mask, stage=STAGE, inputs=inputs, config=MASK_CONFIG, counts=counts,
+                   wall_time_s=time.perf_counter() - start)
+    log(STAGE, f"wrote {shard} and {mask.name} ({counts['tokens']:,} tokens, "
+               f"{counts['target_tokens']:,} of them assistant targets; {counts['conversations']:,} conversations)")
+    return manifest
+
+
+def _write_union(out_dir: Path, split: str, names: list[str]) -> dict:
+    """DIR/<split>.bin and its mask: the sources' shards one after the other, in name order, for
+    what reads one shard per split (training and evaluation find the sources themselves; see
+    andrea.loader). Its manifest names the sources, and its inputs are their shards."""
+    start = time.perf_counter()
+    shards = [out_dir / name / f"{split}.bin" for name in names]
+    union = out_dir / f"{split}.bin"
+    counts = {"tokens": 0, "target_tokens": 0, "sources": len(names)}
+    with shard_writer(union) as append, mask_writer(mask_path(union)) as append_mask:
+        for shard in shards:
+            tokens, mask = read_shard(shard), read_mask(mask_path(shard))
+            for a in range(0, tokens.size, COPY_TOKENS):
+                append(tokens[a:a + COPY_TOKENS])
+                append_mask(mask[a:a + COPY_TOKENS])
+            counts["tokens"] += int(tokens.size)
+            counts["target_tokens"] += int(np.count_nonzero(mask))
+    config = {**SHARD_CONFIG, "sources": names, "order": "sources in name order"}
+    manifest = write_manifest(union, stage=STAGE, inputs=shards, config=config, counts=counts,
+                              wall_time_s=time.perf_counter() - start)
+    write_manifest(mask_path(union), stage=STAGE, inputs=[mask_path(s) for s in shards],
+                   config={**MASK_CONFIG, "sources": names}, counts=counts, wall_time_s=time.perf_counter() - start)
+    return manifest
+
+
+def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike | None, out_dir: str | os.PathLike,
+             threads: int = os.cpu_count() or 1, sources: dict[str, str | os.PathLike] | None = None) -> dict[str, dict]:
+    """Run the stage; returns the manifests of OUT_DIR/train.bin and OUT_DIR/val.bin (the masks'
+    manifests sit beside the masks).
+
+    `in_dir`: one source's MegaChat folder; the shards go to OUT_DIR. `sources` instead: {name:
+    MegaChat folder}; each source's shards go to OUT_DIR/<name>/, and OUT_DIR/{train,val}.bin are
+    their union."""
+    tokenizer_path, out_dir = Path(tokenizer_path), Path(out_dir)
+    if (in_dir is None) == (sources is None):
+        raise AndreaError("give either --in-dir (one source) or --source NAME=DIR (one or more), not both")
     if tokenizer_path.resolve() != (out_dir / TOKENIZER_NAME).resolve():
         raise AndreaError(
             f"--tokenizer {tokenizer_path} must be {out_dir / TOKENIZER_NAME}, so that training finds the shards "
@@ -111,35 +160,32 @@ def tokenize(tokenizer_path: str | os.PathLike, in_dir: str | os.PathLike, out_d
         )
     if threads < 1:
         raise AndreaError(f"--threads {threads} must be at least 1")
+    for name in sources or ():
+        if not SOURCE_NAME.fullmatch(name):
+            raise AndreaError(f"--source {name}=...: a source name is letters, digits, '.', '_' or '-' "
+                              "(not starting with '.' or '-')")
     chat = ChatTokenizer.load(tokenizer_path)
     check_vocab_size(chat.vocab_size, f"{tokenizer_path}: vocabulary size")
-    parquets = {split: in_dir / f"{split}.parquet" for split in SPLITS}
-    tables = {split: open_parquet(path, required=("turns",), made_by="prep-megachat")
-              for split, path in parquets.items()}
+    # (shard folder, MegaChat folder) per source
+    jobs = [(out_dir, Path(in_dir))] if sources is None else [(out_dir / n, Path(d)) for n, d in sorted(sources.items())]
+    tables = {(folder, split): open_parquet(src / f"{split}.parquet", required=("turns",), made_by="prep-megachat")
+              for folder, src in jobs for split in SPLITS}
     rows = sum(table.metadata.num_rows for table in tables.values())
     workers = max(1, min(threads, rows // ROWS_PER_WORKER))
-    log(STAGE, f"{rows:,} conversations, {workers} encoder process(es)")
+    log(STAGE, f"{rows:,} conversations from {len(jobs)} source(s), {workers} encoder process(es)")
     # spawn, not fork: the parent's tokenizer may already run a thread pool, which fork would break
     pool = (ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_start_worker,
                                 initargs=(str(tokenizer_path),)) if workers > 1 else None)
     manifests = {}
     try:
-        for split in SPLITS:
-            start = time.perf_counter()
-            shard = out_dir / f"{split}.bin"
-            mask = mask_path(shard)
-            with shard_writer(shard) as append, mask_writer(mask) as append_mask:
-                counts = tokenize_split(chat, tables[split], parquets[split].name, append, append_mask, pool, workers)
-            inputs = [tokenizer_path, parquets[split]]
-            manifests[split] = write_manifest(
-                shard, stage=STAGE, inputs=inputs, config=SHARD_CONFIG, counts=counts,
-                wall_time_s=time.perf_counter() - start,
-            )
-            write_manifest(mask, stage=STAGE, inputs=inputs, config=MASK_CONFIG, counts=counts,
-                           wall_time_s=time.perf_counter() - start)
-            log(STAGE, f"wrote {shard} and {mask.name} ({counts['tokens']:,} tokens, "
-                       f"{counts['target_tokens']:,} of them assistant targets; {counts['conversations']:,} conversations)")
+        for folder, src in jobs:
+            for split in SPLITS:
+                parquet = src / f"{split}.parquet"
+                manifests[split] = _write_split(chat, tables[folder, split], parquet, folder / f"{split}.bin",
+                                                [tokenizer_path, parquet], pool, workers)
     finally:
         if pool:
             pool.shutdown(cancel_futures=True)
+    if sources is not None:
+        manifests = {split: _write_union(out_dir, split, sorted(sources)) for split in SPLITS}
     return manifests

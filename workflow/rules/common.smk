@@ -3,6 +3,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ if (_venv_bin / "andrea").exists():
 wildcard_constraints:
     experiment="ANDREA-[A-Za-z0-9._-]+",
     vocab=r"\d+",
+    source=r"[A-Za-z0-9_][A-Za-z0-9._-]*",
 
 
 # ---- experiments ---------------------------------------------------------------------
@@ -97,22 +99,82 @@ def tokens_file(filename):
     return path
 
 
-# ---- data source ---------------------------------------------------------------------
+# ---- data sources --------------------------------------------------------------------
+
+
+def _single_source_name(source):
+    """The name of the source of the old single-source form: the embedded domain, `embedded`,
+    `hub`, or the local file's name without its extensions."""
+    if source.startswith("embedded"):
+        return source.partition(":")[2] or "embedded"
+    if source == "hub":
+        return "hub"
+    stem = Path(source).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip(".-") or "local"
+
+
+def _data_sources():
+    """Every source by name, in config order: `data.sources`, or the single `data.source` (with
+    `data.hub_id` and `data.revision`) as one source."""
+    data = config["data"]
+    if "sources" in data and "source" in data:
+        raise WorkflowError(
+            "config/config.yaml: data has both `sources` and `source`; list every source under "
+            "`sources` (the single `source` is the old form of a one-source list)."
+        )
+    if "sources" in data:
+        sources = [dict(s) for s in data["sources"]]
+    else:
+        source = data.get("source", "embedded")
+        sources = [{"name": _single_source_name(source), "source": source}]
+    by_name = {}
+    for entry in sources:
+        if entry["name"] in by_name:
+            raise WorkflowError(
+                f"config/config.yaml: data.sources has two sources named {entry['name']!r}; "
+                "each source's outputs live under results/data/sources/<name>/, so give each its own name."
+            )
+        entry.setdefault("hub_id", data["hub_id"])
+        entry.setdefault("revision", data["revision"])
+        by_name[entry["name"]] = entry
+    return by_name
+
+
+DATA_SOURCES = _data_sources()
+SOURCE_NAMES = list(DATA_SOURCES)
+
+
+def data_source(name):
+    if name not in DATA_SOURCES:
+        raise WorkflowError(
+            f"no data source named {name!r} in config/config.yaml (sources: {', '.join(SOURCE_NAMES)})"
+        )
+    return DATA_SOURCES[name]
 
 
 def pull_inputs(wildcards):
-    """A local source file is an input, so editing it reruns the pull."""
-    source = config["data"]["source"]
-    return {} if source in ("hub", "embedded") else {"source": source}
+    """A local source file is an input, so editing it reruns that source's pull."""
+    source = data_source(wildcards.source)["source"]
+    local = source != "hub" and not source.startswith("embedded")
+    return {"source": source} if local else {}
 
 
-def pull_args():
-    """The pull's flags. Hub settings only count (and rerun the pull) for the Hub source."""
-    data = config["data"]
-    args = ["--source", data["source"]]
-    if data["source"] == "hub":
-        args += ["--hub-id", data["hub_id"], "--revision", data["revision"]]
+def pull_args(wildcards):
+    """The pull's flags. Hub settings only count (and rerun the pull) for a Hub source."""
+    entry = data_source(wildcards.source)
+    args = ["--source", entry["source"]]
+    if entry["source"] == "hub":
+        args += ["--hub-id", entry["hub_id"], "--revision", entry["revision"]]
     return shlex.join(args)
+
+
+def tokenize_sources(wildcards, input):
+    """tokenize's --source NAME=DIR flags, one per source, from its MegaChat inputs."""
+    return shlex.join(
+        arg
+        for name, train in zip(SOURCE_NAMES, input.train)
+        for arg in ("--source", f"{name}={Path(train).parent}")
+    )
 
 
 # ---- threads -------------------------------------------------------------------------
