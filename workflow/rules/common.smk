@@ -1,15 +1,14 @@
-import ast
 import functools
 import hashlib
-import json
 import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
+from andrea.config import load_experiment as load_experiment_file
+from andrea.errors import AndreaError
+from andrea.hashing import code_hash
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -21,7 +20,6 @@ validate(config, "../schemas/config.schema.yaml")
 # (scripts/setup.sh installs the package from it, editable).
 REPO = Path(workflow.current_basedir).parents[1]
 EXPERIMENT_DIR = Path("config/experiments")
-EXPERIMENT_SCHEMA = REPO / "andrea" / "schemas" / "experiment.schema.json"
 
 # `.venv/bin/snakemake` must run the `andrea` installed beside it, also without an activated
 # venv. The prefix keeps Snakemake's own default (strict bash).
@@ -47,7 +45,7 @@ def experiment_path(name):
 
 @functools.cache
 def load_experiment(name):
-    """The experiment JSON, checked against the package's schema (its one source of truth)."""
+    """The experiment JSON, checked by the package (andrea.config: its schema and rules)."""
     path = experiment_path(name)
     if not path.is_file():
         known = sorted(
@@ -58,19 +56,9 @@ def load_experiment(name):
             "add it, or fix the name in config/config.yaml or in the target."
         )
     try:
-        experiment = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise WorkflowError(f"{path}: not valid JSON ({err}); fix the file.")
-    error = best_match(
-        Draft202012Validator(json.loads(EXPERIMENT_SCHEMA.read_text())).iter_errors(
-            experiment
-        )
-    )
-    if error is not None:
-        raise WorkflowError(
-            f"{path}: {error.json_path}: {error.message}; "
-            "see andrea/schemas/experiment.schema.json."
-        )
+        experiment = load_experiment_file(path).raw
+    except AndreaError as err:
+        raise WorkflowError(str(err))
     if experiment["name"] != name:
         raise WorkflowError(
             f"{path}: `name` is {experiment['name']!r} but the file is named for {name!r}; "
@@ -216,63 +204,6 @@ STAGE_CODE = {
 }
 
 
-def _module_file(name):
-    path = REPO.joinpath(*name.split("."))
-    for candidate in (path / "__init__.py", path.with_suffix(".py")):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _andrea_imports(path):
-    """The andrea modules that the imports of `path` load."""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            # `from andrea.data import chatml` may name a submodule
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
-        for parts in (n.split(".") for n in names if n.split(".")[0] == "andrea"):
-            # importing a.b.c runs a/__init__.py and a/b/__init__.py too
-            yield from (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-
-
-def _stage_files(stage):
-    files, modules = set(), []
-    for entry in STAGE_CODE[stage]:
-        path = REPO / entry
-        if "/" not in entry:
-            if _module_file(entry) is None:
-                raise WorkflowError(
-                    f"STAGE_CODE in workflow/rules/common.smk: no module {entry}"
-                )
-            modules.append(entry)
-        elif path.is_file():
-            files.add(path)
-        elif path.is_dir():
-            files.update(
-                p
-                for p in path.rglob("*")
-                if p.is_file() and "__pycache__" not in p.parts
-            )
-        else:
-            raise WorkflowError(
-                f"STAGE_CODE in workflow/rules/common.smk: no file {path}"
-            )
-    seen = set()
-    while modules:
-        name = modules.pop()
-        path = _module_file(name)
-        if name in seen or path is None:
-            continue
-        seen.add(name)
-        files.add(path)
-        modules.extend(_andrea_imports(path))
-    return files
-
-
 def run_dir(wildcards, input):
     """Where a training run keeps its checkpoint while it runs: one folder per (code, experiment,
     data). Snakemake deletes a failed job's outputs, so the resumable run lives outside them; a
@@ -294,10 +225,10 @@ def run_dir(wildcards, input):
 
 
 def code_version(stage):
-    """sha256 of the source `stage` runs. As a param it reruns the stage when that source
-    changes: by content, so a checkout that leaves the text alone reruns nothing."""
-    digest = hashlib.sha256()
-    for path in sorted(_stage_files(stage)):
-        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+    """sha256 of the source `stage` runs (andrea.hashing.code_hash). As a param it reruns the
+    stage when that source changes: by content, so a checkout that leaves the text alone reruns
+    nothing."""
+    try:
+        return code_hash(REPO, STAGE_CODE[stage])[:16]
+    except AndreaError as err:
+        raise WorkflowError(f"STAGE_CODE in workflow/rules/common.smk: {err}")
