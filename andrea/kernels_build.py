@@ -1,4 +1,4 @@
-"""Kernel sources and their NVRTC build: one `kernels/<op>.cu` per op pair plus `common.cuh`.
+"""Kernel sources and their NVRTC build: `kernels/<op>.cu` per op pair with kernels, plus `common.cuh`.
 
 The CUDA engine loads these sources through `cupy.RawModule`; `compile_kernels` builds them for any
 architecture with NVRTC alone (no GPU needed), which is how CI checks that every kernel compiles.
@@ -15,10 +15,9 @@ from pathlib import Path
 from andrea.errors import AndreaError
 from andrea.precision import PRECISIONS
 
-KERNEL_FILES = (
-    "embed", "layernorm", "attn_qkv", "attn", "attn_bf16", "attn_out", "mlp", "residual_add", "loss",
-    "grad_norm", "adamw",
-)
+# The op pairs with kernels of their own. One made only of matrix products has no file: cuBLAS runs
+# attn_qkv (the Q, K, V projections) and attn_out (W_O) whole, from andrea/ops/attn_qkv.py and attn_out.py.
+KERNEL_FILES = ("embed", "layernorm", "attn", "attn_bf16", "mlp", "residual_add", "loss", "grad_norm", "adamw")
 COMMON_HEADER = "common.cuh"
 ARCHS = ("sm_80", "sm_89", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17",)
