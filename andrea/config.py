@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from dataclasses import dataclass
@@ -14,8 +13,6 @@ from pathlib import Path
 
 from andrea.errors import AndreaError
 from andrea.hashing import config_hash
-
-PRECISIONS_NEEDING_CUDA = ("tf32", "bf16", "fp16")
 
 
 def experiment_schema() -> dict:
@@ -29,10 +26,6 @@ class ModelShape:
     n_head: int
     vocab_size: int
     seq_len: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
 
 
 @dataclass(frozen=True)
@@ -106,15 +99,6 @@ class Experiment:
         """Hash of everything that decides the weights at a given step (not intervals or name)."""
         keys = ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
         return config_hash({k: self.raw[k] for k in keys})[:16]
-
-    def with_overrides(self, **sections) -> "Experiment":
-        raw = copy.deepcopy(self.raw)
-        for section, values in sections.items():
-            if isinstance(values, dict):
-                raw[section].update(values)
-            else:
-                raw[section] = values
-        return validate(raw, self.path)
 
 
 def _field_path(error) -> str:
