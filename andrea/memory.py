@@ -28,7 +28,9 @@ class BufferSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    role: str  # parameters | gradients | optimizer | activations | scratch | io
+    # parameters | gradients | optimizer | activations | scratch | io | engine (held by the engine itself and
+    # shared by every model on it: cuBLAS's workspace, its ops' buffers)
+    role: str
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +69,13 @@ class MemoryPlan:
             table.add_row(f"[dim]{role}[/dim]", "", "", "", f"{n:,}")
         table.add_row("[bold]total[/bold]", "", "", "", f"[bold]{self.total_bytes:,}[/bold] ({self.total_bytes / 2**20:.1f} MiB)")
         return table
+
+
+def device_bytes(*plans: MemoryPlan) -> int:
+    """Device memory of several models on one engine (the trainer's and its sampler's): each plan's own
+    buffers, and the engine's once."""
+    engine = {b.name: b.nbytes for p in plans for b in p.buffers if b.role == "engine"}
+    return sum(b.nbytes for p in plans for b in p.buffers if b.role != "engine") + sum(engine.values())
 
 
 def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,

@@ -28,6 +28,7 @@ from andrea.checkpoint import read_checkpoint, read_state, verify_against_state,
 from andrea.config import load_experiment
 from andrea.errors import AndreaError
 from andrea.inspect_ckpt import refuse_other_model
+from andrea.memory import device_bytes
 from andrea.parallel import launch, rank_from_env
 from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line
 from andrea.stop_signals import STOP_SIGNALS
@@ -179,12 +180,17 @@ class Trainer:
         micro = self.exp.batch_size // (world * self.exp.micro_batches)
         self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel, recompute=self.exp.recompute,
                            loss_chunks=self.exp.loss_chunks)
-        if self.is_main:
-            console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {micro}"))
-        self.log(f"memory plan: {self.model.plan.total_bytes:,} bytes in {len(self.model.plan.buffers)} buffers")
         self.sampler = None
         self.prompts: list[list[int]] = []
         self._setup_sampling(args.tokenizer)
+        # every buffer on the device: the training model's, and the sampler's model beside it
+        plans = [self.model.plan] + ([self.sampler.model.plan] if self.sampler else [])
+        if self.is_main:
+            console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {micro}"))
+            if self.sampler:
+                console.print(self.sampler.model.plan.render("Memory plan: the sampler (micro-batch 1), beside it"))
+        self.log(f"memory plan: {device_bytes(*plans):,} bytes in {sum(len(p.buffers) for p in plans)} buffers"
+                 + (" (training model and sampler; the engine's own buffers once)" if self.sampler else ""))
         self.elapsed_before = 0.0
         self.recent_checkpoints: list[dict] = []
         self.skipped_steps: list[int] = []
@@ -207,7 +213,8 @@ class Trainer:
             )
 
     def _setup_sampling(self, explicit_tokenizer) -> None:
-        from andrea.sample import Sampler, find_tokenizer, load_tokenizer, validation_prompts
+        from andrea.inference import find_tokenizer, load_tokenizer
+        from andrea.sample import Sampler, validation_prompts
 
         if self.exp.intervals["sample"] <= 0 or not self.is_main:
             return

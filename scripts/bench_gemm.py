@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from andrea.config import ModelShape  # noqa: E402
-from gpu_check import graph_ms  # noqa: E402  (scripts/ is on the path: this script's folder)
+from andrea.timing import graph_ms  # noqa: E402
 
 REPEATS = 20
 
@@ -56,7 +56,7 @@ def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
     import cupy
 
     C, N, F = shape.d_model, B * shape.seq_len, 4 * shape.d_model
-    act = engine.act_dtype
+    act = engine.traits.act_dtype
     x = {name: cupy.asarray(rng.standard_normal(s, dtype=np.float32).astype(act))
          for name, s in (("inp", (N, C)), ("W_1", (C, F)), ("W_2", (F, C)), ("pre", (N, F)), ("out", (N, F)))}
     blocks = engine._vec_blocks(N * F)
@@ -89,7 +89,7 @@ def main() -> int:
     shape = ModelShape(**raw["model"])
     B = args.batch or {"120M": 8, "12M": 32}[args.shape]
     engine = CudaEngine(precision=args.precision)
-    act = engine.act_dtype
+    act = engine.traits.act_dtype
     rng = np.random.default_rng(0)
     rows = []
     for name, m, n, k, ta, tb, batch, out32 in products(shape, B):

@@ -1,6 +1,6 @@
-"""Markdown tables for docs/PERFORMANCE.md from one gpu_check.json (scripts/gpu_check.py's output).
+"""Markdown tables for docs/PERFORMANCE.md from one bench.json (scripts/bench.py's output).
 
-    python3 scripts/gpu_report.py results/gpu_check/gpu_check.json [--precisions bf16,tf32]
+    python3 scripts/gpu_report.py results/bench/bench.json [--precisions bf16,tf32]
 
 Per op: FLOPs and fewest bytes of one call, the floor they imply at the ceilings measured in the same
 run (products at the precision's cuBLAS rate, bytes at the copy bandwidth), the measured time, and its
@@ -52,8 +52,8 @@ def main() -> int:
     parser.add_argument("--precisions", default="bf16")
     args = parser.parse_args()
     report = json.loads(args.report.read_text())
-    if "bench" not in report:
-        print(f"{args.report}: no bench section to tabulate; run scripts/gpu_check.py with --sections ...,bench",
+    if "engine" not in report.get("bench", {}) or "copy_tb_s" not in report.get("ceilings", {}):
+        print(f"{args.report}: no bench and ceilings sections to tabulate; run scripts/bench.py with --sections ceilings,bench",
               file=sys.stderr)
         return 1
     print("\n".join(whole_step(report)))

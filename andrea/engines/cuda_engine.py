@@ -84,7 +84,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.k = _load_kernels(precision)
         # The engine's own device memory, allocated here, once (the engine runs ops before any plan
         # exists): cuBLAS's workspace and its ops' buffers; a model's plan lists them by name.
-        own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "scratch"), *ops.engine_buffers())
+        own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())
         self.own = {b.name: cupy.zeros(b.shape, dtype=b.dtype) for b in own}
         self.traits = EngineTraits(attention="lse", act_dtype=p.act_dtype, loss_scaling=p.loss_scaling, graphs=True,
                                    own_buffers=own)

@@ -12,7 +12,7 @@ from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, grad_norm, layern
 # In the seed's order, then the utilities of the optimizer step.
 MODULES = (embed, layernorm, attn_qkv, attn, attn_out, mlp, residual_add, loss, grad_norm, adamw)
 
-# Each call the cost table knows, and the module that owns it.
+# Each engine call of a training step, and the module that owns it (its cost).
 CALLS = {
     "embed_fwd": embed, "embed_bwd": embed,
     "layernorm_fwd": layernorm, "layernorm_bwd": layernorm,
@@ -23,7 +23,8 @@ CALLS = {
     "mlp_fwd": mlp, "mlp_bwd": mlp,
     "residual_add": residual_add, "residual_add_bwd": residual_add,
     "loss_fwd": loss, "loss_bwd": loss,
-    "grad_norm": grad_norm, "adamw_step": adamw,
+    "grad_norm_partial": grad_norm, "grad_norm_final": grad_norm, "grad_scale": grad_norm,
+    "adamw_step": adamw, "cast": adamw,
 }
 
 
@@ -33,7 +34,7 @@ def kernel_files() -> dict[str, tuple[str, ...]]:
 
 
 def engine_buffers() -> tuple:
-    """The device buffers the CUDA engine keeps for its ops (BufferSpecs, role scratch)."""
+    """The device buffers the CUDA engine keeps for its ops (BufferSpecs, role engine)."""
     return tuple(spec for m in MODULES for spec in m.engine_buffers())
 
 

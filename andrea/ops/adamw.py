@@ -16,7 +16,7 @@ MAX_DECAY_RANGES = 1024
 
 def engine_buffers() -> tuple[BufferSpec, ...]:
     """The decay ranges as (start, end) pairs on the device, uploaded when they change."""
-    return (BufferSpec("decay_ranges", (2 * MAX_DECAY_RANGES,), "int64", "scratch"),)
+    return (BufferSpec("decay_ranges", (2 * MAX_DECAY_RANGES,), "int64", "engine"),)
 
 
 class NumpyOps:
@@ -70,7 +70,8 @@ class CudaOps:
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
-    return {"adamw_step": (16 * n_params, 4 * 7 * n_params + (f if f < 4 else 0) * n_params)}[call]
+    return {"adamw_step": (16 * n_params, 4 * 7 * n_params + (f if f < 4 else 0) * n_params),
+            "cast": (n_params, (4 + f) * n_params)}[call]
 
 
 CASES = ("adamw",)

@@ -46,7 +46,9 @@ class CudaOps:
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
-    return {"grad_norm": (2 * n_params, 4 * n_params)}[call]
+    partials = GRAD_NORM_PARTIALS
+    return {"grad_norm_partial": (2 * n_params, 4 * n_params), "grad_norm_final": (partials, 4 * partials),
+            "grad_scale": (n_params, 8 * n_params)}[call]
 
 
 CASES = ("grad_norm",)

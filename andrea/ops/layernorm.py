@@ -21,7 +21,7 @@ LN_MAX_C = 4096  # widest row the backward's partial sums (ln_partials) hold
 
 def engine_buffers() -> tuple[BufferSpec, ...]:
     """The backward's dgamma/dbeta partial sums: LN_CHUNKS chunks x (dgamma, dbeta) x LN_MAX_C."""
-    return (BufferSpec("ln_partials", (2 * kernel_defines("layernorm")["LN_CHUNKS"] * LN_MAX_C,), "float32", "scratch"),)
+    return (BufferSpec("ln_partials", (2 * kernel_defines("layernorm")["LN_CHUNKS"] * LN_MAX_C,), "float32", "engine"),)
 
 
 class NumpyOps:

@@ -1,0 +1,70 @@
+"""Timing on a CUDA engine (scripts/bench.py, scripts/bench_gemm.py): device-event medians, single calls
+timed inside a CUDA graph, and the real schedule's op calls, recorded from one training step.
+
+Device work is asynchronous: every time here is measured with CUDA events around the region, after
+warm-up runs, as the median of several.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from andrea import ops
+
+# The engine calls a training step is made of (andrea/engines/protocol.py): what OpRecorder records.
+RECORDED = tuple(ops.CALLS)
+
+
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median device time of fn() over reps runs, by CUDA events around each run."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def graph_ms(engine, fn, reps: int = 5, inner: int = 10) -> float:
+    """Median device time of one fn() call, fn recorded `inner` times in one CUDA graph (no launch gaps)."""
+    graph = engine.capture(lambda: [fn() for _ in range(inner)])
+    return median_ms(lambda: engine.replay(graph), reps) / inner
+
+
+class OpRecorder:
+    """An engine that passes every call on to `engine` and records the op calls among them, with their
+    arguments, so that the ops of a real training step can be timed one by one on the step's own
+    buffers (no second copy of the model's wiring). Build the Model on the recorder, run one step."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name):
+        target = getattr(self._engine, name)
+        if name not in RECORDED:
+            return target
+
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return target(*args, **kwargs)
+
+        return record
+
+    def per_step(self) -> Counter:
+        return Counter(name for name, _, _ in self.calls)
+
+    def first_calls(self) -> dict[str, tuple[tuple, dict]]:
+        """Each op's first call (the per-layer ops: layer 0's; the others have the same shapes)."""
+        first: dict = {}
+        for name, args, kwargs in self.calls:
+            first.setdefault(name, (args, kwargs))
+        return first

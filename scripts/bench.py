@@ -1,0 +1,271 @@
+"""The benchmark: tokens/s of the CUDA engine's training step against the PyTorch peer, in one call.
+
+    PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline .device/bench/torch_baseline.py]
+        [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,bf16-eager] [--peers ...]
+
+Correctness (every op against float64 NumPy, training, determinism, memory, resume) is the `gpu` tests:
+`python3 -m pytest -m gpu`. This script only measures:
+  device    the GPU, its driver and runtime versions
+  ceilings  cuBLAS rate (8192^3) per precision and device-to-device copy bandwidth, measured here
+  memory    the trainer's memory plan (training model + sampler) against CuPy's pool and the device
+  bench     train_step at 12M (B=32, T=512) and 120M (B=8, T=1024) per precision; each op of the real step
+            (recorded by andrea.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
+            (andrea/ops); the PyTorch peer's variants in the same call
+Writes bench.json and bench.txt under --out (default: $OUT, else results/bench); scripts/gpu_report.py
+turns bench.json into docs/PERFORMANCE.md's tables. Exits non-zero if any section fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from andrea.config import load_experiment  # noqa: E402
+from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.ops import op_cost  # noqa: E402
+from andrea.precision import PRECISIONS  # noqa: E402
+from andrea.timing import OpRecorder, graph_ms, median_ms  # noqa: E402
+
+EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
+BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
+BENCH_VARIANTS = (*PRECISIONS, "bf16-eager")  # bf16-eager: the step launched op by op instead of as a CUDA graph
+PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
+BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
+
+report: dict = {}
+failed: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def section(name):
+    def wrap(fn):
+        def run(*args):
+            log(f"\n== {name} ==")
+            t0 = time.time()
+            try:
+                report[name] = fn(*args)
+            except Exception:
+                failed.append(name)
+                report[name] = {"error": traceback.format_exc()}
+                log(report[name]["error"])
+            report[name]["seconds"] = round(time.time() - t0, 1)
+        return run
+    return wrap
+
+
+def options(name: str, precision: str) -> dict:
+    """The experiment's memory options, which the 16-bit runs take (as the trainer does)."""
+    if not PRECISIONS[precision].low:
+        return {}
+    exp = EXPERIMENTS[name]
+    return {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
+
+
+def free_device_memory():
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+@section("device")
+def device_info():
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    info = {"name": props["name"].decode(), "sms": props["multiProcessorCount"],
+            "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "compute_capability": cupy.cuda.Device(0).compute_capability,
+            "driver": cupy.cuda.runtime.driverGetVersion(), "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "cupy": cupy.__version__, "numpy": np.__version__, "cpus": os.cpu_count()}
+    log(json.dumps(info))
+    return info
+
+
+@section("ceilings")
+def ceilings():
+    import cupy
+
+    from andrea.engines.cuda_engine import CudaEngine
+
+    n = 8192
+    a = cupy.random.standard_normal((n, n), dtype=np.float32)
+    b = cupy.random.standard_normal((n, n), dtype=np.float32)
+    c = cupy.empty((n, n), dtype=np.float32)
+    out = {}
+    for name, p in PRECISIONS.items():
+        blas = CudaEngine(precision=name).blas
+        x, y, z = (a, b, c) if not p.low else (cupy.asarray(cupy.asnumpy(m).astype(p.act_dtype)) for m in (a, b, c))
+        ms = median_ms(lambda: blas.gemm(z, x, y, n, n, n), reps=5)
+        out[f"{name}_tflops"] = round(2 * n**3 / ms / 1e9, 1)
+    src = cupy.random.standard_normal(2**29 // 4 * 4, dtype=np.float32)  # 2 GiB
+    dst = cupy.empty_like(src)
+    ms = median_ms(lambda: dst.__setitem__(slice(None), src), reps=5)
+    out["copy_tb_s"] = round(2 * src.nbytes / ms / 1e9, 2)
+    del a, b, c, src, dst
+    free_device_memory()
+    log(json.dumps(out))
+    return out
+
+
+@section("memory")
+def memory():
+    import cupy
+
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.memory import device_bytes
+    from andrea.model import Model
+    from andrea.sample import Sampler
+
+    pool = cupy.get_default_memory_pool()
+    out = {}
+    for name in BENCH:
+        for precision in ("fp32", "bf16"):
+            free_device_memory()
+            before = pool.total_bytes()
+            engine = CudaEngine(precision=precision)
+            shape = EXPERIMENTS[name].model
+            model = Model(engine, shape, BENCH[name], **options(name, precision))
+            sampler = Sampler(engine, shape, SimpleNamespace(vocab_size=shape.vocab_size, im_end_id=1, endoftext_id=0))
+            plan = device_bytes(model.plan, sampler.model.plan)
+            entry = {"micro_batch": BENCH[name], "plan_bytes": plan, "training_plan_bytes": model.plan.total_bytes,
+                     "sampler_plan_bytes": sampler.model.plan.total_bytes, "engine_own_bytes": engine.own_bytes,
+                     "pool_bytes": pool.total_bytes() - before}
+            out[f"{name}/{precision}"] = entry
+            log(f"{name}/{precision} B={BENCH[name]}: plan {plan / 2**20:,.1f} MiB (sampler "
+                f"{entry['sampler_plan_bytes'] / 2**20:,.1f} MiB, the engine's own {engine.own_bytes / 2**20:.1f} MiB); "
+                f"pool {entry['pool_bytes'] / 2**20:,.1f} MiB")
+            del model, sampler, engine
+    free_device_memory()
+    return out
+
+
+def per_step_ms(model, steps: int = 13, warm: int = 3) -> float:
+    batches = [synthetic_micro_batches(model.shape, model.micro_batch, 1, s) for s in range(4)]
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        model.train_step(batches[step % 4], step=step, lr=lr_at(step), optimizer=OPTIMIZER)
+        model.engine.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warm:]) * 1e3
+
+
+@section("bench")
+def bench(baseline: str | None, variants, peers):
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.model import Model, init_params
+
+    out = {"engine": {}, "ops": {}, "baseline": {}}
+    for name, micro in BENCH.items():
+        shape = EXPERIMENTS[name].model
+        tokens = micro * shape.seq_len
+        for variant in variants:
+            precision = variant.split("-")[0]
+            engine = CudaEngine(precision=precision)
+            recorder = OpRecorder(engine)
+            model = Model(recorder, shape, micro, graphs=variant != "bf16-eager", **options(name, precision))
+            model.load_state(init_params(model.layout, 0))
+            ms = per_step_ms(model)
+            out["engine"][f"{name}/{variant}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),
+                                                  "tokens_per_s": round(tokens / ms * 1e3)}
+            log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s")
+            if variant == "bf16-eager":
+                del model, recorder, engine
+                free_device_memory()
+                continue
+            # the ops of one real step, launched one by one (a graph replay calls no engine method), each then
+            # timed on its own inside a CUDA graph
+            recorder.calls.clear()
+            model.graphs = False
+            model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
+            counts = recorder.per_step()
+            ops_ms = {}
+            act_bytes = np.dtype(PRECISIONS[precision].act_dtype).itemsize
+            for op, (args, kwargs) in recorder.first_calls().items():
+                rows = micro
+                if op.startswith("loss"):
+                    rows = args[0].shape[0] if op == "loss_bwd" else args[1].shape[0]  # one classifier piece
+                flops, nbytes = op_cost(op, shape, rows, model.layout.n_params, act_bytes)
+                t = graph_ms(engine, lambda: getattr(engine, op)(*args, **kwargs))
+                ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
+                              "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
+                              "calls_per_step": counts[op]}
+            out["ops"][f"{name}/{precision}"] = ops_ms
+            log("  ops " + ", ".join(f"{op} {v['ms']:.3f}" for op, v in ops_ms.items()))
+            del model, recorder, engine
+            free_device_memory()
+    if baseline:
+        for name in BENCH:
+            for variant in peers:
+                r = subprocess.run([sys.executable, baseline, BASELINE_SHAPE[name], variant, "20"],
+                                   capture_output=True, text=True, timeout=500)
+                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+                if r.returncode or not lines:
+                    raise RuntimeError(f"baseline {name} {variant} failed ({r.returncode}): {r.stderr[-2000:]}")
+                out["baseline"][f"{name}/{variant}"] = json.loads(lines[-1])
+                log(f"baseline {name} {variant}: {lines[-1]}")
+    return out
+
+
+def table() -> str:
+    lines = []
+    b = report.get("bench", {})
+    for key, e in b.get("engine", {}).items():
+        name, precision = key.split("/")
+        peers = [precision.replace("-eager", "")] + (["bf16-compile"] if precision == "bf16" else [])
+        for peer in peers:
+            base = b.get("baseline", {}).get(f"{name}/{peer}", {})
+            ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "-"
+            lines.append(f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
+                         f"   PyTorch {peer:13} {base.get('ms_per_step', float('nan')):8.2f} ms "
+                         f"{base.get('tokens_per_s', 0):>11,} tok/s  {ratio}")
+    for key, e in report.get("memory", {}).items():
+        if isinstance(e, dict) and "plan_bytes" in e:
+            lines.append(f"memory {key}: plan {e['plan_bytes'] / 2**20:,.1f} MiB, pool {e['pool_bytes'] / 2**20:,.1f} MiB")
+    lines.append("failed sections: " + (", ".join(failed) if failed else "none"))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
+    parser.add_argument("--baseline", default=str(REPO / ".device" / "bench" / "torch_baseline.py"),
+                        help="the PyTorch peer baseline script (the peers are skipped if it is missing)")
+    parser.add_argument("--sections", default="device,ceilings,memory,bench")
+    parser.add_argument("--bench", default=",".join(BENCH_VARIANTS), help="engine variants the bench section times")
+    parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = {"device": device_info, "ceilings": ceilings, "memory": memory,
+             "bench": lambda: bench(args.baseline if Path(args.baseline).is_file() else None,
+                                    args.bench.split(","), args.peers.split(","))}
+    for name in args.sections.split(","):
+        if name not in steps:
+            parser.error(f"unknown section {name!r}; choose from {', '.join(steps)}")
+        steps[name]()
+        (out / "bench.json").write_text(json.dumps(report, indent=1, default=str))
+    text = table()
+    (out / "bench.txt").write_text(text + "\n")
+    log("\n" + text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The op recorder the benchmark times the real schedule with: it sees every op call of a step and changes
+nothing of it."""
+
+import numpy as np
+
+from andrea.config import load_experiment
+from andrea.engines.crosscheck import OPTIMIZER, synthetic_micro_batches
+from andrea.engines.numpy_engine import NumpyEngine
+from andrea.model import Model, init_params
+from andrea.ops import CALLS
+from andrea.timing import OpRecorder
+from conftest import EXPERIMENTS
+
+
+def test_the_recorder_sees_each_op_of_a_step_and_changes_no_bit():
+    exp = load_experiment(EXPERIMENTS / "ANDREA-tiny-TRAIN.json")
+    shape, L = exp.model, exp.model.n_layer
+    batches = synthetic_micro_batches(shape, 2, 3, step=0)
+    states = []
+    for engine in (NumpyEngine(), OpRecorder(NumpyEngine())):
+        model = Model(engine, shape, 2)
+        model.load_state(init_params(model.layout, 0))
+        model.train_step(batches, step=0, lr=1e-3, optimizer=OPTIMIZER)
+        states.append(b"".join(a.tobytes() for a in model.host_state()))
+    assert states[0] == states[1]
+    counts = engine.per_step()
+    assert set(counts) <= set(CALLS)
+    n_micro = len(batches)
+    assert counts["embed_fwd"] == counts["embed_bwd"] == counts["loss_fwd"] == n_micro
+    assert counts["attn_fwd"] == counts["attn_bwd"] == counts["mlp_bwd"] == L * n_micro
+    assert counts["residual_layernorm_fwd"] == 2 * L * n_micro
+    assert counts["adamw_step"] == counts["grad_norm_partial"] == 1
+    first_args, _ = engine.first_calls()["attn_qkv_fwd"]
+    assert first_args[2].shape == (3, shape.d_model, shape.d_model)  # W_QKV, as the op takes it
+    assert np.shares_memory(first_args[0], model.buf["qkv"])
