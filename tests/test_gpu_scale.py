@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from andrea.config import load_experiment
-from andrea.engines.crosscheck import OPS, compare_op, step_allocations, train_run
+from andrea.engines.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, train_run
 from andrea.layout import ParameterLayout
 from andrea.ops.base import OpShape
 from andrea.precision import PRECISIONS
@@ -30,7 +30,7 @@ EXPERIMENT = {name: load_experiment(EXPERIMENTS / f"ANDREA-{name}-TRAIN.json") f
 # Micro-batch of the op comparison: the float64 reference of the 120M classifier ([1024, 768] x [768, 50304] and
 # its two backward products) must stay seconds on the host.
 OP_BATCH = {"tiny": 4, "12M": 4, "120M": 1}
-LIMITS = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2, "fp16": 1e-2}  # ||got - ref|| / ||ref|| against float64
+LIMITS = OP_LIMITS["experiment"]
 TRAIN_STEPS = 20
 TRAIN_LIMITS = {"fp32": 1e-3, "tf32": 2e-2, "bf16": 3e-2, "fp16": 2e-2}  # max |loss - numpy loss| / numpy loss
 BENCH_BATCH = {"12M": 32, "120M": 8}  # the benchmark's (and the PyTorch peer's) micro-batch
