@@ -15,20 +15,15 @@
 // writes D and loops over key tiles to add dQ; then k_attn_bwd_bf16, one block per key tile, reads D and loops over
 // query tiles to add dK and dV.
 //
-// Launch configuration (the host, andrea/engines/cuda_engine.py, mirrors these #defines; the module also exports them
-// as the int[4] constant attn_bf16_launch = {THREADS, ROWS, KV_THREADS, KV_ROWS}), in launch order:
+// Launch configuration (the host reads it from the module's int[4] constant attn_bf16_launch = {THREADS, ROWS,
+// KV_THREADS, KV_ROWS}, not from a copy of these #defines), in launch order:
 //   k_attn_fwd_bf16     block ATTN_BF16_THREADS     grid (B * H, ceil(T / ATTN_BF16_ROWS))
 //   k_attn_bwd_dq_bf16  block ATTN_BF16_THREADS     grid (B * H, ceil(T / ATTN_BF16_ROWS))
 //   k_attn_bwd_bf16     block ATTN_BF16_KV_THREADS  grid (B * H, ceil(T / ATTN_BF16_KV_ROWS))
-// with, by ATTN_BF16_VARIANT (default 1; the variants compute the same bits and differ in speed only):
-//   1: THREADS 256, ROWS 128: 8 warps of 16 query rows, 2 blocks an SM (128 registers);
-//      KV_THREADS 128, KV_ROWS 64: 4 warps of 16 keys, 3 blocks an SM (168 registers). The launch shapes of the
-//      first version of this file.
-//   2: THREADS 128, ROWS 128: 4 warps of 32 rows, 2 blocks an SM (255 registers);
-//      KV_THREADS 64, KV_ROWS 64: 2 warps of 32 keys, 4 blocks an SM (255 registers), V kept in shared memory.
-//   3: THREADS 128, ROWS 64: 4 warps of 16 rows, 4 blocks an SM (128 registers); k_attn_bwd_bf16 as in 1.
-// Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM, _DQ_SMEM = 49152 bytes, _BWD_SMEM =
-// 33792 bytes (41984 in variant 2). Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
+// with THREADS 128, ROWS 64: 4 warps of 16 query rows, 4 blocks an SM (128 registers); KV_THREADS 128, KV_ROWS 64:
+// 4 warps of 16 keys, 3 blocks an SM (168 registers). dev/cuda/ keeps the other launch shapes measured against
+// these, with their checker. Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM, _DQ_SMEM =
+// 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
 // carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
 //
 // Each block owns a tile of queries (keys in k_attn_bwd_bf16); warp w owns WT m-tiles of 16 rows (WT =
@@ -41,43 +36,14 @@
 // and skips the rescaling of its accumulators in steps where no row maximum of the warp moves.
 #include "common.cuh"
 
-#ifndef ATTN_BF16_VARIANT
-#define ATTN_BF16_VARIANT 3
-#endif
-
-#if ATTN_BF16_VARIANT == 1
-#define ATTN_BF16_THREADS 256       // k_attn_fwd_bf16, k_attn_bwd_dq_bf16: 8 warps
-#define ATTN_BF16_ROWS 128          // their query tile: grid.y = ceil(T / ROWS)
+#define ATTN_BF16_THREADS 128       // k_attn_fwd_bf16, k_attn_bwd_dq_bf16: 4 warps
+#define ATTN_BF16_ROWS 64           // their query tile: grid.y = ceil(T / ROWS)
 #define ATTN_BF16_WARP_TILES 1      // their 16-row m-tiles a warp: ROWS = 16 WARP_TILES THREADS / 32
-#define ATTN_BF16_BLOCKS 2          // their blocks per SM the register budget is set for (128 registers a thread)
+#define ATTN_BF16_BLOCKS 4          // their blocks per SM the register budget is set for (128 registers a thread)
 #define ATTN_BF16_KV_THREADS 128    // k_attn_bwd_bf16: 4 warps
 #define ATTN_BF16_KV_ROWS 64        // its key tile: grid.y = ceil(T / KV_ROWS)
 #define ATTN_BF16_KV_WARP_TILES 1   // its 16-key m-tiles a warp
 #define ATTN_BF16_KV_BLOCKS 3       // its blocks per SM (168 registers a thread)
-#define ATTN_BF16_KV_V_SMEM 0       // 1: V stays in shared memory (its A fragments loaded per use), not in registers
-#elif ATTN_BF16_VARIANT == 2
-#define ATTN_BF16_THREADS 128
-#define ATTN_BF16_ROWS 128
-#define ATTN_BF16_WARP_TILES 2
-#define ATTN_BF16_BLOCKS 2
-#define ATTN_BF16_KV_THREADS 64
-#define ATTN_BF16_KV_ROWS 64
-#define ATTN_BF16_KV_WARP_TILES 2
-#define ATTN_BF16_KV_BLOCKS 4
-#define ATTN_BF16_KV_V_SMEM 1
-#elif ATTN_BF16_VARIANT == 3
-#define ATTN_BF16_THREADS 128
-#define ATTN_BF16_ROWS 64
-#define ATTN_BF16_WARP_TILES 1
-#define ATTN_BF16_BLOCKS 4
-#define ATTN_BF16_KV_THREADS 128
-#define ATTN_BF16_KV_ROWS 64
-#define ATTN_BF16_KV_WARP_TILES 1
-#define ATTN_BF16_KV_BLOCKS 3
-#define ATTN_BF16_KV_V_SMEM 0
-#else
-#error "ATTN_BF16_VARIANT: 1, 2 or 3"
-#endif
 
 #define ATTN_BF16_STREAM 64           // rows of a streamed tile: keys (fwd, bwd_dq) or queries (bwd)
 #define ATTN_BF16_HD 64               // head width, the only one these kernels take
@@ -88,11 +54,7 @@
 // Static shared memory of each kernel, in bytes:
 #define ATTN_BF16_FWD_SMEM (3 * ATTN_BF16_STAGE_BYTES)  // 49152: K and V three times (Q first, over stage 2)
 #define ATTN_BF16_DQ_SMEM (3 * ATTN_BF16_STAGE_BYTES)   // 49152: K and V three times (Q, dY first, over stages 1, 2)
-#define ATTN_BF16_BWD_SMEM (2 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES) + \
-                            ATTN_BF16_KV_V_SMEM * ATTN_BF16_KV_ROWS * ATTN_BF16_ROW_BYTES)  // Q, dY, lse, D twice (+ V)
-#ifndef ATTN_BF16_SLACK
-#define ATTN_BF16_SLACK 0.0f  // forward: how far (base 2) a step's row maximum may pass the running one unrescaled
-#endif
+#define ATTN_BF16_BWD_SMEM (2 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES))  // 33792: Q, dY, lse, D twice
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define POS_INF __int_as_float(0x7f800000)
@@ -332,9 +294,6 @@ __device__ __forceinline__ Head head_of(int bh, int B, int T, int H) {
 __device__ __forceinline__ int next_stage(int s) { return s == 2 ? 0 : s + 1; }
 
 // ---- forward: one block per (b, h) and query tile, key tiles of 64 -----------------------------------------------
-// A running maximum plus the slack it allows (see fwd_step).
-__device__ __forceinline__ float slack(float m) { return ATTN_BF16_SLACK > 0.0f ? m + ATTN_BF16_SLACK : m; }
-
 // One step of the online softmax over the 64 keys kb .. kb+63 of a K / V tile, for the warp's WT m-tiles of rows
 // R .. R + 16 WT - 1 (this thread's rows R + 16 i + g and + 8). kq: the K tile plus chunks_first_part, vq: the V tile
 // plus rows_first_part. MASK: the tile reaches past the warp's first row, so keys after a row are masked (-inf), and
@@ -354,9 +313,7 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
             mma_block<false>(s, 2 * np, k_step(qf, kc), kq, 16 * np, kc);
         }
     // The running maximum m of a row (base 2) moves when the step's maximum passes it, and then the accumulators are
-    // rescaled; a step where no row of the warp moves skips the rescale (a warp-uniform test). ATTN_BF16_SLACK > 0
-    // lets a maximum pass m by up to SLACK before m moves (P stays below 2^SLACK, the sum and Y P scaled alike):
-    // fewer rescales, but the largest P of a step is then rounded to bf16 where with SLACK 0 it is exactly 1.
+    // rescaled; a step where no row of the warp moves skips the rescale (a warp-uniform test).
     float mx[WT][2];  // the step's row maxima of S, scaled (-inf: every key masked)
     bool move = false;
 #pragma unroll
@@ -379,14 +336,14 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
 #pragma unroll
                 for (int n = 0; n < w; n++) x[n] = fmaxf(x[n], x[n + w]);
             mx[i][h] = row_max4(x[0]) * s2;  // scale > 0 keeps the order
-            move |= mx[i][h] > slack(m[i][h]);  // m = -inf: any finite maximum moves it
+            move |= mx[i][h] > m[i][h];  // m = -inf: any finite maximum moves it
         }
     if (__any_sync(FULL_MASK, move)) {
 #pragma unroll
         for (int i = 0; i < WT; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const float m_new = mx[i][h] > slack(m[i][h]) ? mx[i][h] : m[i][h];
+                const float m_new = mx[i][h] > m[i][h] ? mx[i][h] : m[i][h];
                 const float corr = exp2_approx(m[i][h] - m_new);  // 1, or 0 from m = -inf
                 m[i][h] = m_new;
                 l[i][h] *= corr;
@@ -658,12 +615,12 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
 // ---- backward, second kernel: dK and dV, one block per (b, h) and key tile, query tiles of 64 ---------------------
 // The 64 queries Q0 .. Q0+63 of a query tile for the warp's keys K0 .. K0 + 16 WT - 1, 16 queries at a time: S^T and
 // dP^T, then P^T and dS^T, then dV += P^T dY and dK += dS^T Q. qc, yc: the Q and dY tiles plus chunks_first_part;
-// qr, yr: the same plus rows_first_part; ls, ds: the tile's lse and D; VS: V's A fragments come from shared memory,
-// vr the warp's first V row there plus rows_first_part (else from vf). MASK: the tile holds queries before some key
-// of the warp (masked: P = 0; 16-query blocks wholly before the warp's keys skipped) or past T (blocks skipped).
-template <int WT, bool MASK, bool VS>
+// qr, yr: the same plus rows_first_part; ls, ds: the tile's lse and D; kf, vf: the warp's keys of K and V as A
+// fragments. MASK: the tile holds queries before some key of the warp (masked: P = 0; 16-query blocks wholly before
+// the warp's keys skipped) or past T (blocks skipped).
+template <int WT, bool MASK>
 __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, unsigned yr, unsigned ls, unsigned ds,
-                                        const unsigned (&kf)[WT][4][4], const unsigned (&vf)[WT][4][4], unsigned vr,
+                                        const unsigned (&kf)[WT][4][4], const unsigned (&vf)[WT][4][4],
                                         float (&dk)[WT][8][4], float (&dv)[WT][8][4], int Q0, int K0, int T, int g,
                                         int t, float s2) {
 #pragma unroll(WT == 1 ? 4 : 1)  // two m-tiles a warp: one block at a time, what the registers allow
@@ -679,19 +636,7 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {
             mma_block<false>(s, 0, k_step(kf, kc), qc, 16 * c, kc);
-            if constexpr (VS) {  // V's A fragments from shared memory, one m-tile at a time
-                unsigned b[4];
-                ldsm(b, lds_at(yc, 16 * c, kc));
-#pragma unroll
-                for (int i = 0; i < WT; i++) {
-                    unsigned a[4];
-                    ldsm(a, lds_at(vr, 16 * i, kc));
-                    mma_bf16(dp[i][0], a, b[0], b[1]);
-                    mma_bf16(dp[i][1], a, b[2], b[3]);
-                }
-            } else {
-                mma_block<false>(dp, 0, k_step(vf, kc), yc, 16 * c, kc);
-            }
+            mma_block<false>(dp, 0, k_step(vf, kc), yc, 16 * c, kc);
         }
         float l2[2][2], d[2][2];  // lse (base 2) and D of this thread's queries 16 c + 8 n + 2 t + e
 #pragma unroll
@@ -735,9 +680,8 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
     __shared__ __align__(128) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
     // buffer s: Q at QY + s STAGE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
     const unsigned QY = smem_u32(smem), ST = QY + 2 * ATTN_BF16_STAGE_BYTES;
-    constexpr bool VS = ATTN_BF16_KV_V_SMEM;
-    // the K tile before the first Q and dY; V after it, or (VS) after the lse and D buffers, for good
-    const unsigned Ks = QY, Vs = VS ? ST + 2 * ATTN_BF16_STAT_BYTES : QY + KROWS * ATTN_BF16_ROW_BYTES;
+    // the K tile before the first Q and dY, V after it
+    const unsigned Ks = QY, Vs = QY + KROWS * ATTN_BF16_ROW_BYTES;
     const int k0 = blockIdx.y * KROWS;  // the longest columns first
     const Head hh = head_of(blockIdx.x, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
@@ -750,15 +694,14 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    unsigned kf[WT][4][4], vf[WT][4][4];  // the warp's keys of K and V as A fragments (V: unless VS)
+    unsigned kf[WT][4][4], vf[WT][4][4];  // the warp's keys of K and V as A fragments
 #pragma unroll
     for (int i = 0; i < WT; i++)
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {
             ldsm(kf[i][kc], lds_at(Ks + rows_first_part(lane), 16 * (WT * warp + i), kc));
-            if (!VS) ldsm(vf[i][kc], lds_at(Vs + rows_first_part(lane), 16 * (WT * warp + i), kc));
+            ldsm(vf[i][kc], lds_at(Vs + rows_first_part(lane), 16 * (WT * warp + i), kc));
         }
-    const unsigned vr = Vs + rows_first_part(lane) + 16 * WT * warp * ATTN_BF16_ROW_BYTES;
     __syncthreads();  // K and V are in registers; their space becomes the Q and dY buffers
 
     // Starts loading query tile qt (Q, dY, lse, D) into buffer s; lse and D past T read as zero, harmless since
@@ -799,11 +742,11 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
         const int Q0 = qt * ATTN_BF16_STREAM;  // the tile's first query
         if (K0 < T && Q0 + ATTN_BF16_STREAM - 1 >= K0) {  // warp-uniform: some query of the tile sees some key
             if (Q0 >= K0 + 16 * WT - 1 && Q0 + ATTN_BF16_STREAM <= T)
-                kv_step<WT, false, VS>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, vr, dk, dv,
-                                       Q0, K0, T, g, t, s2);
+                kv_step<WT, false>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, dk, dv, Q0, K0, T,
+                                   g, t, s2);
             else
-                kv_step<WT, true, VS>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, vr, dk, dv,
-                                      Q0, K0, T, g, t, s2);
+                kv_step<WT, true>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, dk, dv, Q0, K0, T,
+                                  g, t, s2);
         }
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};

@@ -1,17 +1,18 @@
-"""Checks and times the bf16 attention kernels (kernels/attn_bf16.cu) on a CUDA machine.
+"""Checks and times the bf16 attention kernels (kernels/attn_bf16.cu and its variants) on a CUDA machine.
 
-    PYTHONPATH=. python3 scripts/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3]
-    python3 scripts/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
+    python3 dev/cuda/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3]
+    python3 dev/cuda/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
 
-Needs cupy and numpy only (of the repository it imports andrea.kernels_build). Each build is compiled with NVRTC
-as the engine compiles it (kernels/common.cuh spliced in, -std=c++17) and launched as the engine launches it
-(largest shared-memory carveout); its launch shape comes from the module's int[4] constant attn_bf16_launch
+Needs cupy and numpy only (of the repository it imports andrea.kernels_build and andrea.timing). Each build is
+compiled with NVRTC as the engine compiles it (kernels/common.cuh spliced in, -std=c++17) and launched as the engine
+launches it (largest shared-memory carveout); its launch shape comes from the module's int[4] constant attn_bf16_launch
 {THREADS, ROWS, KV_THREADS, KV_ROWS} when it has one, else from the source's #defines of those names. Builds:
   --source PATH   a kernel file with the three kernels of kernels/attn_bf16.cu (same names and arguments);
                   repeatable; default the repository's kernels/attn_bf16.cu (through kernel_source(), so
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
-  --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro is built once per
-                  k with -DATTN_BF16_VARIANT=k; a source that does not is built once.
+  --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro (as
+                  dev/cuda/attn_bf16_variants.cu does) is built once per k with -DATTN_BF16_VARIANT=k; a source
+                  that does not is built once.
 Every build goes through every section; the inputs and the float64 references are made once and shared. With
 more than one build a comparison table closes the run: one row per (source, variant), its verdict, times and
 TFLOP/s at each timed shape, registers and spills; "*" marks the fastest build (fwd + bwd at the first timed
@@ -44,11 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
-from gpu_check import median_ms  # noqa: E402  (scripts/ is on the path: this script's folder)
+from andrea.timing import median_ms  # noqa: E402
 
 HD = 64
 SHAPES = [(2, 1024, 12), (1, 200, 2), (3, 64, 1), (2, 77, 3), (8, 1024, 12)]  # (B, T, H)
