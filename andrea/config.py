@@ -87,18 +87,102 @@ class Experiment:
         """Activations recomputed in the backward (memory for time; not part of the trajectory)."""
         return tuple(self.raw.get("recompute", ()))
 
-    def total_steps(self, n_train_tokens: int) -> int:
-        """Steps of the run: given directly, or from epochs over a train shard of n_train_tokens."""
-        train = self.raw["train"]
-        if "steps" in train:
-            return train["steps"]
+    def phase_specs(self) -> list[dict]:
+        """The phases as written; a one-phase experiment (train + schedule) is one phase "main" with
+        the same schedule: warmup, then cosine decay to lr * min_lr_ratio."""
+        if "phases" in self.raw:
+            return self.raw["phases"]
+        return [{"name": "main", "length": self.raw["train"],
+                 "lr": {"warmup_steps": self.schedule["warmup_steps"], "decay": "cosine",
+                        "final_ratio": self.schedule["min_lr_ratio"]}}]
+
+    def program(self, n_train_tokens: int) -> "Program":
+        """The phases with their step ranges, for a train split of n_train_tokens."""
+        phases, start = [], 0
+        for spec in self.phase_specs():
+            steps = self._steps(spec["length"], n_train_tokens)
+            phases.append(Phase(spec, start, start + steps, self))
+            start += steps
+        return Program(tuple(phases))
+
+    def _steps(self, length: dict, n_train_tokens: int) -> int:
+        if "steps" in length:
+            return length["steps"]
+        if "tokens" in length:
+            return max(1, math.ceil(length["tokens"] / self.tokens_per_step))
         windows = (n_train_tokens - 1) // self.model.seq_len
-        return max(1, math.ceil(train["epochs"] * windows / self.batch_size))
+        return max(1, math.ceil(length["epochs"] * windows / self.batch_size))
+
+    def total_steps(self, n_train_tokens: int) -> int:
+        """Steps of the run: the sum of its phases'."""
+        return self.program(n_train_tokens).total_steps
 
     def trajectory_hash(self) -> str:
-        """Hash of everything that decides the weights at a given step (not intervals or name)."""
-        keys = ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
+        """Hash of everything that decides the weights at a given step before the phases do (not intervals,
+        name or phases: a phase not yet started may change on resume; Phase.hash covers each one)."""
+        keys = ("model", "optimizer", "batch", "seed", "precision") + (() if "phases" in self.raw else ("schedule", "train"))
         return config_hash({k: self.raw[k] for k in keys})[:16]
+
+
+@dataclass(frozen=True)
+class Phase:
+    spec: dict
+    start: int  # first step (0-based) of the phase
+    end: int  # one past its last step: the step count when it is finished
+    exp: Experiment
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+    @property
+    def loss_on(self) -> str:
+        return self.spec.get("loss_on", "all")
+
+    @property
+    def intervals(self) -> dict:
+        return {**self.exp.intervals, **self.spec.get("intervals", {})}
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to the peak, then constant, linear or cosine decay to peak * final_ratio at the
+        phase's last step; a function of the step only."""
+        lr = self.spec.get("lr", {})
+        peak = lr.get("peak", self.exp.optimizer["lr"])
+        warmup = lr.get("warmup_steps", 0)
+        decay = lr.get("decay", "cosine")
+        floor = peak * lr.get("final_ratio", 0.1)
+        k, n = step - self.start, self.end - self.start
+        if k < warmup:
+            return peak * (k + 1) / warmup
+        if decay == "constant":
+            return peak
+        progress = min(1.0, (k - warmup) / max(1, n - 1 - warmup))
+        if decay == "linear":
+            return peak + (floor - peak) * progress
+        return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+    def hash(self) -> str:
+        """What decides this phase's steps: its spec and where it starts."""
+        return config_hash({"spec": self.spec, "start": self.start})[:16]
+
+
+@dataclass(frozen=True)
+class Program:
+    phases: tuple[Phase, ...]
+
+    @property
+    def total_steps(self) -> int:
+        return self.phases[-1].end
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase that step `step` (0-based: the step being taken) belongs to."""
+        for phase in self.phases:
+            if step < phase.end:
+                return phase
+        return self.phases[-1]
+
+    def lr_at(self, step: int) -> float:
+        return self.phase_at(step).lr_at(step)
 
 
 def _field_path(error) -> str:
@@ -108,6 +192,11 @@ def _field_path(error) -> str:
 def validate(raw: dict, path: str = "<experiment>") -> Experiment:
     import jsonschema
 
+    if isinstance(raw, dict) and "phases" in raw and ({"train", "schedule"} & raw.keys()):
+        raise AndreaError(f"{path}: field 'phases': each phase sets its own length and lr, so an experiment with "
+                          "phases has no 'train' or 'schedule'; drop them")
+    if isinstance(raw, dict) and "phases" not in raw and not {"train", "schedule"} <= raw.keys():
+        raise AndreaError(f"{path}: field '(top level)': give 'train' and 'schedule' (one phase), or 'phases'")
     validator = jsonschema.Draft202012Validator(experiment_schema())
     errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
     if errors:
@@ -119,6 +208,11 @@ def validate(raw: dict, path: str = "<experiment>") -> Experiment:
             f"{path}: field 'model.d_model' ({model['d_model']}) must be divisible by "
             f"'model.n_head' ({model['n_head']})"
         )
+    names = [p["name"] for p in raw.get("phases", ())]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise AndreaError(f"{path}: field 'phases': the name {twice!r} is used twice; each phase needs its own "
+                          "(NAME.archive/<phase>/ holds it)")
     batch = raw["batch"]
     if batch["batch_size"] % batch["micro_batches"]:
         raise AndreaError(

@@ -29,10 +29,25 @@ EVAL_FORMAT = "andrea-eval/1"
 MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this
 
 
-def validation_loss(model, windows, n_batches: int) -> float:
-    """Mean loss over the first n_batches micro-batches of the validation windows (in order)."""
-    losses = [model.forward(*windows.val_batch(i, model.micro_batch)) for i in range(n_batches)]
-    return float(np.mean(losses))
+def validation_loss(model, windows, n_batches: int, assistant: bool = False) -> float:
+    """Mean loss over the first n_batches micro-batches of the validation windows (in order); with
+    `assistant`, over the targets the loss masks count (assistant content and its <|im_end|>): the
+    weighted mean sum(w ce) / sum(w) over all n_batches micro-batches, a micro-batch without such a
+    target adding nothing."""
+    if not assistant:
+        losses = [model.forward(*windows.val_batch(i, model.micro_batch)) for i in range(n_batches)]
+        return float(np.mean(losses))
+    total, counted = 0.0, 0.0
+    for i in range(n_batches):
+        weights = windows.val_weights(i, model.micro_batch)
+        w = float(weights.sum(dtype=np.float64))
+        if w > 0:
+            total += model.forward(*windows.val_batch(i, model.micro_batch), weights=weights) * w
+            counted += w
+    if counted == 0:
+        raise AndreaError(f"{windows.path}: the first {n_batches} validation micro-batches hold no assistant target; "
+                          "raise intervals.eval_batches or check the loss masks")
+    return total / counted
 
 
 def evaluated_targets(windows, micro_batch: int, n_batches: int) -> np.ndarray:
@@ -73,6 +88,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     model.load_state(params)
     start = time.perf_counter()
     loss = validation_loss(model, windows, n_batches)
+    loss_assistant = validation_loss(model, windows, n_batches, assistant=True) if windows.has_masks else None
     model.engine.synchronize()
     wall = time.perf_counter() - start
     if not math.isfinite(loss):
@@ -94,6 +110,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         "lineage": asdict(lineage(val_path)) if manifest_path(val_path).is_file() else None,
         "metrics": {
             "val_loss": loss,
+            "val_loss_assistant": loss_assistant,  # assistant tokens only (the loss masks); None without masks
             "perplexity": math.exp(loss) if loss < MAX_EXP_ARG else None,  # JSON has no infinity
             "bits_per_byte": bits_per_byte(loss, targets.size, n_bytes) if n_bytes else None,
             "tokens": int(targets.size),
@@ -143,7 +160,8 @@ def main(args) -> int:
     )
     m = report["metrics"]
     bpb = f"{m['bits_per_byte']:.4f}" if m["bits_per_byte"] is not None else "n/a (no tokenizer)"
-    print(f"{report['experiment']['name']} step {report['checkpoint']['step']}: val_loss {m['val_loss']:.6f}  "
+    assistant = f" (assistant tokens {m['val_loss_assistant']:.6f})" if m["val_loss_assistant"] is not None else ""
+    print(f"{report['experiment']['name']} step {report['checkpoint']['step']}: val_loss {m['val_loss']:.6f}{assistant}  "
           f"perplexity {m['perplexity'] or float('inf'):.3f}  bits/byte {bpb}  {m['tokens']:,} tokens  "
           f"{report['throughput']['tokens_per_s']:,.0f} tok/s -> {args.out}")
     return 0

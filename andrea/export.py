@@ -97,7 +97,8 @@ def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
     from andrea.manifest import write_manifest
-    from andrea.sample import check_vocab, load_tokenizer, tokenizer_for
+    from andrea.inference import load_tokenizer, tokenizer_for
+    from andrea.sample import check_vocab
 
     try:
         from safetensors.numpy import save

@@ -1,8 +1,9 @@
 """The files of one training run and the loss history's reader and writer.
 
 For results/NAME.ckpt: NAME.state.json, NAME.loss.json (JSON Lines: one object per step or event,
-appended across resumes, never truncated), NAME.samples.json, NAME.log, NAME.lock, and while a
-data-parallel run under srun starts, NAME.nccl-id.JOB. Imported by the trainer, its supervisor and
+appended across resumes and phases, never truncated or archived), NAME.samples.json, NAME.log,
+NAME.lock, NAME.best.ckpt (at the best validation loss), NAME.archive/<phase>/ (each finished phase's
+checkpoint, samples and state), and while a data-parallel run under srun starts, NAME.nccl-id.JOB. Imported by the trainer, its supervisor and
 the report; imports nothing of the engine.
 """
 
@@ -30,6 +31,11 @@ class RunFiles:
         self.samples = stem.with_name(stem.name + ".samples.json")
         self.log = stem.with_name(stem.name + ".log")
         self.lock = stem.with_name(stem.name + ".lock")
+        self.best = stem.with_name(stem.name + ".best.ckpt")  # the checkpoint at the best validation loss
+        self.archive = stem.with_name(stem.name + ".archive")  # NAME.archive/<phase>/: each finished phase
+
+    def phase_archive(self, phase: str) -> Path:
+        return self.archive / phase
 
     def nccl_id(self, job: str) -> Path:
         """Where rank 0 publishes the NCCL id for the ranks of one job (see andrea/parallel.py)."""
@@ -41,7 +47,7 @@ class RunFiles:
     def stale_temp_files(self) -> list[Path]:
         """Temp files of an atomic write that a killed process left behind."""
         folder = self.ckpt.parent
-        return [p for f in (self.ckpt, self.state, self.samples) for p in folder.glob(f".{f.name}.tmp*")]
+        return [p for f in (self.ckpt, self.state, self.samples, self.best) for p in folder.glob(f".{f.name}.tmp*")]
 
 
 def append_record(path: Path, record: dict) -> None:

@@ -13,8 +13,7 @@ import numpy as np
 from andrea.checkpoint import read_finite_weights
 from andrea.data.chatml import ChatTokenizer
 from andrea.errors import AndreaError
-# find_tokenizer: the trainer finds its sampling tokenizer through this module
-from andrea.inference import find_tokenizer, inference_engine, load_tokenizer, tokenizer_for  # noqa: F401
+from andrea.inference import inference_engine, load_tokenizer, tokenizer_for
 from andrea.inspect_ckpt import experiment_for
 from andrea.layout import ParameterLayout
 from andrea.model import Model

@@ -17,6 +17,7 @@ import argparse
 import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -152,7 +153,15 @@ class Trainer:
         self.data_dir = data
         self.train_windows = TokenWindows(data / "train.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
         self.val_windows = TokenWindows(data / "val.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
-        self.total_steps = self.exp.total_steps(self.train_windows.tokens.size)
+        self.program = self.exp.program(self.train_windows.tokens.size)
+        self.total_steps = self.program.total_steps
+        self.masks = self.train_windows.has_masks and self.val_windows.has_masks
+        for phase in self.program.phases:
+            if phase.loss_on == "assistant" and not self.masks:
+                raise AndreaError(f"{self.exp.path}: phase {phase.name!r} counts only assistant tokens (loss_on), but "
+                                  f"{data} has no loss masks beside its shards; rerun `andrea tokenize`")
+        # the validation loss a best checkpoint is chosen by: the assistant tokens' where masks say which they are
+        self.headline = "val_loss_assistant" if self.masks else "val_loss"
         self.data_parallel = None
         world = 1
         if self.rank is not None:
@@ -194,6 +203,7 @@ class Trainer:
         self.elapsed_before = 0.0
         self.recent_checkpoints: list[dict] = []
         self.skipped_steps: list[int] = []
+        self.best: dict | None = None  # {"step", "metric", "value", "sha256"} of NAME.best.ckpt
 
     def _take_lock(self) -> None:
         """One trainer per run: a second one on the same --out would interleave its writes."""
@@ -275,15 +285,18 @@ class Trainer:
         state = read_state(files.ckpt)
         if state.get("trajectory_hash") != self.exp.trajectory_hash():
             theirs = state.get("experiment", {})
-            differing = [k for k in ("model", "optimizer", "schedule", "batch", "train", "seed", "precision")
-                         if theirs.get(k) != self.exp.raw[k]]
+            differing = [k for k in ("model", "optimizer", "schedule", "batch", "train", "seed", "precision", "phases")
+                         if theirs.get(k) != self.exp.raw.get(k)]
             raise AndreaError(
                 f"{files.ckpt}: cannot resume: the experiment changed since it was written "
                 f"(sections differing: {', '.join(differing) or 'unknown'}); "
                 f"use --init-from {files.ckpt} to start a new run from its weights"
             )
         step, params, m, v = self._read_verified(files.ckpt)
+        self._check_phases(state, step)
         self.model.load_state(params, m, v)
+        best = state.get("best")
+        self.best = best if best and best["step"] <= step else None
         if self.model.loss_scale is not None and "loss_scale" in state:
             self.model.loss_scale.load(state["loss_scale"])
         self.recent_checkpoints = [c for c in state.get("checkpoints", []) if c["step"] <= step]
@@ -297,6 +310,35 @@ class Trainer:
         self.event("resume", step=step, stop=stop, total_steps=self.total_steps)
         self.log(f"resumed {files.ckpt} at step {step}")
         return step
+
+    def _check_phases(self, state: dict, step: int) -> None:
+        """A phase that has run (it started before `step`) must be the same phase now; one not yet started may
+        change (the change is recorded)."""
+        if "phases" not in state:
+            return  # written before runs had phases: one phase, which the trajectory hash covers
+        written = {p["name"]: p for p in state["phases"]}
+        for name, p in written.items():
+            if p["start"] < step and name not in {ph.name for ph in self.program.phases}:
+                raise AndreaError(f"{self.files.ckpt}: cannot resume: phase {name!r} has already run and the experiment "
+                                  f"no longer has it; use --init-from {self.files.ckpt} to start a new run from its weights")
+        changed = []
+        for phase in self.program.phases:
+            before = written.get(phase.name)
+            if before is not None and before["hash"] == phase.hash():
+                continue
+            if phase.start < step or (before is not None and before["start"] < step):
+                ran = f"steps {before['start'] + 1}-{min(before['end'], step)}" if before else f"before step {step}"
+                raise AndreaError(
+                    f"{self.files.ckpt}: cannot resume: phase {phase.name!r} has already run ({ran}) and the experiment "
+                    f"now defines it differently (or not at all); only phases not yet started may change; use "
+                    f"--init-from {self.files.ckpt} to start a new run from its weights"
+                )
+            changed.append(phase.name)
+        dropped = [name for name, p in written.items() if p["start"] >= step and name not in
+                   {ph.name for ph in self.program.phases}]
+        if changed or dropped:
+            self.event("phases_changed", step=step, changed=changed, dropped=dropped)
+            self.log(f"resume: phases not yet started changed: {', '.join(changed + dropped)}")
 
     # ---- outputs -----------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
@@ -352,6 +394,11 @@ class Trainer:
             "tokens_seen": step * self.exp.tokens_per_step,
             "data": {"dir": str(self.data_dir), **data_fingerprint(self.data_dir)},
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
+            "phases": [{"name": p.name, "start": p.start, "end": p.end, "hash": p.hash(), "loss_on": p.loss_on,
+                        "status": "finished" if p.end <= step else "running" if p.start < step else "waiting"}
+                       for p in self.program.phases],
+            "phase": self.program.phase_at(min(step, self.total_steps - 1)).name,
+            "best": self.best,
             "engine": self.engine.name,
             **({"cpu": self._cpu()} if self.engine.name == "numpy" else {}),
             "n_params": self.model.layout.n_params,
@@ -378,31 +425,36 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
-        from andrea.evaluate import validation_loss
-        from andrea.model import LossScaleOverflow, NonFiniteStep, lr_at
+        from andrea.model import LossScaleOverflow, NonFiniteStep
 
         exp, model = self.exp, self.model
         stop = self.total_steps if self.args.max_steps is None else min(self.total_steps, self.args.max_steps)
         signals = STOP_SIGNALS.install()  # already installed by the command line, unless called from Python
         step = self.start_step(stop)
-        iv = exp.intervals
         self.log(f"training {exp.name}: steps {step} -> {stop} of {self.total_steps}, "
-                 f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters")
+                 f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters"
+                 + (f"; phases {', '.join(f'{p.name} {p.start + 1}-{p.end}' for p in self.program.phases)}"
+                    if len(self.program.phases) > 1 else ""))
         if signals.terminate:
             # SIGTERM while starting: nothing was trained here, the last checkpoint (if any) is current
             self.event("sigterm", step=step, detail="before the first step")
             self.log(f"SIGTERM while starting: nothing trained, stopped at step {step}; resume with --resume")
             return self.args.sigterm_exit_code
+        self._catch_up_archive(step)
         t_start = time.time()
         with Progress(self.console, step, stop, enabled=self.is_main) as progress:
             while step < stop:
                 t0 = time.time()
-                micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches,
-                                                               *((self.rank.rank, self.world) if self.rank else ()))
-                lr = lr_at(exp, step, self.total_steps)
+                phase = self.program.phase_at(step)
+                iv = phase.intervals
+                rank = (self.rank.rank, self.world) if self.rank else ()
+                micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches, *rank)
+                weights = (self.train_windows.train_micro_weights(step, exp.batch_size, exp.micro_batches, *rank)
+                           if phase.loss_on == "assistant" else None)
+                lr = phase.lr_at(step)
                 trained = True
                 try:
-                    loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer)
+                    loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer, weights=weights)
                 except NonFiniteStep as fault:
                     # An fp16 overflow is part of the loss scale's working, not a fault: always skipped.
                     overflow = isinstance(fault, LossScaleOverflow)
@@ -418,40 +470,95 @@ class Trainer:
                     self.log(f"step {step + 1}: {fault}; step skipped (no update)")
                     trained = False
                 step += 1
-                if trained:
-                    self._after_step(step, loss, lr, norm, time.time() - t0, t_start, progress, validation_loss)
                 elapsed = self.elapsed_before + time.time() - t_start
+                if trained:
+                    self._after_step(phase, step, loss, lr, norm, time.time() - t0, elapsed, progress)
+                pivot = step == phase.end and step < self.total_steps
+                if pivot:
+                    self._pivot(phase, step, elapsed)
                 # signals are acted on after every step, a skipped one too
                 if self.data_parallel is not None:
                     signals.terminate, signals.snapshot = self.data_parallel.agree(signals.terminate, signals.snapshot)
                 if signals.terminate:
-                    self.checkpoint(step, elapsed, "SIGTERM")
+                    if not pivot:
+                        self.checkpoint(step, elapsed, "SIGTERM")
                     self.log(f"SIGTERM: stopped at step {step}; resume with --resume")
                     return self.args.sigterm_exit_code
                 if signals.snapshot:
                     signals.snapshot = False
-                    self.checkpoint(step, elapsed, "SIGUSR1")
-                elif trained and iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
+                    if not pivot:
+                        self.checkpoint(step, elapsed, "SIGUSR1")
+                elif trained and not pivot and iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
                     self.checkpoint(step, elapsed, "interval")
-            self.checkpoint(step, self.elapsed_before + time.time() - t_start,
-                            "end" if step == self.total_steps else "max-steps")
+            if not (self.recent_checkpoints and self.recent_checkpoints[-1]["step"] == step):  # a pivot wrote it
+                self.checkpoint(step, self.elapsed_before + time.time() - t_start,
+                                "end" if step == self.total_steps else "max-steps")
         self.log(f"done: step {step} of {self.total_steps}")
         return 0
 
-    def _after_step(self, step, loss, lr, norm, dt, t_start, progress, validation_loss) -> None:
-        """The step's record (validation loss at the eval interval), progress and samples."""
-        exp, iv = self.exp, self.exp.intervals
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                  "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt,
-                  "time": self.elapsed_before + time.time() - t_start}
-        last = step == self.total_steps
+    def _after_step(self, phase, step, loss, lr, norm, dt, elapsed, progress) -> None:
+        """The step's record (validation losses at the eval interval and at the end of each phase), the best
+        checkpoint, progress and samples."""
+        from andrea.evaluate import validation_loss
+
+        exp, iv = self.exp, phase.intervals
+        record = {"step": step, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": norm,
+                  "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt, "time": elapsed}
+        last = step == phase.end
         if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
             record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
+            if self.masks:
+                record["val_loss_assistant"] = validation_loss(self.model, self.val_windows, iv["eval_batches"],
+                                                               assistant=True)
         if self.is_main:
             self._append(record)
+            if self.headline in record and (self.best is None or record[self.headline] < self.best["value"]):
+                self._write_best(step, record[self.headline])
         progress.update(step, record)
         if self.sampler and ((iv["sample"] and step % iv["sample"] == 0) or last):
             self.write_samples(step)
+
+    def _write_best(self, step: int, value: float) -> None:
+        """NAME.best.ckpt (the seed's format) at the best headline validation loss so far."""
+        from andrea.checkpoint import checkpoint_digest
+
+        params, m, v = self.model.host_state()
+        write_checkpoint(self.files.best, step, params, m, v)
+        self.best = {"step": step, "metric": self.headline, "value": value, "sha256": checkpoint_digest(step, params, m, v)}
+        self.event("best", step=step, val_loss=value, metric=self.headline)
+
+    def _pivot(self, phase, step: int, elapsed: float) -> None:
+        """The end of a phase followed by another: its checkpoint, as SIGUSR1 writes one, then its archive."""
+        nxt = self.program.phase_at(step)
+        self.checkpoint(step, elapsed, "pivot")
+        self._archive(phase)
+        self.event("pivot", step=step, **{"from": phase.name, "to": nxt.name})
+        self.log(f"pivot: phase {phase.name} done at step {step}; archived in {self.files.phase_archive(phase.name)}; "
+                 f"phase {nxt.name} starts")
+
+    def _archive(self, phase) -> None:
+        """NAME.archive/<phase>/: the checkpoint, samples and state at the phase's end (the loss history runs
+        on, never archived). Written beside, then renamed into place: a kill leaves no half archive."""
+        if not self.is_main:
+            return
+        final = self.files.phase_archive(phase.name)
+        tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for path in (self.files.ckpt, self.files.samples, self.files.state):
+            if path.is_file():
+                shutil.copy2(path, tmp / path.name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    def _catch_up_archive(self, step: int) -> None:
+        """A run stopped at a pivot before its archive was written (a kill, or --max-steps there) archives it now:
+        its checkpoint is the phase's end."""
+        for phase in self.program.phases:
+            if phase.end == step and step < self.total_steps and not self.files.phase_archive(phase.name).is_dir():
+                if self.files.ckpt.is_file():
+                    self._archive(phase)
+                    self.event("pivot", step=step, **{"from": phase.name, "to": self.program.phase_at(step).name})
 
 
 class Progress:

@@ -10,6 +10,7 @@ COLUMNS = [
     ("step", lambda r: r["checkpoint"]["step"], "{:,}"),
     ("parameters", lambda r: r["checkpoint"]["n_params"], "{:,}"),
     ("val loss", lambda r: r["metrics"]["val_loss"], "{:.4f}"),
+    ("val loss, assistant tokens", lambda r: r["metrics"].get("val_loss_assistant"), "{:.4f}"),
     ("perplexity", lambda r: r["metrics"]["perplexity"], "{:.2f}"),
     ("bits/byte", lambda r: r["metrics"]["bits_per_byte"], "{:.4f}"),
     ("val tokens", lambda r: r["metrics"]["tokens"], "{:,}"),
