@@ -34,6 +34,8 @@ rule train:
         " --engine {params.engine} {params.gpus} > {log} 2>&1"
         " && for f in ckpt state.json loss.json log; do"
         " ln -f {params.run}/{wildcards.experiment}.$f results/{wildcards.experiment}.$f; done"
+        " && if [ -e {params.run}/{wildcards.experiment}.best.ckpt ]; then"
+        " ln -f {params.run}/{wildcards.experiment}.best.ckpt results/{wildcards.experiment}.best.ckpt; fi"
 
 
 # The report's loss curve; too small a job to be worth a queue slot.
