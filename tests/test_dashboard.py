@@ -16,6 +16,7 @@ import pytest
 from andrea.cli import main as cli_main
 from andrea.dashboard.server import DashboardServer
 from andrea.errors import AndreaError
+from andrea.runfiles import iter_records
 from conftest import EXPERIMENTS
 
 LOSS_LINES = [
@@ -326,3 +327,100 @@ def test_a_real_run_is_listed_with_its_plan(tmp_path, repetitive_data):
     assert run["id"] == "tiny" and (start["event"], start["stop"], start["total_steps"]) == ("start", 2, 40)
     assert run["state"] == {"step": 2, "total_steps": 40, "experiment": "ANDREA-tiny"}
     assert [json.loads(line).get("step") for line in loss if '"loss"' in line] == [1, 2]
+
+
+def phased_history():
+    """Records of a run in two phases with both validation losses, a best and a pivot event, and
+    lines that are not JSON objects among them."""
+    out = [{"event": "start", "wall": 1.0, "step": 0, "stop": 6, "total_steps": 6}]
+    for step in range(1, 5):
+        rec = dict(LOSS_LINES[1], step=step, phase="main")
+        if step % 2 == 0:
+            rec.update(val_loss=6.0 - step / 10, val_loss_assistant=5.0 - step / 10)
+        out.append(rec)
+    out.append({"event": "best", "step": 4, "val_loss": 4.6, "metric": "val_loss_assistant"})
+    out.append({"event": "pivot", "wall": 2.0, "step": 4, "from": "main", "to": "polish"})
+    return "".join(json.dumps(rec) + "\n" for rec in out) + "null\n[1, 2]\n" + '{"step": 5, "lo\n'
+
+
+def listed(srv, run_id):
+    return {r["id"]: r for r in json.loads(request(srv, "GET", "/api/runs")[1])["runs"]}[run_id]
+
+
+def test_run_list_gives_the_phase_and_the_best_step(tmp_path):
+    """The phase of the newest record (or the one a pivot after it starts) and the newest best event,
+    read incrementally as the file grows; a run without them gets null."""
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / "two.loss.json"
+    run.write_text(phased_history())
+    (results / "old.loss.json").write_text("".join(json.dumps(rec) + "\n" for rec in LOSS_LINES))
+    with running(results) as srv:
+        old = listed(srv, "old")
+        assert (old["phase"], old["best"]) == (None, None)
+        two = listed(srv, "two")
+        assert two["phase"] == "polish"  # the pivot after step 4 starts it before any polish record
+        assert two["best"] == {"step": 4, "val_loss": 4.6, "metric": "val_loss_assistant"}
+
+        with open(run, "a") as f:  # a half-written line waits; a record glued onto a torn line counts
+            f.write(json.dumps(dict(LOSS_LINES[1], step=5, phase="polish"))[:20])
+        assert listed(srv, "two")["phase"] == "polish"
+        with open(run, "a") as f:
+            f.write('"x"\n{"ste' + json.dumps(dict(LOSS_LINES[1], step=5, phase="cooldown")) + "\n")
+            f.write(json.dumps({"event": "best", "step": 5, "val_loss": 4.5, "metric": "val_loss_assistant"}) + "\n")
+            f.write(json.dumps({"event": "checkpoint", "step": 5}) + "\n")
+        two = listed(srv, "two")
+        assert two["phase"] == "cooldown" and two["best"]["step"] == 5
+        assert len(srv.digests) == 2
+
+        # A fresh start moves the history aside: the new file is read from its first byte.
+        run.rename(results / "two.loss.json.old")
+        run.write_text(json.dumps(dict(LOSS_LINES[1], step=1)) + "\n")
+        two = listed(srv, "two")
+        assert (two["phase"], two["best"]) == (None, None)
+        assert len(srv.digests) == 2
+
+
+def test_run_list_reads_a_long_history_in_pieces(tmp_path, monkeypatch):
+    """A file longer than one read: the phase and best step found wherever they are."""
+    from andrea.dashboard import server as server_module
+    monkeypatch.setattr(server_module, "DIGEST_CHUNK", 7)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "two.loss.json").write_text(phased_history() + json.dumps({"event": "checkpoint", "step": 4}) + "\n")
+    with running(results) as srv:
+        two = listed(srv, "two")
+    assert two["phase"] == "polish" and two["best"]["step"] == 4
+
+
+REAL_MAIN, REAL_POLISH = 6, 4
+
+
+def train_two_phase(tmp_path, tiny_experiment_raw, chat_data):
+    """`andrea train` of the tiny model in two phases (main, then polish on assistant tokens) on data
+    with loss masks: results/tiny.loss.json as the trainer writes it."""
+    raw = {k: v for k, v in tiny_experiment_raw.items() if k not in ("train", "schedule")}
+    raw["phases"] = [
+        {"name": "main", "length": {"steps": REAL_MAIN}, "lr": {"warmup_steps": 2, "decay": "constant"}},
+        {"name": "polish", "length": {"steps": REAL_POLISH}, "lr": {"decay": "linear", "final_ratio": 0.1},
+         "loss_on": "assistant", "intervals": {"eval": 2}},
+    ]
+    raw["intervals"] = {"checkpoint": 0, "sample": 0, "eval": 3, "eval_batches": 2}
+    experiment = tmp_path / "tiny-phases.json"
+    experiment.write_text(json.dumps(raw))
+    results = tmp_path / "results"
+    assert cli_main(["train", "--experiment", str(experiment), "--data", str(chat_data),
+                     "--out", str(results / "tiny.ckpt"), "--engine", "numpy"]) == 0
+    return results
+
+
+def test_a_real_two_phase_run_is_listed_with_its_phase_and_best(tmp_path, tiny_experiment_raw, chat_data):
+    results = train_two_phase(tmp_path, tiny_experiment_raw, chat_data)
+    history = list(iter_records(results / "tiny.loss.json"))
+    (pivot,) = [r for r in history if r.get("event") == "pivot"]
+    best = [r for r in history if r.get("event") == "best"][-1]
+    assert (pivot["step"], pivot["from"], pivot["to"]) == (REAL_MAIN, "main", "polish")
+    with running(results) as srv:
+        run = listed(srv, "tiny")
+    assert run["phase"] == "polish"
+    assert run["best"] == {"step": best["step"], "val_loss": best["val_loss"], "metric": "val_loss_assistant"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_dashboard import running
+from test_dashboard import REAL_MAIN, running, train_two_phase
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright: pip install playwright")
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
@@ -231,3 +231,167 @@ def test_page_skips_lines_that_are_not_json_objects(tmp_path, page):
     page.set_input_files("#pick", str(run))
     wait_points(page, "torn loss", len(good) + 2)
     assert steps_read(page, "torn") == good + [9, 10]
+
+
+# A run trained in phases: "main" to step PIVOT, then "polish"; validation every 10 steps over all
+# target tokens and over assistant tokens; the best checkpoint at step BEST.
+PIVOT, BEST = 60, 50
+
+
+def phased_record(step):
+    rec = dict(record(step), phase="main" if step <= PIVOT else "polish")
+    if "val_loss" in rec:
+        rec["val_loss_assistant"] = rec["val_loss"] - 0.4
+    return rec
+
+
+def phased_lines(steps):
+    out = ""
+    for s in steps:
+        out += json.dumps(phased_record(s)) + "\n"
+        if s == BEST:
+            out += json.dumps({"event": "best", "step": BEST, "val_loss": phased_record(BEST)["val_loss_assistant"],
+                               "metric": "val_loss_assistant"}) + "\n"
+        if s == PIVOT:
+            out += json.dumps({"event": "pivot", "wall": 1.0, "step": PIVOT, "from": "main", "to": "polish"}) + "\n"
+    return out
+
+
+CHART_IDS = ("chart-loss", "chart-lr", "chart-grad", "chart-tps")
+
+
+def phases_drawn(page):
+    """What each chart drew as phase boundaries (the page's data-phases on the chart elements)."""
+    return {el: json.loads(page.get_attribute(f"#{el}", "data-phases") or "null") for el in CHART_IDS}
+
+
+def wait_phases(page, xs):
+    page.wait_for_function("""(xs) => ["chart-loss", "chart-lr", "chart-grad", "chart-tps"].every((id) => {
+        const drawn = JSON.parse(document.getElementById(id).dataset.phases || "null");
+        return drawn && JSON.stringify(drawn.map((d) => d.x)) === JSON.stringify(xs);
+    })""", arg=xs, timeout=10_000)
+
+
+def series_labels(page, chart="loss"):
+    return page.evaluate("(n) => window.andreaDashboard.charts[n].series.map((s) => s.label)", chart)
+
+
+def test_page_draws_phase_boundaries_and_both_validation_series(tmp_path, page):
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / "two.loss.json"
+    # Torn and foreign lines among the records, as a full disk or a crash leaves them.
+    text = json.dumps({"event": "start", "wall": 0, "step": 0, "stop": 80, "total_steps": 80}) + "\n" + phased_lines(range(1, 60))
+    run.write_text(text + "null\n" + json.dumps(phased_record(60))[:30] + "\n" + phased_lines([60]))
+    (results / "old.loss.json").write_text(lines(range(1, 41)))
+
+    with running(results) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=two")
+        wait_points(page, "two loss", 60)
+        row = page.locator("tr[data-run=two]")
+        assert row.locator("[data-cell=phase]").inner_text() == "polish"  # the pivot after step 60 starts it
+        wait_phases(page, [PIVOT])
+        assert phases_drawn(page)["chart-lr"] == [{"run": "two", "step": PIVOT, "x": PIVOT, "from": "main", "to": "polish"}]
+
+        append(run, phased_lines(range(61, 81)))
+        wait_points(page, "two loss", 80)
+        assert row.locator("[data-cell=phase]").inner_text() == "polish"
+
+        # Both validation series, each with its own colour and key entry.
+        assert series_labels(page) == ["step", "two loss", "two loss EMA", "two val loss", "two val loss (assistant)"]
+        wait_points(page, "two val loss (assistant)", 8)
+        assert points(page, "two val loss") == 8
+        strokes = page.evaluate("window.andreaDashboard.charts.loss.series.slice(3).map((s) => s._stroke)")
+        assert len(set(strokes)) == 2, strokes
+        assert page.is_visible("#key-assistant") and page.is_visible("#key-phase")
+        assert "assistant" in page.inner_text("#key-assistant")
+
+        # The header: both latest validation losses, the phase, the best step.
+        last = phased_record(80)
+        assert row.locator("[data-cell=val]").inner_text() == f"{last['val_loss']:.4f}"
+        assert row.locator("[data-cell=val_assistant]").inner_text() == f"{last['val_loss_assistant']:.4f}"
+        assert row.locator("[data-cell=best]").inner_text() == f"{phased_record(BEST)['val_loss_assistant']:.4f} @ {BEST}"
+        assert "val_loss_assistant" in row.locator("[data-cell=best]").get_attribute("title")
+        for col in ("phase", "asst", "best"):
+            assert page.is_visible(f"#runs th.opt-{col}"), col
+
+        # With x in tokens or time the boundary sits at the pivot step's record.
+        for mode, x in (("tokens", PIVOT * TOKENS_PER_STEP), ("time", 0.5 * PIVOT), ("step", PIVOT)):
+            page.click(f"[data-x={mode}]")
+            wait_phases(page, [x])
+
+        # The hover read-out names the phase and the assistant loss.
+        box = page.locator("#chart-loss .u-over").bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.95, box["y"] + box["height"] * 0.5)
+        page.wait_for_selector("#tip", state="visible")
+        assert "polish" in page.inner_text("#tip") and "val asst" in page.inner_text("#tip")
+
+        # Overlaid with a run without phases: its lines add no boundary, its row no phase.
+        page.check("tr[data-run=old] input")
+        wait_points(page, "old loss", 40)
+        assert [d["run"] for d in phases_drawn(page)["chart-loss"]] == ["two"]
+        assert "old val loss (assistant)" not in series_labels(page)
+        assert page.locator("tr[data-run=old] [data-cell=phase]").inner_text() == ""
+
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-phases.png"))
+
+    # From disk (file://) the same file draws the same.
+    static = Path(__file__).resolve().parents[1] / "andrea" / "dashboard" / "static"
+    page.goto(static.joinpath("index.html").as_uri())
+    page.set_input_files("#pick", str(run))
+    wait_points(page, "two val loss (assistant)", 8)
+    wait_phases(page, [PIVOT])
+
+
+def test_a_run_not_read_shows_the_servers_phase_and_best(tmp_path, page):
+    """An unticked run is not read by the page: its phase and best step come from /api/runs."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "two.loss.json").write_text(phased_lines(range(1, 71)))
+    (results / "old.loss.json").write_text(lines(range(1, 41)))
+    with running(results) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=old")
+        wait_points(page, "old loss", 40)
+        row = page.locator("tr[data-run=two]")
+        page.wait_for_function("document.querySelector('tr[data-run=two] [data-cell=phase]').textContent === 'polish'",
+                               timeout=10_000)
+        assert row.locator("[data-cell=best]").inner_text() == f"{phased_record(BEST)['val_loss_assistant']:.4f} @ {BEST}"
+        assert page.evaluate("window.andreaDashboard.runs.get('two').records.length") == 0
+        assert phases_drawn(page)["chart-loss"] == []
+
+
+def test_a_run_without_phases_renders_as_before(tmp_path, page):
+    """Records without phase, val_loss_assistant or best events: no boundary, no extra series, key or
+    column; the charts hold the series they always did."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "old.loss.json").write_text(json.dumps({"event": "start", "wall": 0, "step": 0}) + "\n"
+                                           + lines(range(1, 41)) + json.dumps({"event": "checkpoint", "step": 40}) + "\n")
+    with running(results) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200")
+        wait_points(page, "old loss", 40)
+        assert series_labels(page) == ["step", "old loss", "old loss EMA", "old val loss"]
+        assert points(page, "old val loss") == 4
+        assert all(drawn == [] for drawn in phases_drawn(page).values())
+        assert not page.is_visible("#key-assistant") and not page.is_visible("#key-phase")
+        for col in ("phase", "asst", "best"):
+            assert not page.is_visible(f"#runs th.opt-{col}"), col
+        headers = page.locator("#runs thead th").all_inner_texts()
+        visible = [h for h, el in zip(headers, page.locator("#runs thead th").all()) if el.is_visible()]
+        assert visible == ["", "run", "status", "step", "loss (EMA)", "val loss", "lr", "grad norm", "tokens/s",
+                           "tokens", "elapsed", "ETA"]
+        assert page.locator("tr[data-run=old] [data-cell=val]").inner_text() == f"{record(40)['val_loss']:.4f}"
+
+
+def test_page_draws_a_real_two_phase_run(tmp_path, page, tiny_experiment_raw, chat_data):
+    """The loss history `andrea train` writes for two phases on data with loss masks."""
+    results = train_two_phase(tmp_path, tiny_experiment_raw, chat_data)
+    with running(results) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=tiny")
+        wait_points(page, "tiny loss", 10)
+        wait_phases(page, [REAL_MAIN])
+        assert points(page, "tiny val loss (assistant)") == points(page, "tiny val loss") > 0
+        row = page.locator("tr[data-run=tiny]")
+        assert row.locator("[data-cell=phase]").inner_text() == "polish"
+        assert " @ " in row.locator("[data-cell=best]").inner_text()

@@ -3,7 +3,7 @@
 Routes (GET and HEAD only; every other method gets 405 with `Allow: GET, HEAD`):
     /                  the page (static/index.html); other paths are files of static/
     /api/runs          every NAME.loss.json under the results folder (once, however many hard links or
-                       symlinks inside reach it), with size, age and state summary
+                       symlinks inside reach it), with size, age, state summary, current phase and best step
     /results/REL       a .json file under the results folder; `Range: bytes=N-` returns only
                        what was appended since byte N, so a poll of a long run sends kilobytes, not megabytes
 
@@ -19,6 +19,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +35,8 @@ ALLOWED_METHODS = ("GET", "HEAD")
 # A connection that sends no request (or stalls mid-request, or stops reading a response) for this
 # long is closed: the page polls every two seconds, so only abandoned connections reach it.
 IDLE_TIMEOUT_S = 30.0
+# A loss file is digested in pieces of at most this many bytes (the first listing reads it whole).
+DIGEST_CHUNK = 1 << 22
 # ASCII digits only: str.isdigit() takes '²' (which int() refuses), int() takes '٣' and '5_0'.
 BYTE_RANGE = re.compile(r"([0-9]*)-([0-9]*)")
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
@@ -110,15 +113,111 @@ def read_state(path: str) -> dict | None:
             "experiment": experiment.get("name") if isinstance(experiment, dict) else None}
 
 
+def parse_record(line: bytes) -> dict | None:
+    """The JSON object on a whole line, or None, as the page reads it: a line that is not one (`null`,
+    a number, an array, a line torn by a full disk) is passed over, and a record that the next append
+    glued onto a torn line is the part from one of its "{" to the end that parses."""
+    i = line.find(b"{")
+    while i >= 0:
+        try:
+            rec = json.loads(line[i:])
+        except (ValueError, UnicodeDecodeError):
+            pass
+        else:
+            if isinstance(rec, dict):
+                return rec
+        i = line.find(b"{", i + 1)
+    return None
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+class LossDigest:
+    """What the runs table shows of a loss file without the page reading it: the phase training is in
+    (that of the newest step record, or the one a pivot event written after it starts; None for a run
+    without phases) and the newest `best` event. Each listing reads only the bytes appended since the
+    last one, and of those parses only the event lines it needs and the newest step record."""
+
+    def __init__(self, file_id: tuple[int, int]):
+        self.file_id = file_id
+        self.lock = threading.Lock()
+        self.start_over()
+
+    def start_over(self) -> None:
+        self.offset = 0
+        self.tail = b""
+        self.phase: str | None = None
+        self.best: dict | None = None
+
+    def update(self, path: str, size: int) -> None:
+        """Read `path` up to byte `size` (what the listing's stat saw)."""
+        with self.lock:
+            if size < self.offset:  # rewritten in place
+                self.start_over()
+            if size == self.offset:
+                return
+            try:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if (st.st_dev, st.st_ino) != self.file_id:  # replaced since it was listed
+                        return
+                    f.seek(self.offset)
+                    while self.offset < size:
+                        chunk = f.read(min(size - self.offset, DIGEST_CHUNK))
+                        if not chunk:
+                            break
+                        self.offset += len(chunk)
+                        self._digest(chunk)
+            except OSError:  # moved aside or unreadable since it was listed: keep what was read
+                pass
+
+    def _digest(self, chunk: bytes) -> None:
+        buf = self.tail + chunk
+        end = buf.rfind(b"\n") + 1  # whole lines only: the trainer may be mid-write
+        self.tail, body = buf[end:], buf[:end]
+        for rec in records_backwards(body, b'"best"'):  # the newest best event
+            if rec.get("event") == "best" and is_number(rec.get("step")):
+                self.best = {"step": rec["step"],
+                             "val_loss": rec["val_loss"] if is_number(rec.get("val_loss")) else None,
+                             "metric": rec["metric"] if isinstance(rec.get("metric"), str) else None}
+                break
+        for rec in records_backwards(body, b"\n"):  # the newest step record or pivot
+            if rec.get("event") == "pivot" and isinstance(rec.get("to"), str):
+                self.phase = rec["to"]
+                break
+            if not rec.get("event") and is_number(rec.get("step")):
+                self.phase = rec["phase"] if isinstance(rec.get("phase"), str) else None
+                break
+
+
+def records_backwards(body: bytes, needle: bytes):
+    """The records of the whole lines in `body` that hold `needle` (b"\\n": every line), newest first,
+    without splitting the rest: a first read of a long run is megabytes of lines nobody needs."""
+    pos = len(body)
+    while (pos := body.rfind(needle, 0, pos)) >= 0:
+        start = body.rfind(b"\n", 0, pos) + 1
+        stop = body.find(b"\n", pos)
+        if stop < 0:
+            stop = len(body)
+        rec = parse_record(body[start:stop]) if b"{" in body[start:stop] else None
+        if rec is not None:
+            yield rec
+        pos = start
+
+
 def path_rank(rel: str) -> tuple[int, str]:
     """Fewest folders down first, then by name: the order runs are listed and copies are chosen in."""
     return rel.count("/"), rel
 
 
-def run_summaries(root: str) -> list[dict]:
+def run_summaries(root: str, digests: dict | None = None) -> list[dict]:
     """Every NAME.loss.json under `root` that resolves inside it, with what the page's header needs.
     A file reached by several paths is listed once, under the path fewest folders down: the workflow
-    trains in runs/NAME/KEY/ and hard-links the finished files into the results folder."""
+    trains in runs/NAME/KEY/ and hard-links the finished files into the results folder. `digests`
+    (file id -> LossDigest) keeps what was read of each file from one listing to the next."""
+    digests = {} if digests is None else digests
     found: dict[tuple[int, int], tuple[str, os.stat_result]] = {}
     for folder, dirs, files in os.walk(root):
         dirs.sort()
@@ -137,9 +236,13 @@ def run_summaries(root: str) -> list[dict]:
             kept = found.get((st.st_dev, st.st_ino))
             if kept is None or path_rank(rel) < path_rank(kept[0]):
                 found[st.st_dev, st.st_ino] = rel, st
+    for gone in set(digests) - set(found):  # moved aside or deleted
+        digests.pop(gone, None)
     runs = []
-    for rel, st in sorted(found.values(), key=lambda f: path_rank(f[0])):
+    for key, (rel, st) in sorted(found.items(), key=lambda f: path_rank(f[1][0])):
         state = inside(root, os.path.join(root, rel[: -len(LOSS_SUFFIX)] + STATE_SUFFIX))
+        digest = digests.get(key) or digests.setdefault(key, LossDigest(key))
+        digest.update(os.path.join(root, rel), st.st_size)
         runs.append({
             "id": rel[: -len(LOSS_SUFFIX)],
             "loss": rel,
@@ -147,6 +250,8 @@ def run_summaries(root: str) -> list[dict]:
             "file_id": f"{st.st_dev}:{st.st_ino}",
             "age_s": round(time.time() - st.st_mtime, 3),
             "state": read_state(state) if state else None,
+            "phase": digest.phase,
+            "best": digest.best,
         })
     return runs
 
@@ -186,7 +291,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise Refused(HTTPStatus.BAD_REQUEST, "expected a path")
             rel = path[1:]
             if rel == "api/runs":
-                listing = {"results": self.server.results_label, "runs": run_summaries(self.server.results)}
+                runs = run_summaries(self.server.results, self.server.digests)
+                listing = {"results": self.server.results_label, "runs": runs}
                 body = json.dumps(listing).encode()
                 self._send(HTTPStatus.OK, CONTENT_TYPES[".json"], len(body))
                 if send_body:
@@ -307,6 +413,7 @@ class DashboardServer(ThreadingHTTPServer):
         self.static = os.path.realpath(STATIC)
         self.allow_remote = allow_remote
         self.idle_timeout = idle_timeout
+        self.digests: dict[tuple[int, int], LossDigest] = {}
         try:
             super().__init__((host, port), Handler)
         except OSError as err:

@@ -1,15 +1,30 @@
 """Loss curve of one training run as a standalone SVG (train loss per step, validation loss where
-measured). Plain SVG text: the report needs no plotting library."""
+measured: over all target tokens, and over assistant tokens when the data has loss masks), with a
+dashed, labelled line where each training phase ends (the history's `pivot` events). Plain SVG text:
+the report needs no plotting library."""
 
 import math
 import sys
 from html import escape
 
-from andrea.runfiles import read_loss_history
+from andrea.runfiles import iter_records, read_loss_history
 
 WIDTH, HEIGHT = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 44, 52
-TRAIN_COLOUR, VAL_COLOUR = "#1f77b4", "#ff7f0e"
+TRAIN_COLOUR, VAL_COLOUR, ASSISTANT_COLOUR, PHASE_COLOUR = "#1f77b4", "#ff7f0e", "#2ca02c", "#555555"
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_pivots(path) -> list[dict]:
+    """The history's phase changes, one per step (a pivot written again after a resume wins), in order."""
+    by_step = {}
+    for rec in iter_records(path):
+        if rec.get("event") == "pivot" and isinstance(rec.get("step"), int) and isinstance(rec.get("to"), str):
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def nice_ticks(lo: float, hi: float, count: int = 6) -> list[float]:
@@ -21,12 +36,14 @@ def nice_ticks(lo: float, hi: float, count: int = 6) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def render(title: str, records: list[dict]) -> str:
+def render(title: str, records: list[dict], pivots: list[dict] = ()) -> str:
     steps = [r["step"] for r in records]
-    train = [(r["step"], r["loss"]) for r in records]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    losses = [loss for _, loss in train + val]
+    train = [(r["step"], r["loss"]) for r in records if is_number(r.get("loss"))]
+    val = [(r["step"], r["val_loss"]) for r in records if is_number(r.get("val_loss"))]
+    assistant = [(r["step"], r["val_loss_assistant"]) for r in records if is_number(r.get("val_loss_assistant"))]
+    losses = [loss for _, loss in train + val + assistant] or [0.0]
     x_lo, x_hi = 0, max(max(steps), 1)
+    pivots = [p for p in pivots if x_lo <= p["step"] <= x_hi]
     y_lo, y_hi = min(losses), max(losses)
     pad = (y_hi - y_lo) * 0.05 or 0.5
     y_lo, y_hi = y_lo - pad, y_hi + pad
@@ -62,16 +79,38 @@ def render(title: str, records: list[dict]) -> str:
         f'<text transform="translate(16 {(TOP + HEIGHT - BOTTOM) / 2}) rotate(-90)" '
         'text-anchor="middle">cross-entropy loss (nats/token)</text>'
     )
-    out.append(polyline(train, TRAIN_COLOUR))
+    for p in pivots:  # where a phase ends: the next one's name above the frame, beside the line
+        px = x(p["step"])
+        right = px + 4 + 7 * len(p["to"]) > WIDTH - RIGHT  # the name would run past the frame: left of the line
+        name = escape(p["to"])
+        what = escape(f"{p['from']} → {p['to']}" if isinstance(p.get("from"), str) else p["to"])
+        out.append(f'<line x1="{px:.1f}" y1="{TOP}" x2="{px:.1f}" y2="{HEIGHT - BOTTOM}" stroke="{PHASE_COLOUR}" '
+                   f'stroke-width="1.2" stroke-dasharray="6 4"><title>{what} after step {p["step"]}</title></line>')
+        out.append(f'<text x="{px + (-4 if right else 4):.1f}" y="{TOP - 6}" text-anchor="{"end" if right else "start"}" '
+                   f'fill="{PHASE_COLOUR}" font-size="11">{name}</text>')
+    if train:
+        out.append(polyline(train, TRAIN_COLOUR))
     if val:
         out.append(polyline(val, VAL_COLOUR))
         out.extend(f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{VAL_COLOUR}"/>' for s, v in val)
-    legend = [("train", TRAIN_COLOUR)] + ([("validation", VAL_COLOUR)] if val else [])
+    if assistant:
+        out.append(polyline(assistant, ASSISTANT_COLOUR))
+        out.extend(f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="white" stroke="{ASSISTANT_COLOUR}" '
+                   'stroke-width="1.5"/>' for s, v in assistant)
+    legend = [("train", TRAIN_COLOUR)]
+    if val:
+        legend.append(("validation, all tokens" if assistant else "validation", VAL_COLOUR))
+    if assistant:
+        legend.append(("validation, assistant tokens", ASSISTANT_COLOUR))
+    key = max(110, round(max(len(name) for name, _ in legend) * 6.5 + 36))  # the legend's width
+    if pivots:  # a boundary line may cross the legend
+        out.append(f'<rect x="{WIDTH - RIGHT - key - 6}" y="{TOP + 4}" width="{key}" height="{18 * len(legend) + 6}" '
+                   'fill="white" fill-opacity="0.85"/>')
     for i, (name, colour) in enumerate(legend):
         ly = TOP + 16 + 18 * i
-        out.append(f'<line x1="{WIDTH - RIGHT - 110}" y1="{ly}" x2="{WIDTH - RIGHT - 86}" y2="{ly}" '
+        out.append(f'<line x1="{WIDTH - RIGHT - key}" y1="{ly}" x2="{WIDTH - RIGHT - key + 24}" y2="{ly}" '
                    f'stroke="{colour}" stroke-width="2"/>')
-        out.append(f'<text x="{WIDTH - RIGHT - 80}" y="{ly + 4}">{name}</text>')
+        out.append(f'<text x="{WIDTH - RIGHT - key + 30}" y="{ly + 4}">{name}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -80,9 +119,11 @@ def main(loss_path: str, svg_path: str, title: str) -> None:
     records = read_loss_history(loss_path)
     if not records:
         raise SystemExit(f"{loss_path}: no step records; the training run wrote no loss yet")
+    pivots = read_pivots(loss_path)
     with open(svg_path, "w") as f:
-        f.write(render(title, records))
-    print(f"{svg_path}: {len(records)} steps", file=sys.stderr)
+        f.write(render(title, records, pivots))
+    phases = f", {len(pivots) + 1} phases" if pivots else ""
+    print(f"{svg_path}: {len(records)} steps{phases}", file=sys.stderr)
 
 
 if __name__ == "__main__":

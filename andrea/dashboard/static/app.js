@@ -6,6 +6,10 @@
 //   - any other static server (python -m http.server): the runs named by ?run=URL, re-read whole
 //     when they change;
 //   - files picked with "open file…" or dropped on the page: read once, works from file://.
+// Step records of a run trained in phases carry "phase"; a "pivot" event (step = the last step of the
+// finished phase, "from", "to") marks each change and is drawn on every chart; a "best" event names
+// the step of NAME.best.ckpt. Records at the eval interval carry val_loss and, for data with loss
+// masks, val_loss_assistant.
 
 const params = new URLSearchParams(location.search);
 const POLL_MS = Math.max(200, Number(params.get("poll")) || 2000);
@@ -34,6 +38,7 @@ class Run {
     this.url = url;       // null for a file opened from disk
     this.color = COLORS[runs.size % COLORS.length];
     this.state = null;    // NAME.state.json (or the server's summary of it): total_steps
+    this.summary = null;  // the server's phase and best step of the file, for a run not read here
     this.ageS = null;     // seconds since the loss file changed (server only)
     this.size = 0;
     this.version = 0;
@@ -79,6 +84,29 @@ class Run {
     for (let i = this.events.length - 1; i >= 0; i--) if (Number.isFinite(this.events[i].stop)) return this.events[i];
     return null;
   }
+  // Phase changes, one per step (a pivot written again after a resume replaces the earlier one).
+  get pivots() {
+    const byStep = new Map();
+    for (const ev of this.events) {
+      if (ev.event === "pivot" && Number.isFinite(ev.step) && typeof ev.to === "string") byStep.set(ev.step, ev);
+    }
+    return [...byStep.values()].sort((a, b) => a.step - b.step);
+  }
+  // The phase of the newest record, or the one a pivot at or after it starts; null without phases.
+  get phase() {
+    if (!this.records.length) return (this.summary && this.summary.phase) || null;
+    const last = this.last, pivots = this.pivots, pivot = pivots[pivots.length - 1];
+    if (pivot && pivot.step >= last.step) return pivot.to;
+    return typeof last.phase === "string" ? last.phase : null;
+  }
+  // The newest "best" event: the step NAME.best.ckpt holds, its validation loss and which one it was.
+  get best() {
+    for (let i = this.events.length - 1; i >= 0; i--) {
+      const ev = this.events[i];
+      if (ev.event === "best" && Number.isFinite(ev.step)) return ev;
+    }
+    return this.records.length ? null : (this.summary && this.summary.best) || null;
+  }
   get total() { return (this.plan && this.plan.total_steps) || (this.state && this.state.total_steps); }
   get stop() { return (this.plan && this.plan.stop) || this.total; }  // --max-steps ends a run early
 }
@@ -123,6 +151,7 @@ async function pollServer() {
     run.size = info.size;
     run.ageS = info.age_s;
     run.state = info.state;
+    run.summary = {phase: info.phase, best: info.best};
   }
   for (const [id, run] of runs) if (run.url && !listed.has(id)) runs.delete(id);
   selectDefault();
@@ -265,10 +294,11 @@ function columns(run) {
   if (c && c.version === run.version && c.x === view.x && c.smooth === view.smooth) return c;
   const r = run.records;
   const col = (field) => r.map((rec) => (Number.isFinite(rec[field]) ? rec[field] : null));
-  const loss = col("loss"), grad = col("grad_norm"), tps = col("tokens_per_s");
+  const loss = col("loss"), grad = col("grad_norm"), tps = col("tokens_per_s"), valAsst = col("val_loss_assistant");
   run.columns = {
     version: run.version, x: view.x, smooth: view.smooth, run,
     xs: col(view.x), loss, lossEma: ema(loss, view.smooth), val: col("val_loss"), lr: col("lr"),
+    valAsst, hasAsst: valAsst.some((v) => v != null),
     grad, gradEma: ema(grad, view.smooth), tps, tpsEma: ema(tps, view.smooth),
   };
   return run.columns;
@@ -334,12 +364,26 @@ function fade(hex, alpha) {
   return `rgba(${n >> 16}, ${(n >> 8) & 255}, ${n & 255}, ${alpha})`;
 }
 
+// `hex` moved a fraction `t` of the way to `toward` (both #rrggbb).
+function mix(hex, toward, t) {
+  const a = parseInt(hex.slice(1), 16), b = parseInt(toward.slice(1), 16);
+  const ch = (shift) => Math.round(((a >> shift) & 255) * (1 - t) + ((b >> shift) & 255) * t);
+  return `#${((ch(16) << 16) | (ch(8) << 8) | ch(0)).toString(16).padStart(6, "0")}`;
+}
+
+// The assistant-token validation series of a run: its colour taken toward the text colour (darker on
+// a light page, lighter on a dark one), so it stands apart from val_loss and still reads as that run.
+function assistantColor(run) {
+  return mix(run.color, cssVar("--text") || "#000000", 0.5);
+}
+
 // ---- the runs table (the header's numbers) -------------------------------------------------------
 
 function renderTable() {
-  const body = document.querySelector("#runs tbody");
+  const table = document.getElementById("runs"), body = table.tBodies[0];
   const rows = new Map([...body.rows].map((tr) => [tr.dataset.run, tr]));
   for (const [id, tr] of rows) if (!runs.has(id)) tr.remove();
+  const shown = {phase: false, asst: false, best: false};  // columns only runs with phases, masks or a best step need
   for (const run of runs.values()) {
     const tr = rows.get(run.id) || body.appendChild(newRow(run));
     const on = view.selected.has(run.id);
@@ -349,11 +393,19 @@ function renderTable() {
     const last = c && run.last, speed = c && rate(run), st = status(run);
     const step = last ? last.step : run.state && run.state.step;
     const remaining = run.stop && step != null ? run.stop - step : null;
+    const phase = run.phase, best = run.best;
+    const asst = c && c.hasAsst ? lastMeasured(c.valAsst, c.valAsst.length - 1) : null;
+    shown.phase ||= phase != null;
+    shown.asst ||= asst != null;
+    shown.best ||= best != null;
     const cells = {
       status: st,
       step: step == null ? "–" : `${fmtInt(step)}${run.total ? ` / ${fmtInt(run.total)}` : ""}`,
       loss: c ? fmtLoss(lastMeasured(c.lossEma, c.lossEma.length - 1)) : "",
+      phase: phase == null ? "" : phase,
       val: c ? fmtLoss(lastMeasured(c.val, c.val.length - 1)) : "",
+      val_assistant: asst == null ? "" : fmtLoss(asst),
+      best: best ? `${Number.isFinite(best.val_loss) ? fmtLoss(best.val_loss) : "–"} @ ${fmtInt(best.step)}` : "",
       lr: last ? fmtExp(last.lr) : "",
       grad: last ? fmtFixed(3)(last.grad_norm) : "",
       tps: speed ? fmtSI(speed.tokensPerS) : "",
@@ -363,7 +415,10 @@ function renderTable() {
     };
     for (const [key, text] of Object.entries(cells)) tr.querySelector(`[data-cell=${key}]`).textContent = text;
     tr.querySelector("[data-cell=status]").className = `status ${st}`;
+    tr.querySelector("[data-cell=best]").title = best
+      ? `NAME.best.ckpt: step ${fmtInt(best.step)}${best.metric ? `, ${best.metric} ${fmtLoss(best.val_loss)}` : ""}` : "";
   }
+  for (const [key, on] of Object.entries(shown)) table.classList.toggle(`show-${key}`, on);
 }
 
 function newRow(run) {
@@ -372,7 +427,8 @@ function newRow(run) {
   const cell = (key, cls = "num") => `<td class="${cls}"><span data-cell="${key}"></span></td>`;
   tr.innerHTML = "<td><input type=\"checkbox\"></td>"
     + `<td class="name"><span class="swatch" style="background:${run.color}"></span><span class="id"></span></td>`
-    + cell("status", "") + cell("step") + cell("loss", "num big") + cell("val") + cell("lr") + cell("grad")
+    + cell("status", "") + cell("step") + cell("phase", "opt-phase") + cell("loss", "num big") + cell("val")
+    + cell("val_assistant", "num opt-asst") + cell("best", "num opt-best") + cell("lr") + cell("grad")
     + cell("tps") + cell("tokens") + cell("elapsed") + cell("eta");
   tr.querySelector(".id").textContent = run.id;
   tr.querySelector("input").ariaLabel = `show ${run.id}`;
@@ -412,14 +468,18 @@ function escapeHtml(s) {
 const CHARTS = [
   {
     name: "loss", el: "chart-loss", fmt: fmtTick, logScale: true,
-    table: (c) => [c.xs, c.loss, c.lossEma, c.val],
-    series: (run) => [
+    // The assistant-token series only for a run that has one: an old run's chart stays as it was.
+    table: (c) => [c.xs, c.loss, c.lossEma, c.val, ...(c.hasAsst ? [c.valAsst] : [])],
+    series: (run, c) => [
       {label: `${run.id} loss`, stroke: fade(run.color, 0.35), width: 1},
       {label: `${run.id} loss EMA`, stroke: run.color, width: 2},
       {label: `${run.id} val loss`, stroke: run.color, width: 1.5, dash: [5, 4], spanGaps: true,
         points: {show: true, size: 7, width: 2, fill: run.color}},
+      ...(c.hasAsst ? [{label: `${run.id} val loss (assistant)`, stroke: assistantColor(run), width: 1.5, dash: [2, 3],
+        spanGaps: true, points: {show: true, size: 7, width: 2, fill: cssVar("--panel")}}] : []),
     ],
-    readout: (c, i) => [["EMA", fmtLoss(c.lossEma[i])], ["raw", fmtLoss(c.loss[i])], ["val", fmtLoss(lastMeasured(c.val, i))]],
+    readout: (c, i) => [["EMA", fmtLoss(c.lossEma[i])], ["raw", fmtLoss(c.loss[i])], ["val", fmtLoss(lastMeasured(c.val, i))],
+      ...(c.hasAsst ? [["val asst", fmtLoss(lastMeasured(c.valAsst, i))]] : [])],
   },
   {
     name: "lr", el: "chart-lr", fmt: (v) => (v ? v.toExponential(1) : "0"),
@@ -458,6 +518,7 @@ function chartData(def, cols) {
 function buildCharts(cols) {
   for (const u of Object.values(charts)) u.destroy();
   charts = {};
+  for (const def of CHARTS) document.getElementById(def.el).dataset.phases = "[]";
   if (!cols.length) return;
   const axis = {
     stroke: cssVar("--axis"),
@@ -479,11 +540,11 @@ function buildCharts(cols) {
         // A log axis hands over null for the ticks it leaves unlabelled.
         {...axis, size: 56, values: (u, ticks) => ticks.map((v) => (v == null ? "" : def.fmt(v)))},
       ],
-      series: [{label: view.x}, ...cols.flatMap((c) => def.series(c.run).map((s) => ({points: {show: false}, ...s})))],
+      series: [{label: view.x}, ...cols.flatMap((c) => def.series(c.run, c).map((s) => ({points: {show: false}, ...s})))],
       hooks: {
         setCursor: [(u) => showReadout(u, def)],
         setSelect: [zoomTo],
-        ...(def.name === "loss" ? {draw: [drawMarks]} : {}),
+        draw: def.name === "loss" ? [drawMarks, drawPhases] : [drawPhases],
       },
     };
     const u = new uPlot(opts, chartData(def, cols), el);
@@ -540,6 +601,45 @@ function drawMarks(u) {
   ctx.restore();
 }
 
+// A solid vertical line where each phase ends, in the run's colour: the next phase's name right of it
+// (the first phase's name left of the first one). At the pivot's step, or, with x in tokens or time,
+// at the pivot step's record. What was drawn goes to the chart element's data-phases, for tests.
+function drawPhases(u) {
+  const ctx = u.ctx, {left, top, width, height} = u.bbox, px1 = devicePixelRatio;
+  const drawn = [];
+  ctx.save();
+  ctx.lineWidth = 1.5 * px1;
+  ctx.font = `600 ${10 * px1}px system-ui, sans-serif`;
+  ctx.textBaseline = "top";
+  const labelY = top + 14 * px1;  // below the labels of drawMarks
+  for (const run of selectedRuns()) {
+    const r = run.records;
+    run.pivots.forEach((ev, k) => {
+      const rec = r[lowerBound(r.length, (j) => r[j].step < ev.step)];
+      const value = view.x === "step" ? ev.step : rec && rec[view.x];
+      if (!Number.isFinite(value)) return;
+      const x = u.valToPos(value, "x", true);
+      if (x < left || x > left + width) return;
+      ctx.strokeStyle = ctx.fillStyle = run.color;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
+      ctx.stroke();
+      const toWidth = ctx.measureText(ev.to).width;
+      const toRight = x + 4 * px1 + toWidth <= left + width;
+      ctx.textAlign = toRight ? "left" : "right";
+      ctx.fillText(ev.to, toRight ? x + 4 * px1 : x - 4 * px1, toRight ? labelY : labelY + 12 * px1);
+      if (k === 0 && typeof ev.from === "string" && x - 4 * px1 - ctx.measureText(ev.from).width >= left) {
+        ctx.textAlign = "right";
+        ctx.fillText(ev.from, x - 4 * px1, labelY);
+      }
+      drawn.push({run: run.id, step: ev.step, x: value, from: ev.from, to: ev.to});
+    });
+  }
+  ctx.restore();
+  u.root.parentNode.dataset.phases = JSON.stringify(drawn);
+}
+
 // The hover read-out: the hovered x, then each run's values at its nearest point.
 function showReadout(u, def) {
   const tip = document.getElementById("tip");
@@ -553,7 +653,10 @@ function showReadout(u, def) {
     const c = columns(run);
     const i = nearest(c.xs, x);
     const rec = run.records[i];
-    if (!head) head = `step ${fmtInt(rec.step)} · ${fmtSI(rec.tokens)} tokens · ${fmtDuration(rec.time)}`;
+    if (!head) {
+      head = `step ${fmtInt(rec.step)} · ${fmtSI(rec.tokens)} tokens · ${fmtDuration(rec.time)}`;
+      if (typeof rec.phase === "string") head += ` · ${escapeHtml(rec.phase)}`;
+    }
     const cells = def.readout(c, i).map(([k, v]) => `<td><span class="k">${k}</span> ${v}</td>`).join("");
     rows.push(`<tr><td><span class="swatch" style="background:${run.color}"></span>${escapeHtml(run.id)}</td>${cells}</tr>`);
   }
@@ -579,12 +682,33 @@ function render() {
   const cols = selectedRuns().filter((r) => r.records.length).map(columns);
   document.querySelector(".charts").hidden = !cols.length;
   const dark = matchMedia("(prefers-color-scheme: dark)").matches;
-  const shape = JSON.stringify([cols.map((c) => c.run.id), view.x, view.log, dark]);
+  const shape = JSON.stringify([cols.map((c) => [c.run.id, c.hasAsst]), view.x, view.log, dark]);
+  renderKeys(cols);
   const data = JSON.stringify([shape, cols.map((c) => c.version), view.smooth]);
   if (shape !== structure) buildCharts(cols);
   else if (data !== dataKey && cols.length) updateCharts(cols);
   structure = shape;
   dataKey = data;
+}
+
+// The loss chart's key: the assistant-token series (a swatch of each run's colour for it) and the
+// phase boundaries, shown only when a plotted run has them.
+function renderKeys(cols) {
+  const asst = cols.filter((c) => c.hasAsst), key = document.getElementById("key-assistant");
+  key.hidden = !asst.length;
+  const swatches = key.querySelector(".swatches");
+  const want = asst.map((c) => assistantColor(c.run)).join(" ");
+  if (swatches.dataset.colors !== want) {
+    swatches.dataset.colors = want;
+    swatches.replaceChildren(...asst.map((c) => {
+      const sw = document.createElement("span");
+      sw.className = "swatch ring";
+      sw.style.borderColor = assistantColor(c.run);
+      sw.title = c.run.id;
+      return sw;
+    }));
+  }
+  document.getElementById("key-phase").hidden = !cols.some((c) => c.run.pivots.length);
 }
 
 function refresh(rebuild = false) {
