@@ -140,6 +140,8 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
         stat("grad_norm", (1,), "scratch")
     add("tokens", (B, T), "io", "int32")
     add("targets", (B, T), "io", "int32")
+    # The targets' loss weights (a loss mask), read only by a weighted loss; always planned: B * T floats.
+    stat("loss_weights", (B, T), "io")
     # Saved activations: what the backward ops read.
     add("residual", (L + 1, B, T, C), "activations")  # residual[l] enters layer l
     add("residual_mid", (L, B, T, C), "activations")  # after the attention sub-layer

@@ -3,6 +3,7 @@
     x = wte[tokens] + wpe[positions]
     for each layer:  x = x + attn(LN1(x));  x = x + mlp(LN2(x))
     loss = mean cross-entropy(LNf(x) @ wte.T, targets)
+    (or, with loss weights w over the targets, sum(w * cross-entropy) / sum(w))
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ INIT_STD = 0.02
 
 class NonFiniteStep(Exception):
     """A micro-batch produced a NaN/inf loss or gradient; the step made no update."""
+
+
+class EmptyStep(NonFiniteStep):
+    """Every loss weight of the step's batch is 0 (a loss mask that counts no target in it): its weighted
+    mean loss is 0 / 0, so the step made no update; a NonFiniteStep, which the trainer skips (or stops on)."""
 
 
 class LossScaleOverflow(NonFiniteStep):
@@ -49,6 +55,14 @@ class LossScale:
     def load(self, state: dict) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
         self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+
+
+def weight_sum(weights: np.ndarray) -> float:
+    """The total of a micro-batch's loss weights, in float64 (exact for a 0/1 mask); a negative weight is
+    refused (a mean with one is no loss to descend)."""
+    if np.any(weights < 0):
+        raise ValueError(f"loss weights must be non-negative (found {float(np.min(weights))})")
+    return float(np.sum(weights, dtype=np.float64))
 
 
 def init_params(layout: ParameterLayout, seed: int) -> np.ndarray:
@@ -90,7 +104,7 @@ class Model:
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and engine.traits.graphs
-        self._step_graphs: dict = {}  # (loss grad scale, reduce) -> recorded micro-batch
+        self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted) -> recorded micro-batch
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.shape = shape
@@ -139,12 +153,13 @@ class Model:
         return tuple(e.to_host(self.buf[k]).astype(np.float32, copy=True) for k in ("params", "m", "v"))
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        """Run the forward pass on one micro-batch; returns the mean loss (probs holds the last piece's
-        probabilities: all of them with one loss chunk)."""
-        self._upload(tokens, targets)
+    def forward(self, tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None) -> float:
+        """Run the forward pass on one micro-batch; returns the mean loss, or with `weights` ([B, T], aligned
+        with the targets) the weighted mean sum(w * loss) / sum(w), which refuses weights that count no
+        target (ValueError). probs holds the last piece's probabilities: all of them with one loss chunk."""
+        self._upload(tokens, targets, weights)
         self._forward_ops()
-        return self.engine.mean_loss(self.buf["losses"])
+        return self.engine.mean_loss(self.buf["losses"], None if weights is None else self.buf["loss_weights"])
 
     def forward_backward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         """Forward and backward of one micro-batch: adds its gradient into grads; returns the mean loss."""
@@ -152,12 +167,15 @@ class Model:
         self._forward_backward()
         return self.engine.mean_loss(self.buf["losses"])
 
-    def _upload(self, tokens: np.ndarray, targets: np.ndarray) -> None:
+    def _upload(self, tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None) -> None:
         self.engine.upload(self.buf["tokens"], tokens)
         self.engine.upload(self.buf["targets"], targets)
+        if weights is not None:
+            self.engine.upload(self.buf["loss_weights"], weights)
 
-    def _forward_ops(self, backward: bool = False) -> None:
-        """The forward; with `backward`, each classifier piece's backward right after its loss (_classifier)."""
+    def _forward_ops(self, backward: bool = False, weighted: bool = False) -> None:
+        """The forward; with `backward`, each classifier piece's backward right after its loss (_classifier),
+        `weighted` by the loss weights in their buffer."""
         e, b, P, W, H = self.engine, self.buf, self.P, self.W, self.shape.n_head
         res, L = b["residual"], self.shape.n_layer
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
@@ -178,14 +196,14 @@ class Model:
             else:
                 e.residual_layernorm_fwd(res[L], b["lnf"], b["lnf_mean"], b["lnf_rstd"], b["residual_mid"][l], b["branch"],
                                          P["LNf.gamma"], P["LNf.beta"])
-        self._classifier(backward)
+        self._classifier(backward, weighted)
 
-    def _classifier(self, backward: bool) -> None:
+    def _classifier(self, backward: bool, weighted: bool = False) -> None:
         """The tied classifier and loss over the micro-batch, a piece of probs.shape[0] sequences at a time
         through the one probs buffer; with `backward`, each piece's loss_bwd follows its loss_fwd at once (it
         needs nothing later in the forward), adding that piece's share of wte's gradient and writing its rows
         of d_ln, the gradient at LNf's output. The piece's d_logits is `probs` itself, turned into the gradient
-        in place (it is not read again)."""
+        in place (it is not read again); `weighted`: each row of it times the row's loss weight."""
         e, b, W = self.engine, self.buf, self.W
         rows = b["probs"].shape[0]
         for start in range(0, self.micro_batch, rows):
@@ -194,7 +212,8 @@ class Model:
             e.loss_fwd(b["losses"][piece], probs, b["lnf"][piece], W["wte"], b["targets"][piece])
             if backward:
                 e.loss_bwd(b["d_ln"][piece], self.G["wte"], probs, b["lnf"][piece], W["wte"], b["targets"][piece],
-                           self._loss_grad_scale(), overwrite=True)
+                           self._loss_grad_scale(), overwrite=True,
+                           weights=b["loss_weights"][piece] if weighted else None)
 
     def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
@@ -258,22 +277,32 @@ class Model:
         return self.loss_scale.scale if self.loss_scale else 1.0
 
     def _loss_grad_scale(self) -> float:
-        """d(loss)/d(losses): the mean's 1 / (B * T), times the loss scale."""
+        """The scale loss_bwd runs at: d(loss)/d(losses) of a micro-batch's mean, 1 / (B * T), times the loss
+        scale. A weighted loss runs at it too (train_step's unscale turns the sum into the step's weighted
+        mean), so that no recording depends on a step's weights."""
         return self._scale / (self.micro_batch * self.shape.seq_len)
 
-    def _forward_backward(self, reduce: bool = False) -> None:
-        """Forward and backward of the micro-batch in the token buffers: recorded once, then replayed
-        (again after the loss scale, which the recorded backward holds, changes). `reduce`: the gradient's
-        sums over data-parallel ranks run inside the backward (a recording of its own)."""
+    def _forward_backward(self, reduce: bool = False, weighted: bool = False) -> None:
+        """Forward and backward of the micro-batch in the token buffers (and, `weighted`, the loss weights):
+        recorded once, then replayed (again after the loss scale, which the recorded backward holds, changes).
+        `reduce`: the gradient's sums over data-parallel ranks run inside the backward (a recording of its own).
+
+        A weighted step's loss is divided by its total weight, which changes every step; recording that
+        divisor would record the step again every step, so the recorded backward runs at the unweighted
+        micro-batch's constant scale and the divisor goes into the step's one unscale (train_step). The
+        recordings are thus one per (reduce, weighted) at the current loss scale: four at most. The constant
+        scale also keeps each counted target's gradient in the backward as large as in an unweighted step,
+        the range the fp16 loss scale is set for (1 / total weight would grow it as a mask counts fewer)."""
         if not self.graphs:
-            self._forward_ops(backward=True)
+            self._forward_ops(backward=True, weighted=weighted)
             self._backward(reduce)
             return
-        key = self._loss_grad_scale(), reduce
+        key = self._loss_grad_scale(), reduce, weighted
         if key not in self._step_graphs:
             if any(k[0] != key[0] for k in self._step_graphs):  # the fp16 loss scale moved: drop stale recordings
                 self._step_graphs.clear()
-            self._step_graphs[key] = self.engine.capture(lambda: (self._forward_ops(backward=True), self._backward(reduce)))
+            self._step_graphs[key] = self.engine.capture(
+                lambda: (self._forward_ops(backward=True, weighted=weighted), self._backward(reduce)))
         self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------
@@ -283,24 +312,51 @@ class Model:
         e.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])
         return float(e.to_host(b["grad_norm"])[0])
 
-    def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict) -> tuple[float, float]:
-        """Accumulate over micro-batches (and data-parallel ranks), scale by 1/n, clip the global
-        norm, AdamW, zero.
+    def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict,
+                   weights: list[np.ndarray] | None = None) -> tuple[float, float]:
+        """Accumulate over micro-batches (and data-parallel ranks), scale to the step's mean, clip the
+        global norm, AdamW, zero.
+
+        `weights`: None, every target counts (the loss is the mean over the step's targets), or one float32
+        [B, T] array per micro-batch, aligned with its targets (0/1 from a loss mask, or any non-negative
+        value): the step's loss is sum(w * loss) / sum(w) over all its micro-batches (and ranks), and its
+        gradient that loss's: every micro-batch's gradient of sum(w * loss), divided by the step's total
+        weight, so each counts by its weight (no 1/n). A micro-batch of weight 0 adds nothing; a step of
+        weight 0 raises EmptyStep, before any work.
 
         `step` counts optimizer steps already done; returns (mean loss, grad norm before clipping)."""
         e, b = self.engine, self.buf
+        if weights is not None:
+            if len(weights) != len(micro_batches):
+                raise ValueError(f"{len(weights)} weight arrays for {len(micro_batches)} micro-batches")
+            counted = [weight_sum(w) for w in weights]
+            total = self._rank_sum(sum(counted))
+            if total == 0:
+                raise EmptyStep("no target counts in this step's batch (every loss weight is 0"
+                                f"{' on every rank' if self.data_parallel is not None else ''}): "
+                                "the step made no update")
         losses = []
         for i, (tokens, targets) in enumerate(micro_batches):
-            self._upload(tokens, targets)
+            w = None if weights is None else weights[i]
+            self._upload(tokens, targets, w)
             # the last micro-batch's backward also sums the gradient over the data-parallel ranks
-            self._forward_backward(reduce=self.data_parallel is not None and i == len(micro_batches) - 1)
-            losses.append(e.mean_loss(b["losses"]))
-        loss = float(np.mean(losses))
-        n = len(micro_batches)
-        if self.data_parallel is not None:
-            loss = self.data_parallel.reduce_loss(loss)
-            n *= self.data_parallel.world
-        unscale = 1.0 / (n * self._scale)
+            self._forward_backward(reduce=self.data_parallel is not None and i == len(micro_batches) - 1,
+                                   weighted=w is not None)
+            if w is None:
+                losses.append(e.mean_loss(b["losses"]))
+            elif counted[i]:  # sum(w * loss) of the micro-batch
+                losses.append(counted[i] * e.mean_loss(b["losses"], b["loss_weights"]))
+        if weights is None:
+            loss = float(np.mean(losses))
+            n = len(micro_batches)
+            if self.data_parallel is not None:
+                loss = self.data_parallel.reduce_loss(loss)
+                n *= self.data_parallel.world
+            unscale = 1.0 / (n * self._scale)
+        else:
+            loss = self._rank_sum(sum(losses)) / total
+            # each micro-batch's backward ran at loss scale / (B * T) (_loss_grad_scale)
+            unscale = self.micro_batch * self.shape.seq_len / (total * self._scale)
         if unscale != 1.0:
             e.grad_scale(b["grads"], unscale)
         norm = self.grad_norm()
@@ -324,6 +380,11 @@ class Model:
                      decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"))
         e.zero_grads(b["grads"])
         return loss, norm
+
+    def _rank_sum(self, x: float) -> float:
+        """x summed over the data-parallel ranks (the same float on every rank); x itself on one GPU."""
+        dp = self.data_parallel
+        return x if dp is None else dp.reduce_loss(x) * dp.world  # reduce_loss: the ranks' mean
 
     def nonfinite_grad_tensors(self) -> list[str]:
         grads = self.engine.to_host(self.buf["grads"])

@@ -3,13 +3,18 @@
 //             losses[n] = logsumexp(logits[n]) - logits[n, targets[n]]
 //   backward: dlogits = probs - onehot(targets) (the gradient of sum(losses); the products take the
 //             scale),  dwte += scale dlogits^T inp,  dinp += scale dlogits wte
+//   weighted backward (a loss mask, or any per-position weights w >= 0): row n of dlogits is
+//             w[n] (probs[n] - onehot(targets[n])), the gradient of sum(w losses)
 // The classifier keeps one [N, V] buffer: the forward turns the logits into probabilities in place, and
-// the backward turns those into dlogits in place (only the target entries change), so there is no
-// separate probabilities or gradient buffer. One block per row; the row's max and sum are block
-// reductions in a fixed order.
+// the backward turns those into dlogits in place (only the target entries change, and, weighted, the rows
+// whose weight is not 1), so there is no separate probabilities or gradient buffer. One block per row; the
+// row's max and sum are block reductions in a fixed order.
 #include "common.cuh"
 
 #define LOSS_THREADS 1024
+// Threads of a weighted backward's block (one row): most rows of a loss mask weigh 1, where the block has only
+// the target to fix, or 0, where it writes the row; small blocks let many rows share an SM.
+#define LOSS_WEIGHTED_THREADS 256
 
 // e^x: in the 16-bit builds the hardware's ex2.approx on x log2(e) (relative error about 2^-21, far below the
 // rounding of a 16-bit probability): expf's dozen instructions an element made the softmax pass as much
@@ -87,5 +92,46 @@ extern "C" __global__ void k_loss_bwd_in_place(act_t* probs, const int* targets,
     GRID_STRIDE_LOOP(row, n_rows) {
         act_t* p = probs + row * V + targets[row];
         store(p, to_f32(*p) - 1.0f);
+    }
+}
+
+// Row d = w (p - onehot(target)) from the probabilities p (d may be p itself: each element is read and written
+// by the same thread). A row of weight 0 is written as zeros without reading p.
+__device__ __forceinline__ void weighted_row(act_t* d, const act_t* p, int target, float w, int V) {
+    if (V % ACT_VEC == 0 && aligned16(d, p)) {
+        for (int j = threadIdx.x * ACT_VEC; j < V; j += blockDim.x * ACT_VEC) {
+            float v[ACT_VEC] = {};
+            if (w != 0.0f) {
+                load_vec(p + j, v);
+#pragma unroll
+                for (int i = 0; i < ACT_VEC; i++) v[i] = w * (j + i == target ? v[i] - 1.0f : v[i]);
+            }
+            store_vec(d + j, v);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x)
+            store(d + j, w == 0.0f ? 0.0f : w * (j == target ? to_f32(p[j]) - 1.0f : to_f32(p[j])));
+    }
+}
+
+// dlogits is a buffer of its own, rows weighted: one block a row.
+extern "C" __global__ void __launch_bounds__(LOSS_WEIGHTED_THREADS)
+k_loss_bwd_weighted(act_t* dlogits, const act_t* probs, const int* targets, const float* weights, int V) {
+    const long long row = blockIdx.x;
+    weighted_row(dlogits + row * V, probs + row * V, targets[row], weights[row], V);
+}
+
+// dlogits is probs, rows weighted: one block a row. A row of weight 1 changes at its target only (as in
+// k_loss_bwd_in_place, the same bits); any other weight scales the row whole.
+extern "C" __global__ void __launch_bounds__(LOSS_WEIGHTED_THREADS)
+k_loss_bwd_in_place_weighted(act_t* probs, const int* targets, const float* weights, int V) {
+    const long long row = blockIdx.x;
+    const float w = weights[row];
+    const int target = targets[row];
+    act_t* p = probs + row * V;
+    if (w != 1.0f) {
+        weighted_row(p, p, target, w, V);
+    } else if (threadIdx.x == 0) {
+        store(p + target, to_f32(p[target]) - 1.0f);
     }
 }

@@ -30,3 +30,22 @@ def test_overwrite_ignores_what_the_input_gradient_held():
     E.attn_out_bwd(written, np.zeros((C, C)), dout, inp, W_O, overwrite=True)
     E.attn_out_bwd(added, np.zeros((C, C)), dout, inp, W_O)
     np.testing.assert_array_equal(written, added)
+
+
+def test_weighted_loss_cases_hold_every_kind_of_weight_and_catch_an_engine_that_ignores_them():
+    """Weights 0, 1, fractions and over 1, and a run of zero rows: each path of the weighted backward; an engine
+    whose loss_bwd drops the weights fails both cases."""
+    from andrea.engines.crosscheck import make_case
+
+    s = OpShape.of(SHAPE, B=2)
+    w = make_case("loss_weighted", s, np.random.default_rng(0)).arrays["weights"].ravel()
+    assert (w == 0).any() and (w == 1).any() and (w > 1).any() and ((w > 0) & (w < 1)).any()
+    assert "0" * 4 in "".join("0" if x == 0 else "1" for x in w)
+
+    class IgnoresWeights(NumpyEngine):
+        def loss_bwd(self, *args, weights=None, **kwargs):
+            super().loss_bwd(*args, **kwargs)
+
+    for op in ("loss_weighted", "loss_weighted_in_place"):
+        result = compare_op({"bad": IgnoresWeights("float32")}, op, s, np.random.default_rng(1))["bad"]
+        assert min(result["dinp"]["rel"], result["dwte"]["rel"]) > 1e-3, op  # the limit is 1e-5

@@ -25,7 +25,8 @@ def _by_name(plan):
 
 def test_mixed_precision_keeps_fp32_state_and_statistics():
     plan = _by_name(plan_model(ParameterLayout(TINY), 2, attention="lse", act_dtype="bfloat16"))
-    for name in ("params", "grads", "m", "v", "ln1_mean", "ln1_rstd", "att", "losses", "d_residual", "d_ln", "d_att"):
+    for name in ("params", "grads", "m", "v", "ln1_mean", "ln1_rstd", "att", "losses", "loss_weights", "d_residual",
+                 "d_ln", "d_att"):
         assert plan[name].dtype == "float32", name
     for name in ("params_lp", "residual", "qkv", "atty", "mlp_pre", "mlp_act", "probs", "d_qkv", "d_branch"):
         assert plan[name].dtype == "bfloat16", name
@@ -94,6 +95,14 @@ def test_loss_chunks_train_the_same_model_on_numpy(B):
     pieces = train_run(NumpyEngine("float64"), TINY, micro_batch=B, n_micro=2, steps=3, loss_chunks=2)
     np.testing.assert_allclose(pieces.losses, whole.losses, rtol=1e-12)
     np.testing.assert_allclose(pieces.params, whole.params, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_every_plan_holds_the_loss_weights_of_a_micro_batch(training):
+    """Training on a loss mask and evaluating on one both upload a micro-batch's weights, aligned with its targets."""
+    plan = _by_name(plan_model(ParameterLayout(TINY), 3, training=training, act_dtype="bfloat16", loss_chunks=2))
+    w = plan["loss_weights"]
+    assert (w.shape, w.dtype, w.role) == (plan["targets"].shape, "float32", "io")
 
 
 def test_training_plan_without_training_ignores_recompute():

@@ -1,4 +1,5 @@
-"""Finite-difference gradient checks (float64) for every op pair, `+=` semantics, the whole model."""
+"""Finite-difference gradient checks (float64) for every op pair (the loss weighted too), `+=` semantics, the
+whole model."""
 
 
 import numpy as np
@@ -226,6 +227,76 @@ def test_loss_gradient_matches_finite_difference():
     E.loss_bwd(dinp, dwte, probs, inp, wte, targets, scale, dlogits=np.zeros((B, T, V)))
     np.testing.assert_allclose(dinp, 2 * once[0], rtol=1e-12)
     np.testing.assert_allclose(dwte, 2 * once[1], rtol=1e-12)
+
+
+def loss_weights(rng, kind):
+    """0/1 weights (a loss mask) or any non-negative ones (fractions and over 1); zeros in both."""
+    w = (rng.random((B, T)) < 0.6).astype(np.float64) if kind == "mask" else rng.uniform(0.0, 2.0, (B, T))
+    w[0, :2] = 0.0
+    w[1, -1] = 1.0
+    return w
+
+
+@pytest.mark.parametrize("kind", ["mask", "real"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["dlogits", "in_place"])
+def test_weighted_loss_gradient_matches_finite_difference(kind, in_place):
+    """loss_bwd with weights is the gradient of scale * sum(w * losses), adds into its gradients (twice: double),
+    and leaves w * (probs - onehot) in d_logits."""
+    inp, wte, targets, loss = loss_op_fixture(4)
+    rng = np.random.default_rng(8)
+    w = loss_weights(rng, kind)
+    _, probs = loss(inp, wte)
+    scale = 0.37
+    dinp, dwte = np.zeros_like(inp), np.zeros_like(wte)
+
+    def backward():
+        d = probs.copy()  # in place: the call turns it into d_logits
+        dlogits = None if in_place else np.full((B, T, V), np.nan)
+        E.loss_bwd(dinp, dwte, d, inp, wte, targets, scale, dlogits=dlogits, weights=w)
+        return d if in_place else dlogits
+
+    dlogits = backward()
+    onehot = np.zeros((B, T, V))
+    np.put_along_axis(onehot, targets[..., None], 1.0, -1)
+    np.testing.assert_allclose(dlogits, w[..., None] * (probs - onehot), rtol=0, atol=1e-15)
+    for arr, grad in ((inp, dinp), (wte, dwte)):
+        for i in rng.choice(arr.size, 12, replace=False):
+            orig, h = arr.flat[i], 1e-6
+            arr.flat[i] = orig + h
+            lp = scale * np.sum(w * loss(inp, wte)[0])
+            arr.flat[i] = orig - h
+            lm = scale * np.sum(w * loss(inp, wte)[0])
+            arr.flat[i] = orig
+            assert grad.flat[i] == pytest.approx((lp - lm) / (2 * h), rel=1e-6, abs=1e-9)
+    once = (dinp.copy(), dwte.copy())
+    backward()
+    np.testing.assert_allclose(dinp, 2 * once[0], rtol=1e-12)
+    np.testing.assert_allclose(dwte, 2 * once[1], rtol=1e-12)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["dlogits", "in_place"])
+def test_loss_weights_of_one_give_the_unweighted_bits(in_place):
+    inp, wte, targets, loss = loss_op_fixture(6)
+    _, probs = loss(inp, wte)
+    out = []
+    for weights in (None, np.ones((B, T))):
+        d, dinp, dwte = probs.copy(), np.full_like(inp, np.nan), np.ones_like(wte)
+        dlogits = None if in_place else np.full((B, T, V), np.nan)
+        E.loss_bwd(dinp, dwte, d, inp, wte, targets, 0.1, dlogits=dlogits, overwrite=True, weights=weights)
+        out.append((d if in_place else dlogits, dinp, dwte))
+    for unweighted, weighted in zip(*out):
+        np.testing.assert_array_equal(weighted, unweighted)
+
+
+def test_weighted_mean_loss_leaves_out_positions_of_weight_zero():
+    """sum(w * losses) / sum(w) in float64; a position of weight 0 counts for nothing, even a non-finite loss;
+    weights that count nothing are refused."""
+    losses = np.array([[1.0, 2.0, np.inf], [4.0, 8.0, 16.0]])
+    w = np.array([[1.0, 0.5, 0.0], [0.0, 2.0, 0.0]])
+    assert E.mean_loss(losses, w) == pytest.approx((1.0 + 1.0 + 16.0) / 3.5, rel=1e-15)
+    assert E.mean_loss(losses[1:]) == pytest.approx(28 / 3, rel=1e-15)
+    with pytest.raises(ValueError, match="no target counts"):
+        E.mean_loss(losses, np.zeros_like(w))
 
 
 def test_grad_norm_and_scale():

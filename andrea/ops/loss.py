@@ -2,7 +2,12 @@
 
 The classifier has no gradient buffer of its own: loss_fwd turns the logits into probabilities in
 `probs`, and loss_bwd turns them into d_logits in place (only the targets change) unless it is given a
-separate `dlogits`; the scale enters the products as alpha."""
+separate `dlogits`; the scale enters the products as alpha.
+
+Loss weights (a loss mask over the targets, or any non-negative per-position weights): loss_bwd given
+`weights` [B, T] makes the gradient of scale * sum(weights * losses), each row of d_logits times its
+weight; loss_fwd is the same either way (per-position losses), and mean_loss takes the weighted mean on
+the host."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import numpy as np
 
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks, kernel_defines, start_grad
 
-KERNELS = {"loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place")}
+KERNELS = {"loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place", "k_loss_bwd_weighted",
+                   "k_loss_bwd_in_place_weighted")}
 
 
 def engine_buffers() -> tuple:
@@ -26,11 +32,12 @@ class NumpyOps:
         picked = np.take_along_axis(probs, targets[..., None], axis=-1)[..., 0]
         losses[...] = -np.log(picked)
 
-    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False):
-        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient.
+    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
+        """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient; with `weights`
+        [B, T], of scale * sum(weights * losses).
 
-        d_logits = probs - onehot(targets), the gradient of sum(losses) (scale enters the products): in
-        `dlogits` when given, else in probs itself."""
+        d_logits = probs - onehot(targets), the gradient of sum(losses) (scale enters the products), each
+        row times its weight when weighted: in `dlogits` when given, else in probs itself."""
         start_grad(dinp, overwrite)
         picked = np.take_along_axis(probs, targets[..., None], -1)
         if dlogits is None:
@@ -38,14 +45,30 @@ class NumpyOps:
         else:
             dlogits[...] = probs
         np.put_along_axis(dlogits, targets[..., None], picked - 1, -1)
+        if weights is not None:
+            dlogits *= weights[..., None]
         C = inp.shape[-1]
         V = wte.shape[0]
         t = self.dtype.type(scale)
         dwte += t * self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C))
         dinp += t * self.mm(dlogits, wte)
 
-    def mean_loss(self, losses) -> float:
+    def mean_loss(self, losses, weights=None) -> float:
+        return mean_loss(losses, weights)
+
+
+def mean_loss(losses: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """The mean of the per-position losses, or sum(w * losses) / sum(w), in float64 (NumPy's pairwise sums:
+    the same bits every run). Positions of weight 0 are left out, not multiplied by 0: they count for
+    nothing even where their loss is not finite."""
+    if weights is None:
         return float(losses.mean(dtype=np.float64))
+    counted = weights != 0
+    w = weights[counted].astype(np.float64)
+    total = w.sum()
+    if total == 0:
+        raise ValueError("no target counts (every loss weight is 0): the weighted mean loss is undefined")
+    return float(np.sum(w * losses[counted]) / total)
 
 
 class CudaOps:
@@ -56,10 +79,17 @@ class CudaOps:
         self._launch("k_loss_fwd", N, kernel_defines("loss")["LOSS_THREADS"], losses, probs, targets, np.int64(N),
                      np.int32(V))
 
-    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False):
+    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
         V, C = wte.shape
         N = inp.size // C
-        if dlogits is None:
+        if weights is not None:  # a block a row: a row whose weight is not 1 changes whole
+            threads = kernel_defines("loss")["LOSS_WEIGHTED_THREADS"]
+            if dlogits is None:
+                self._launch("k_loss_bwd_in_place_weighted", N, threads, probs, targets, weights, np.int32(V))
+                dlogits = probs
+            else:
+                self._launch("k_loss_bwd_weighted", N, threads, dlogits, probs, targets, weights, np.int32(V))
+        elif dlogits is None:
             self._launch("k_loss_bwd_in_place", blocks(N, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
                          probs, targets, np.int64(N), np.int32(V))
             dlogits = probs
@@ -69,8 +99,8 @@ class CudaOps:
         self.blas.gemm(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
         self.blas.gemm(dinp, dlogits, wte, N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
 
-    def mean_loss(self, losses) -> float:
-        return float(self.to_host(losses).mean(dtype=np.float64))
+    def mean_loss(self, losses, weights=None) -> float:
+        return mean_loss(self.to_host(losses), None if weights is None else self.to_host(weights))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
@@ -79,22 +109,36 @@ def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
             "loss_bwd": (4 * N * C * V + 2 * N * V, f * (2 * N * V + N * C * 2 + 3 * V * C))}[call]
 
 
-CASES = ("loss", "loss_in_place")
-OVERWRITE_CASES = ("loss_in_place",)
+CASES = ("loss", "loss_in_place", "loss_weighted", "loss_weighted_in_place")
+OVERWRITE_CASES = ("loss_in_place", "loss_weighted_in_place")
+
+
+def loss_weights(draw: Draw, B: int, T: int) -> np.ndarray:
+    """Weights of every kind the weighted backward treats apart: 0, 1 and others (fractions, and over 1),
+    mixed at random, and a block of consecutive rows of 0 (a prompt a mask leaves out)."""
+    kind = draw.rng.integers(0, 3, (B, T))  # weight 0, weight 1, or another
+    w = np.where(kind == 2, draw.rng.uniform(0.05, 2.0, (B, T)), kind.astype(np.float64))
+    N = B * T
+    w.reshape(-1)[N // 3: N // 3 + max(2, N // 4)] = 0.0
+    return w
 
 
 def case(name: str, s, draw: Draw) -> OpCase:
     B, T, C, V = s.B, s.T, s.C, s.V
-    in_place = name == "loss_in_place"  # d_logits in probs itself, as the model runs it
+    in_place = name.endswith("in_place")  # d_logits in probs itself, as the model runs it
+    weighted = name.startswith("loss_weighted")
     a = {"inp": draw.randn(B, T, C), "wte": draw.randn(V, C, scale=2 * C**-0.5),
          "targets": draw.rng.integers(0, V, (B, T)).astype(np.int32), "losses": draw.nan(B, T),
          "probs": draw.nan(B, T, V), "dinp": draw.grad_in(B, T, C), "dwte": draw.randn(V, C), "dlogits": draw.nan(B, T, V)}
+    if weighted:
+        a["weights"] = loss_weights(draw, B, T)
 
     def run(E, x):
+        weights = x["weights"] if weighted else None
         E.loss_fwd(x["losses"], x["probs"], x["inp"], x["wte"], x["targets"])
-        mean = E.mean_loss(x["losses"])
+        mean = E.mean_loss(x["losses"], weights)
         E.loss_bwd(x["dinp"], x["dwte"], x["probs"], x["inp"], x["wte"], x["targets"], 1.0 / (B * T),
-                   dlogits=None if in_place else x["dlogits"], overwrite=draw.overwrite)
+                   dlogits=None if in_place else x["dlogits"], overwrite=draw.overwrite, weights=weights)
         return {"mean_loss": mean}
 
     checked = ("losses", "probs", "dinp", "dwte") + (() if in_place else ("dlogits",))
