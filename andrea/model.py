@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from andrea.config import Experiment, ModelShape
+from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
 from andrea.memory import RECOMPUTED, plan_model
 
@@ -81,18 +81,6 @@ def init_params(layout: ParameterLayout, seed: int) -> np.ndarray:
             std = residual_std if t.name.endswith(("W_O", "W_2")) else INIT_STD
             view[:] = rng.standard_normal(t.size, dtype=np.float32) * np.float32(std)
     return params
-
-
-def lr_at(exp: Experiment, step: int, total_steps: int) -> float:
-    """Linear warmup then cosine decay to lr * min_lr_ratio at the last step; a function of step."""
-    peak = exp.optimizer["lr"]
-    warmup = exp.schedule["warmup_steps"]
-    floor = peak * exp.schedule["min_lr_ratio"]
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    span = max(1, total_steps - 1 - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 class Model:

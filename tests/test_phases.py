@@ -5,7 +5,6 @@ import json
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from andrea.checkpoint import read_header
