@@ -47,7 +47,7 @@ def products(shape: ModelShape, B: int) -> list[tuple]:
 
 
 def timed_ms(engine, fn) -> float:
-    """Median time of one fn(), recorded REPEATS times in one CUDA graph (gpu_check's graph timing)."""
+    """Median time of one fn(), recorded REPEATS times in one CUDA graph (andrea.timing.graph_ms)."""
     return graph_ms(engine, fn, reps=5, inner=REPEATS)
 
 

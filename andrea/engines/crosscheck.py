@@ -2,7 +2,7 @@
 op's case lives in its module, andrea/ops/<op>.py), training steps from one init, determinism, and
 steps that allocate nothing.
 
-Used by tests/test_cuda_engine.py (small shapes) and scripts/gpu_check.py (the experiments' shapes).
+Used by tests/test_cuda_engine.py (small shapes) and tests/test_gpu_scale.py (the experiments' shapes).
 Inputs are never zeros: gradient buffers start random (backward ops add into them), and every
 buffer an op overwrites starts as NaN, so an element it fails to write shows up as an error.
 """
