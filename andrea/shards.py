@@ -100,6 +100,25 @@ def _read(path, magic: int, dtype: np.dtype, what: str, made_by: str) -> np.ndar
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
+def _stream(path, magic: int, dtype: np.dtype, what: str, chunk: int):
+    count = _read(path, magic, dtype, what, "andrea tokenize").size
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        for start in range(0, count, chunk):
+            yield np.frombuffer(f.read(min(chunk, count - start) * dtype.itemsize), dtype=dtype)
+
+
+def stream_shard(path: str | os.PathLike, chunk: int = 1 << 22):
+    """A shard's tokens in pieces of `chunk`, read (not memory-mapped: a copy of a large shard
+    then does not fill the process's RSS with its pages)."""
+    return _stream(path, MAGIC, TOKEN_DTYPE, "token shard", chunk)
+
+
+def stream_mask(path: str | os.PathLike, chunk: int = 1 << 22):
+    """A loss mask in pieces of `chunk`, read like stream_shard."""
+    return _stream(path, MASK_MAGIC, MASK_DTYPE, "loss mask", chunk)
+
+
 def read_shard(path: str | os.PathLike) -> np.ndarray:
     """Memory-map a shard's tokens after checking its header and size."""
     return _read(path, MAGIC, TOKEN_DTYPE, "token shard", "andrea tokenize")

@@ -23,7 +23,7 @@ from typing import IO, Callable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from andrea.data.tables import BATCH_ROWS
+from andrea.data.tables import iter_batches
 
 READ_BYTES = 1 << 20  # what one read of a JSON array asks for; the buffer grows for larger records
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -250,7 +250,7 @@ def parquet_rows(source) -> Rows:
     decoders = {f.name: d for f in table.schema_arrow
                 if (d := _decoder(f.type, features.get(f.name)))}
     number = 0
-    for batch in table.iter_batches(batch_size=BATCH_ROWS):
+    for batch in iter_batches(table):
         for row in batch.to_pylist():
             number += 1
             try:

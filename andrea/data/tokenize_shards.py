@@ -30,18 +30,17 @@ import pyarrow.parquet as pq
 from andrea.data.chatml import ChatTokenizer
 from andrea.data.prep_megachat import SPLITS
 from andrea.data.progress import log, progress
-from andrea.data.tables import open_parquet
+from andrea.data.tables import iter_batches, open_parquet
 from andrea.data.train_tokenizer import check_vocab_size
 from andrea.errors import AndreaError
 from andrea.manifest import write_manifest
-from andrea.shards import mask_path, mask_writer, read_mask, read_shard, shard_writer
+from andrea.shards import mask_path, mask_writer, shard_writer, stream_mask, stream_shard
 
 STAGE = "tokenize"
 TOKENIZER_NAME = "tokenizer.json"
 ENCODE_BATCH_ROWS = 1024
 # below this much work a worker process costs more to start (about a second of imports) than it saves
 ROWS_PER_WORKER = 16 * ENCODE_BATCH_ROWS
-COPY_TOKENS = 1 << 22  # tokens per piece when the union shard is copied together
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 SHARD_CONFIG = {"document_separator": "<|endoftext|>", "format": "llm.c shard v1, uint16"}
@@ -84,7 +83,7 @@ def tokenize_split(chat: ChatTokenizer, table: pq.ParquetFile, name: str, append
     counts = {"conversations": 0, "content_bytes": 0, "tokens": 0, "target_tokens": 0}
 
     def batches() -> Iterator[pa.RecordBatch]:
-        for batch in table.iter_batches(batch_size=ENCODE_BATCH_ROWS, columns=["turns"]):
+        for batch in iter_batches(table, ["turns"], ENCODE_BATCH_ROWS):
             counts["conversations"] += batch.num_rows
             contents = batch.column("turns").flatten().field("content")
             counts["content_bytes"] += pc.sum(pc.binary_length(contents)).as_py() or 0
@@ -128,12 +127,12 @@ def _write_union(out_dir: Path, split: str, names: list[str]) -> dict:
     counts = {"tokens": 0, "target_tokens": 0, "sources": len(names)}
     with shard_writer(union) as append, mask_writer(mask_path(union)) as append_mask:
         for shard in shards:
-            tokens, mask = read_shard(shard), read_mask(mask_path(shard))
-            for a in range(0, tokens.size, COPY_TOKENS):
-                append(tokens[a:a + COPY_TOKENS])
-                append_mask(mask[a:a + COPY_TOKENS])
-            counts["tokens"] += int(tokens.size)
-            counts["target_tokens"] += int(np.count_nonzero(mask))
+            for tokens in stream_shard(shard):
+                append(tokens)
+                counts["tokens"] += int(tokens.size)
+            for mask in stream_mask(mask_path(shard)):
+                append_mask(mask)
+                counts["target_tokens"] += int(np.count_nonzero(mask))
     config = {**SHARD_CONFIG, "sources": names, "order": "sources in name order"}
     manifest = write_manifest(union, stage=STAGE, inputs=shards, config=config, counts=counts,
                               wall_time_s=time.perf_counter() - start)
