@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import andrea
 from andrea.shards import write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,13 +45,14 @@ def repetitive_data(tmp_path):
 def chat_data(tmp_path_factory):
     """The data stages, in-process, on the first conversations of the embedded corpus: a folder
     with train.bin, val.bin and a 512-token tokenizer.json, as `andrea tokenize` leaves it."""
+    from andrea.data.embedded_corpus import corpus_file
     from andrea.data.prep_megachat import prep_megachat
     from andrea.data.pull_hermes3 import pull_hermes3
     from andrea.data.tokenize_shards import tokenize
     from andrea.data.train_tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("chat_data")
-    corpus = Path(andrea.__file__).parent / "data" / "embedded" / "hermes3-embedded.jsonl.gz"
+    corpus = corpus_file("pydocs")
     with gzip.open(corpus, "rt") as f:
         (root / "chats.jsonl").write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
     pull_hermes3(str(root / "chats.jsonl"), root / "raw.parquet")

@@ -55,4 +55,5 @@ def iter_rows(domain: str) -> Iterator[dict]:
     if digest != expected:
         raise AndreaError(f"{path}: sha256 {digest[:12]}… does not match {domain}.json "
                           f"({expected[:12]}…); {REPAIR}")
-    return (json.loads(line) for line in gzip.decompress(compressed).decode("utf-8").splitlines())
+    # JSON Lines end records at "\n" only (str.splitlines would also cut at U+2028, U+0085, ...)
+    return (json.loads(line) for line in gzip.decompress(compressed).decode("utf-8").split("\n") if line)
