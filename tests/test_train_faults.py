@@ -42,15 +42,22 @@ def catches(pid: int, sig: int) -> bool:
     return False
 
 
-def test_sigterm_while_starting_exits_cleanly_with_the_preemption_code(tmp_path, experiment, repetitive_data):
-    out = tmp_path / "tiny.ckpt"
-    proc = subprocess.Popen(train_cmd(experiment, repetitive_data, out, "--sigterm-exit-code", "75"),
-                            stderr=subprocess.PIPE, text=True)
+def signalled_while_starting(cmd, sig) -> subprocess.Popen:
+    """Start `cmd` and send it `sig` the moment it has a handler for it: while the trainer is still
+    importing and building its engine."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
-    while not catches(proc.pid, signal.SIGTERM):
+    while not catches(proc.pid, sig):
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.001)
-    proc.send_signal(signal.SIGTERM)  # at once: the trainer is still importing and building its engine
+    proc.send_signal(sig)
+    return proc
+
+
+def test_sigterm_while_starting_exits_cleanly_with_the_preemption_code(tmp_path, experiment, repetitive_data):
+    out = tmp_path / "tiny.ckpt"
+    proc = signalled_while_starting(train_cmd(experiment, repetitive_data, out, "--sigterm-exit-code", "75"),
+                                    signal.SIGTERM)
     assert proc.wait(timeout=60) == 75, proc.stderr.read()
     assert "SIGTERM while starting: nothing trained" in proc.stderr.read()
     assert not out.exists() and history(out.with_name("tiny.loss.json")) == []
@@ -60,13 +67,7 @@ def test_sigterm_while_starting_exits_cleanly_with_the_preemption_code(tmp_path,
 
 def test_sigusr1_while_starting_is_a_checkpoint_after_the_first_step(tmp_path, experiment, repetitive_data):
     out = tmp_path / "tiny.ckpt"
-    proc = subprocess.Popen(train_cmd(experiment, repetitive_data, out, "--max-steps", "3"),
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while not catches(proc.pid, signal.SIGUSR1):
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.001)
-    proc.send_signal(signal.SIGUSR1)
+    proc = signalled_while_starting(train_cmd(experiment, repetitive_data, out, "--max-steps", "3"), signal.SIGUSR1)
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     reasons = [(e["step"], e["reason"]) for e in map(json.loads, open(out.with_name("tiny.loss.json")))
                if e.get("event") == "checkpoint"]
