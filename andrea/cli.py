@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from andrea import __version__
-from andrea.errors import AndreaError
+from andrea.errors import AndreaError, error_sentence
 from andrea.stop_signals import STOP_SIGNALS
 
 STAGE_MODULES = [
@@ -50,13 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except AndreaError as err:
-        print(f"andrea {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        # Disk full, I/O error, permissions: name the file and the cause, no traceback.
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"andrea {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+    except (AndreaError, OSError) as err:
+        print(f"andrea {args.command}: error: {error_sentence(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"andrea {args.command}: interrupted", file=sys.stderr)

@@ -68,3 +68,14 @@ class OpRecorder:
         for name, args, kwargs in self.calls:
             first.setdefault(name, (args, kwargs))
         return first
+
+
+def peer_pairs(bench: dict):
+    """Each engine variant of a benchmark report's `bench` section beside the PyTorch variants it is
+    compared with: the same precision, and for bf16 also bf16 + torch.compile (the peer that counts).
+    Yields (shape, variant, engine entry, peer variant, peer entry or {} when it did not run)."""
+    for key, entry in bench.get("engine", {}).items():
+        shape, variant = key.split("/")
+        precision = variant.replace("-eager", "")
+        for peer in [precision] + (["bf16-compile"] if variant == "bf16" else []):
+            yield shape, variant, entry, peer, bench.get("baseline", {}).get(f"{shape}/{peer}", {})

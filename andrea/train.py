@@ -27,7 +27,7 @@ from andrea import __version__
 from andrea.atomic import write_json_atomic
 from andrea.checkpoint import read_checkpoint, read_state, verify_against_state, write_checkpoint
 from andrea.config import load_experiment
-from andrea.errors import AndreaError
+from andrea.errors import AndreaError, error_sentence
 from andrea.inspect_ckpt import refuse_other_model
 from andrea.memory import device_bytes
 from andrea.parallel import launch, rank_from_env
@@ -109,8 +109,12 @@ class Log:
         self.console = console
 
     def __call__(self, msg: str) -> None:
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.console.print(msg, highlight=False, markup=False, soft_wrap=True)
+        self.record(msg)
+
+    def record(self, msg: str) -> None:
+        """The line in NAME.log only."""
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         with open(self.path, "a") as f:
             f.write(f"{stamp} {msg}\n")
 
@@ -304,8 +308,9 @@ class Trainer:
         self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
         self.skipped_steps = [s for s in state.get("skipped_steps", []) if s <= step]
         written_on = state.get("cpu", {}).get("blas")
-        if self.engine.name == "numpy" and written_on and written_on != self._cpu()["blas"]:
-            self.log(f"resume: written with BLAS {written_on}, now {self._cpu()['blas']}; the thread count does not "
+        now = self._cpu()["blas"] if self.engine.name == "numpy" else None
+        if now and written_on and written_on != now:
+            self.log(f"resume: written with BLAS {written_on}, now {now}; the thread count does not "
                      "change a CPU run's bytes, but another BLAS library or kernel may (docs/REPRODUCIBILITY.md)")
         self.event("resume", step=step, stop=stop, total_steps=self.total_steps)
         self.log(f"resumed {files.ckpt} at step {step}")
@@ -317,8 +322,9 @@ class Trainer:
         if "phases" not in state:
             return  # written before runs had phases: one phase, which the trajectory hash covers
         written = {p["name"]: p for p in state["phases"]}
+        names = {ph.name for ph in self.program.phases}
         for name, p in written.items():
-            if p["start"] < step and name not in {ph.name for ph in self.program.phases}:
+            if p["start"] < step and name not in names:
                 raise AndreaError(f"{self.files.ckpt}: cannot resume: phase {name!r} has already run and the experiment "
                                   f"no longer has it; use --init-from {self.files.ckpt} to start a new run from its weights")
         changed = []
@@ -334,8 +340,7 @@ class Trainer:
                     f"--init-from {self.files.ckpt} to start a new run from its weights"
                 )
             changed.append(phase.name)
-        dropped = [name for name, p in written.items() if p["start"] >= step and name not in
-                   {ph.name for ph in self.program.phases}]
+        dropped = [name for name, p in written.items() if p["start"] >= step and name not in names]
         if changed or dropped:
             self.event("phases_changed", step=step, changed=changed, dropped=dropped)
             self.log(f"resume: phases not yet started changed: {', '.join(changed + dropped)}")
@@ -529,9 +534,12 @@ class Trainer:
 
     def _pivot(self, phase, step: int, elapsed: float) -> None:
         """The end of a phase followed by another: its checkpoint, as SIGUSR1 writes one, then its archive."""
-        nxt = self.program.phase_at(step)
         self.checkpoint(step, elapsed, "pivot")
         self._archive(phase)
+        self._pivot_event(phase, step)
+
+    def _pivot_event(self, phase, step: int) -> None:
+        nxt = self.program.phase_at(step)
         self.event("pivot", step=step, **{"from": phase.name, "to": nxt.name})
         self.log(f"pivot: phase {phase.name} done at step {step}; archived in {self.files.phase_archive(phase.name)}; "
                  f"phase {nxt.name} starts")
@@ -555,10 +563,10 @@ class Trainer:
         """A run stopped at a pivot before its archive was written (a kill, or --max-steps there) archives it now:
         its checkpoint is the phase's end."""
         for phase in self.program.phases:
-            if phase.end == step and step < self.total_steps and not self.files.phase_archive(phase.name).is_dir():
-                if self.files.ckpt.is_file():
-                    self._archive(phase)
-                    self.event("pivot", step=step, **{"from": phase.name, "to": self.program.phase_at(step).name})
+            archived = self.files.phase_archive(phase.name).is_dir()
+            if phase.end == step < self.total_steps and not archived and self.files.ckpt.is_file():
+                self._archive(phase)
+                self._pivot_event(phase, step)
 
 
 class Progress:
@@ -608,19 +616,11 @@ def main(args) -> int:
     try:
         return Trainer(args, console).run()
     except (AndreaError, OSError) as err:
-        log_failure(RunFiles(Path(args.out)).log, err)
+        # the sentence the command line prints, also in NAME.log (when its folder exists)
+        try:
+            Log(RunFiles(Path(args.out)).log, console).record(f"error: {error_sentence(err)}")
+        except OSError:
+            pass  # the log's own disk failed: the command line still prints the sentence
         raise
     finally:
         STOP_SIGNALS.restore()
-
-
-def log_failure(log: Path, err: Exception) -> None:
-    """The error sentence the command line prints, also in NAME.log (when its folder exists)."""
-    if isinstance(err, OSError):
-        err = f"{err.filename + ': ' if err.filename else ''}{err.strerror or err}"
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    try:
-        with open(log, "a") as f:
-            f.write(f"{stamp} error: {err}\n")
-    except OSError:
-        pass  # the log's own disk failed: the command line still prints the sentence

@@ -37,7 +37,7 @@ from andrea.config import load_experiment  # noqa: E402
 from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.ops import op_cost  # noqa: E402
 from andrea.precision import PRECISIONS  # noqa: E402
-from andrea.timing import OpRecorder, graph_ms, median_ms  # noqa: E402
+from andrea.timing import OpRecorder, graph_ms, median_ms, peer_pairs  # noqa: E402
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
@@ -225,16 +225,11 @@ def bench(baseline: str | None, variants, peers):
 
 def table() -> str:
     lines = []
-    b = report.get("bench", {})
-    for key, e in b.get("engine", {}).items():
-        name, precision = key.split("/")
-        peers = [precision.replace("-eager", "")] + (["bf16-compile"] if precision == "bf16" else [])
-        for peer in peers:
-            base = b.get("baseline", {}).get(f"{name}/{peer}", {})
-            ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "-"
-            lines.append(f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
-                         f"   PyTorch {peer:13} {base.get('ms_per_step', float('nan')):8.2f} ms "
-                         f"{base.get('tokens_per_s', 0):>11,} tok/s  {ratio}")
+    for name, precision, e, peer, base in peer_pairs(report.get("bench", {})):
+        ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "-"
+        lines.append(f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
+                     f"   PyTorch {peer:13} {base.get('ms_per_step', float('nan')):8.2f} ms "
+                     f"{base.get('tokens_per_s', 0):>11,} tok/s  {ratio}")
     for key, e in report.get("memory", {}).items():
         if isinstance(e, dict) and "plan_bytes" in e:
             lines.append(f"memory {key}: plan {e['plan_bytes'] / 2**20:,.1f} MiB, pool {e['pool_bytes'] / 2**20:,.1f} MiB")

@@ -13,19 +13,18 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from andrea.timing import peer_pairs  # noqa: E402
+
 
 def whole_step(report: dict) -> list[str]:
-    bench = report["bench"]
     rows = ["| shape | precision | ANDREA ms/step | tokens/s | peer | peer ms/step | peer tokens/s | ratio |",
             "|---|---|---:|---:|---|---:|---:|---:|"]
-    for key, e in bench["engine"].items():
-        shape, precision = key.split("/")
-        peers = [precision.replace("-eager", "")] + (["bf16-compile"] if precision == "bf16" else [])
-        for peer in peers:
-            base = bench.get("baseline", {}).get(f"{shape}/{peer}", {})
-            ratio = f"**{e['tokens_per_s'] / base['tokens_per_s']:.2f}**" if "tokens_per_s" in base else "-"
-            rows.append(f"| {shape}, B={e['micro_batch']} | {precision} | {e['ms_per_step']:.2f} | {e['tokens_per_s']:,} | "
-                        f"PyTorch {peer} | {base.get('ms_per_step', float('nan')):.2f} | {base.get('tokens_per_s', 0):,} | {ratio} |")
+    for shape, precision, e, peer, base in peer_pairs(report["bench"]):
+        ratio = f"**{e['tokens_per_s'] / base['tokens_per_s']:.2f}**" if "tokens_per_s" in base else "-"
+        rows.append(f"| {shape}, B={e['micro_batch']} | {precision} | {e['ms_per_step']:.2f} | {e['tokens_per_s']:,} | "
+                    f"PyTorch {peer} | {base.get('ms_per_step', float('nan')):.2f} | {base.get('tokens_per_s', 0):,} | {ratio} |")
     return rows
 
 

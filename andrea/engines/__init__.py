@@ -1,18 +1,7 @@
 """Engines: the same op-pair API on NumPy (the reference) and on CUDA (CuPy + hand-written kernels).
 
-API (every engine):
-    allocate(plan) -> dict[name, array]        once, at start
-    to_host(array) -> np.ndarray; upload(dst, np_array); synchronize()
-    zero(buf); zero_grads(grads)
-    <op>_fwd(...) / <op>_bwd(...)              the seed's 8 op pairs; backward ops ADD (+=) into
-                                               both their grad_input and grad_weight buffers; with
-                                               overwrite=True (attn_qkv, attn, attn_out, mlp, loss)
-                                               they write their grad_input instead
-    residual_layernorm_fwd(...)                residual_add, then the layernorm_fwd reading its sum
-    layernorm_residual_bwd(dinp, dbranch, ...)  layernorm_bwd, then that residual's backward in place:
-                                               dinp flows on, dbranch (overwritten) gets a copy
-    grad_norm_partial(partials, grads); grad_norm_final(norm, partials); grad_scale(grads, scale)
-    adamw_step(params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges)
+The API, with what an engine declares about itself, is written out once in andrea/engines/protocol.py;
+the ops themselves live in andrea/ops/<op>.py. This module picks and builds an engine by name.
 """
 
 from __future__ import annotations

@@ -66,9 +66,8 @@ class BlockedProducts:
         pin_blas()
         self.threads = max(1, threads or requested_threads())
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="andrea-blas") if self.threads > 1 else None
-
-    def describe(self) -> dict:
-        return {
+        # read once: the BLAS a process loaded (and its pinned thread count) does not change
+        self._description = {
             "numpy": np.__version__,
             "blas": blas_library(),
             "engine_threads": self.threads,
@@ -76,14 +75,15 @@ class BlockedProducts:
                         f"{PRODUCT_BLOCKS} fixed blocks (andrea/engines/cpu_blas.py)",
         }
 
+    def describe(self) -> dict:
+        return dict(self._description)
+
     def matmul(self, a, b, out=None):
         if out is None:
             shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
             out = np.empty(shape, dtype=np.result_type(a, b))
         blocks = self._blocks(a, b, out)
-        if len(blocks) == 1:
-            np.matmul(a, b, out=out)
-        elif self._pool is None:
+        if len(blocks) == 1 or self._pool is None:
             for block in blocks:
                 _run(*block)
         else:
@@ -101,11 +101,10 @@ class BlockedProducts:
             return [(a, b, out)]
         if batch and out.shape[0] > 1:
             # Batched: each item is its own product, so cutting the batch axis cannot change a byte.
-            edges = _edges(out.shape[0])
-            a_b = a if a.ndim < out.ndim or a.shape[0] == 1 else None
-            b_b = b if b.ndim < out.ndim or b.shape[0] == 1 else None
-            return [((a_b if a_b is not None else a[lo:hi]), (b_b if b_b is not None else b[lo:hi]), out[lo:hi])
-                    for lo, hi in edges]
+            def part(x, lo, hi):  # an operand broadcast along the batch axis goes whole into every block
+                return x if x.ndim < out.ndim or x.shape[0] == 1 else x[lo:hi]
+
+            return [(part(a, lo, hi), part(b, lo, hi), out[lo:hi]) for lo, hi in _edges(out.shape[0])]
         if M >= N:
             return [(a[..., lo:hi, :], b, out[..., lo:hi, :]) for lo, hi in _edges(M)]
         return [(a, b[..., lo:hi], out[..., lo:hi]) for lo, hi in _edges(N)]

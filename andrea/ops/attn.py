@@ -26,6 +26,7 @@ def engine_buffers() -> tuple:
     return ()
 
 
+@functools.cache
 def shared_memory() -> dict[str, int]:
     """Dynamic shared memory of kernels/attn.cu's kernels: Q, K, V tiles forward; Q, dY, K, V tiles and a
     query tile's lse and D backward."""
