@@ -121,6 +121,8 @@ class Experiment:
         """Hash of everything that decides the weights at a given step before the phases do (not intervals,
         name or phases: a phase not yet started may change on resume; Phase.hash covers each one)."""
         keys = ("model", "optimizer", "batch", "seed", "precision") + (() if "phases" in self.raw else ("schedule", "train"))
+        if "phases" not in self.raw and "mixing" in self.raw:
+            keys += ("mixing",)  # one phase: its mixing is the experiment's (with phases, Phase.hash covers it)
         return config_hash({k: self.raw[k] for k in keys})[:16]
 
 
@@ -143,6 +145,11 @@ class Phase:
     def intervals(self) -> dict:
         return {**self.exp.intervals, **self.spec.get("intervals", {})}
 
+    @property
+    def mixing(self) -> dict | None:
+        """How the phase draws from the sources (andrea.mixing): its own, else the experiment's, else None."""
+        return self.spec.get("mixing", self.exp.raw.get("mixing"))
+
     def lr_at(self, step: int) -> float:
         """Linear warmup to the peak, then constant, linear or cosine decay to peak * final_ratio at the
         phase's last step; a function of the step only."""
@@ -162,8 +169,10 @@ class Phase:
         return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
     def hash(self) -> str:
-        """What decides this phase's steps: its spec and where it starts."""
-        return config_hash({"spec": self.spec, "start": self.start})[:16]
+        """What decides this phase's steps: its spec (with the mixing it takes from the experiment) and where it
+        starts."""
+        inherited = self.mixing if "mixing" not in self.spec and "phases" in self.exp.raw else None
+        return config_hash({"spec": self.spec, "start": self.start, **({"mixing": inherited} if inherited else {})})[:16]
 
 
 @dataclass(frozen=True)

@@ -29,25 +29,34 @@ EVAL_FORMAT = "andrea-eval/1"
 MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this
 
 
-def validation_loss(model, windows, n_batches: int, assistant: bool = False) -> float:
-    """Mean loss over the first n_batches micro-batches of the validation windows (in order); with
-    `assistant`, over the targets the loss masks count (assistant content and its <|im_end|>): the
-    weighted mean sum(w ce) / sum(w) over all n_batches micro-batches, a micro-batch without such a
-    target adding nothing."""
+def validation_loss(model, windows, n_batches: int, assistant: bool = False, source: int | None = None) -> float:
+    """Mean loss over the first n_batches micro-batches of the validation windows (in order; of one
+    source's val split with `source`); with `assistant`, over the targets the loss masks count
+    (assistant content and its <|im_end|>): the weighted mean sum(w ce) / sum(w) over all n_batches
+    micro-batches, a micro-batch without such a target adding nothing."""
     if not assistant:
-        losses = [model.forward(*windows.val_batch(i, model.micro_batch)) for i in range(n_batches)]
+        losses = [model.forward(*windows.val_batch(i, model.micro_batch, source)) for i in range(n_batches)]
         return float(np.mean(losses))
     total, counted = 0.0, 0.0
     for i in range(n_batches):
-        weights = windows.val_weights(i, model.micro_batch)
+        weights = windows.val_weights(i, model.micro_batch, source)
         w = float(weights.sum(dtype=np.float64))
         if w > 0:
-            total += model.forward(*windows.val_batch(i, model.micro_batch), weights=weights) * w
+            total += model.forward(*windows.val_batch(i, model.micro_batch, source), weights=weights) * w
             counted += w
     if counted == 0:
         raise AndreaError(f"{windows.path}: the first {n_batches} validation micro-batches hold no assistant target; "
                           "raise intervals.eval_batches or check the loss masks")
     return total / counted
+
+
+def source_validation_losses(model, windows, n_batches: int) -> dict[str, float]:
+    """{source: its val split's loss over n_batches micro-batches} for a folder of several sources (those
+    with at least one val window); {} for one source."""
+    if len(windows.sources) < 2:
+        return {}
+    return {name: validation_loss(model, windows, n_batches, source=k)
+            for k, name in enumerate(windows.sources) if windows.source_windows(k) > 0}
 
 
 def evaluated_targets(windows, micro_batch: int, n_batches: int) -> np.ndarray:
@@ -91,6 +100,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     loss_assistant = validation_loss(model, windows, n_batches, assistant=True) if windows.has_masks else None
     model.engine.synchronize()
     wall = time.perf_counter() - start
+    per_source = source_validation_losses(model, windows, n_batches)  # not in the throughput: other windows
     if not math.isfinite(loss):
         raise AndreaError(f"{ckpt}: its validation loss on {val_path} is {loss} although its weights are finite "
                           "(the forward overflows); use an earlier checkpoint")
@@ -107,10 +117,12 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         "data": {"val": {**_file_record(val_path), "tokens": int(windows.tokens.size), "windows": windows.n_windows},
                  "tokenizer": _file_record(tokenizer_path) if tokenizer_path else None},
         "trained_on": (state or {}).get("data"),
+        "tokens_per_source": _tokens_per_source(state, ckpt_record["sha256"]),
         "lineage": asdict(lineage(val_path)) if manifest_path(val_path).is_file() else None,
         "metrics": {
             "val_loss": loss,
             "val_loss_assistant": loss_assistant,  # assistant tokens only (the loss masks); None without masks
+            "val_loss_sources": per_source,  # each source's val split, as the training loop's val_loss_sources
             "perplexity": math.exp(loss) if loss < MAX_EXP_ARG else None,  # JSON has no infinity
             "bits_per_byte": bits_per_byte(loss, targets.size, n_bytes) if n_bytes else None,
             "tokens": int(targets.size),
@@ -123,6 +135,14 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         "engine": model.engine.name,
         "throughput": {"tokens_per_s": targets.size / wall, "wall_s": wall},
     }
+
+
+def _tokens_per_source(state: dict | None, sha256: str) -> dict | None:
+    """The train tokens each source gave up to the checkpoint, from the .state.json entry that vouches for it."""
+    for entry in (state or {}).get("checkpoints", []):
+        if entry.get("sha256") == sha256 and "tokens_per_source" in entry:
+            return entry["tokens_per_source"]
+    return None
 
 
 def register(subparsers) -> None:

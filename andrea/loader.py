@@ -128,14 +128,23 @@ class TokenWindows:
         k = self.window_source(window)
         return k, int(window - self.window_offsets[k]) * self.seq_len
 
-    def _train_windows(self, step: int, batch_size: int, rank: int, world: int) -> list[int]:
-        share = batch_size // world
-        first = step * batch_size + rank * share
-        return [self._window(first + i) for i in range(share)]
+    def batch_windows(self, step: int, batch_size: int) -> list[int]:
+        """The windows of the step's B rows under this scheme (andrea.mixing draws them otherwise)."""
+        return [self._window(step * batch_size + i) for i in range(batch_size)]
 
-    def _val_windows(self, index: int, batch_size: int) -> list[int]:
+    def _train_windows(self, step: int, batch_size: int, rank: int, world: int) -> list[int]:
+        return rank_rows(self.batch_windows(step, batch_size), rank, world)
+
+    def _val_windows(self, index: int, batch_size: int, source: int | None = None) -> list[int]:
         first = index * batch_size
-        return [(first + i) % self.n_windows for i in range(batch_size)]
+        if source is None:
+            return [(first + i) % self.n_windows for i in range(batch_size)]
+        start, n = int(self.window_offsets[source]), self.source_windows(source)
+        return [start + (first + i) % n for i in range(batch_size)]
+
+    def source_windows(self, source: int) -> int:
+        """How many windows the source has."""
+        return int(self.window_offsets[source + 1] - self.window_offsets[source])
 
     # ---- tokens ------------------------------------------------------------------------------
     def _gather(self, windows) -> tuple[np.ndarray, np.ndarray]:
@@ -147,15 +156,20 @@ class TokenWindows:
         rows = np.stack(rows)
         return rows[:, :-1].copy(), rows[:, 1:].copy()
 
+    def micro_batches_of(self, windows: list[int], micro_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The windows (this rank's rows) as micro_batches (tokens, targets) pairs."""
+        x, y = self._gather(windows)
+        return list(zip(np.split(x, micro_batches), np.split(y, micro_batches)))
+
     def train_micro_batches(self, step: int, batch_size: int, micro_batches: int, rank: int = 0, world: int = 1):
         """The step's batch (rows [rank·B/world, (rank+1)·B/world) of it on a data-parallel rank),
         split into micro_batches (tokens, targets) pairs."""
-        x, y = self._gather(self._train_windows(step, batch_size, rank, world))
-        return list(zip(np.split(x, micro_batches), np.split(y, micro_batches)))
+        return self.micro_batches_of(self._train_windows(step, batch_size, rank, world), micro_batches)
 
-    def val_batch(self, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Validation micro-batch `index`: windows in order, wrapping if the shards are short."""
-        return self._gather(self._val_windows(index, batch_size))
+    def val_batch(self, index: int, batch_size: int, source: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Validation micro-batch `index`: windows in order (of one source's val split with `source`),
+        wrapping if the shards are short."""
+        return self._gather(self._val_windows(index, batch_size, source))
 
     def train_sources(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> np.ndarray:
         """The source index of each sequence of the step's batch (this rank's rows)."""
@@ -179,12 +193,22 @@ class TokenWindows:
             rows.append(np.asarray(self._masks[k][start + 1: start + T + 1], dtype=np.float32))
         return np.stack(rows)
 
+    def micro_weights_of(self, windows: list[int], micro_batches: int) -> list[np.ndarray]:
+        """Target weights (0/1, float32) of each micro-batch of `micro_batches_of(windows, ...)`, same
+        shapes as its targets: weights[b, t] = mask[start_b + 1 + t]."""
+        return np.split(self._weights(windows), micro_batches)
+
     def train_micro_weights(self, step: int, batch_size: int, micro_batches: int, rank: int = 0,
                             world: int = 1) -> list[np.ndarray]:
-        """Target weights (0/1, float32) of each micro-batch of `train_micro_batches`, same shapes
-        as its targets: weights[b, t] = mask[start_b + 1 + t]."""
-        return np.split(self._weights(self._train_windows(step, batch_size, rank, world)), micro_batches)
+        """Target weights of each micro-batch of `train_micro_batches`."""
+        return self.micro_weights_of(self._train_windows(step, batch_size, rank, world), micro_batches)
 
-    def val_weights(self, index: int, batch_size: int) -> np.ndarray:
-        """Target weights of `val_batch(index, batch_size)`."""
-        return self._weights(self._val_windows(index, batch_size))
+    def val_weights(self, index: int, batch_size: int, source: int | None = None) -> np.ndarray:
+        """Target weights of `val_batch(index, batch_size, source)`."""
+        return self._weights(self._val_windows(index, batch_size, source))
+
+
+def rank_rows(rows: list, rank: int, world: int) -> list:
+    """A data-parallel rank's share of a step's rows: [rank·B/world, (rank+1)·B/world)."""
+    share = len(rows) // world
+    return rows[rank * share: (rank + 1) * share]

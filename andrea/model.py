@@ -95,6 +95,7 @@ class Model:
         self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted) -> recorded micro-batch
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
+        self.source_loss_sums: np.ndarray | None = None  # the last train_step's per-source losses (its `sources`)
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
@@ -301,7 +302,7 @@ class Model:
         return float(e.to_host(b["grad_norm"])[0])
 
     def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict,
-                   weights: list[np.ndarray] | None = None) -> tuple[float, float]:
+                   weights: list[np.ndarray] | None = None, sources=None) -> tuple[float, float]:
         """Accumulate over micro-batches (and data-parallel ranks), scale to the step's mean, clip the
         global norm, AdamW, zero.
 
@@ -311,6 +312,11 @@ class Model:
         gradient that loss's: every micro-batch's gradient of sum(w * loss), divided by the step's total
         weight, so each counts by its weight (no 1/n). A micro-batch of weight 0 adds nothing; a step of
         weight 0 raises EmptyStep, before any work.
+
+        `sources`: None, or (one int array per micro-batch: the source index of each of its rows, n_sources):
+        then `source_loss_sums` holds, after the step, float64 [2, n_sources]: each source's sum of (weighted)
+        target losses and of target weights over the step's rows (and ranks), read from the per-target losses
+        the step computes anyway (no extra forward).
 
         `step` counts optimizer steps already done; returns (mean loss, grad norm before clipping)."""
         e, b = self.engine, self.buf
@@ -324,12 +330,15 @@ class Model:
                                 f"{' on every rank' if self.data_parallel is not None else ''}): "
                                 "the step made no update")
         losses = []
+        per_source = None if sources is None else np.zeros((2, sources[1]), dtype=np.float64)
         for i, (tokens, targets) in enumerate(micro_batches):
             w = None if weights is None else weights[i]
             self._upload(tokens, targets, w)
             # the last micro-batch's backward also sums the gradient over the data-parallel ranks
             self._forward_backward(reduce=self.data_parallel is not None and i == len(micro_batches) - 1,
                                    weighted=w is not None)
+            if per_source is not None:
+                self._add_source_losses(per_source, sources[0][i], w)
             if w is None:
                 losses.append(e.mean_loss(b["losses"]))
             elif counted[i]:  # sum(w * loss) of the micro-batch
@@ -345,6 +354,9 @@ class Model:
             loss = self._rank_sum(sum(losses)) / total
             # each micro-batch's backward ran at loss scale / (B * T) (_loss_grad_scale)
             unscale = self.micro_batch * self.shape.seq_len / (total * self._scale)
+        if per_source is not None:
+            self.source_loss_sums = per_source if self.data_parallel is None else \
+                self.data_parallel.sum_vector(per_source.reshape(-1)).reshape(per_source.shape)
         if unscale != 1.0:
             e.grad_scale(b["grads"], unscale)
         norm = self.grad_norm()
@@ -368,6 +380,18 @@ class Model:
                      decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"))
         e.zero_grads(b["grads"])
         return loss, norm
+
+    def _add_source_losses(self, per_source: np.ndarray, row_sources: np.ndarray, w: np.ndarray | None) -> None:
+        """Add the micro-batch's per-row sums of (weighted) target losses and of weights to their sources."""
+        rows = self.engine.to_host(self.buf["losses"]).reshape(self.micro_batch, self.shape.seq_len).astype(np.float64)
+        if w is None:
+            sums, counts = rows.sum(axis=1), np.full(self.micro_batch, float(self.shape.seq_len))
+        else:
+            w = w.astype(np.float64)
+            sums, counts = (rows * w).sum(axis=1), w.sum(axis=1)
+        n = per_source.shape[1]
+        per_source[0] += np.bincount(row_sources, weights=sums, minlength=n)
+        per_source[1] += np.bincount(row_sources, weights=counts, minlength=n)
 
     def _rank_sum(self, x: float) -> float:
         """x summed over the data-parallel ranks (the same float on every rank); x itself on one GPU."""

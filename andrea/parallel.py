@@ -119,6 +119,7 @@ class DataParallel:
         # Small buffers for the loss and the signal flags, allocated once here.
         self._loss = cupy.zeros(1, dtype=np.float64)
         self._flags = cupy.zeros(2, dtype=np.int32)
+        self._vector = None  # sum_vector's buffer
 
     def _all_reduce(self, buf, dtype, op, stream=None) -> None:
         stream = stream or self._cupy.cuda.get_current_stream()
@@ -141,6 +142,15 @@ class DataParallel:
         self._loss[0] = local_loss
         self._all_reduce(self._loss, self._nccl.NCCL_FLOAT64, self._nccl.NCCL_SUM)
         return float(self._loss.get()[0]) / self.world
+
+    def sum_vector(self, values: np.ndarray) -> np.ndarray:
+        """float64 values summed over the ranks (the same array on every rank): the per-source losses of a
+        step. Its device buffer is allocated at the first call and kept (the number of sources is fixed)."""
+        if self._vector is None or self._vector.size != values.size:
+            self._vector = self._cupy.zeros(values.size, dtype=np.float64)
+        self._vector.set(np.ascontiguousarray(values, dtype=np.float64))
+        self._all_reduce(self._vector, self._nccl.NCCL_FLOAT64, self._nccl.NCCL_SUM)
+        return self._vector.get()
 
     def agree(self, terminate: bool, snapshot: bool) -> tuple[bool, bool]:
         """A signal seen by any rank is acted on by all, at the same step."""

@@ -23,13 +23,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+
 from andrea import __version__
 from andrea.atomic import write_json_atomic
 from andrea.checkpoint import read_checkpoint, read_state, verify_against_state, write_checkpoint
 from andrea.config import load_experiment
 from andrea.errors import AndreaError, error_sentence
 from andrea.inspect_ckpt import refuse_other_model
+from andrea.loader import rank_rows
 from andrea.memory import device_bytes
+from andrea.mixing import Mixture, MixState
 from andrea.parallel import launch, rank_from_env
 from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line
 from andrea.stop_signals import STOP_SIGNALS
@@ -166,6 +170,10 @@ class Trainer:
                                   f"{data} has no loss masks beside its shards; rerun `andrea tokenize`")
         # the validation loss a best checkpoint is chosen by: the assistant tokens' where masks say which they are
         self.headline = "val_loss_assistant" if self.masks else "val_loss"
+        self.mixture = Mixture(self.train_windows, self.program, self.exp.seed, self.exp.batch_size, self.exp.path)
+        self.mix_state = MixState.fresh(len(self.train_windows.sources))
+        if self.mixture.active:
+            self._check_val_sources()
         self.data_parallel = None
         world = 1
         if self.rank is not None:
@@ -208,6 +216,18 @@ class Trainer:
         self.recent_checkpoints: list[dict] = []
         self.skipped_steps: list[int] = []
         self.best: dict | None = None  # {"step", "metric", "value", "sha256"} of NAME.best.ckpt
+
+    def _check_val_sources(self) -> None:
+        """A mixing run measures each source's validation loss: every source needs its val windows."""
+        train, val = self.train_windows, self.val_windows
+        if val.sources != train.sources:
+            raise AndreaError(f"{self.data_dir}: the train split has the sources {', '.join(map(str, train.sources))} but the "
+                              f"val split {', '.join(map(str, val.sources))}; rerun `andrea tokenize`")
+        for k, shard in enumerate(val.shards):
+            if len(val.sources) > 1 and val.source_windows(k) == 0:
+                raise AndreaError(f"{shard}: the source {val.sources[k]!r} has {val._parts[k].size} validation tokens, "
+                                  f"fewer than one sequence of {val.seq_len + 1}, so its validation loss cannot be "
+                                  "measured; give it more data (a larger val fraction) or drop it from data.sources")
 
     def _take_lock(self) -> None:
         """One trainer per run: a second one on the same --out would interleave its writes."""
@@ -307,6 +327,7 @@ class Trainer:
         matched = [c for c in self.recent_checkpoints if c["step"] == step]
         self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
         self.skipped_steps = [s for s in state.get("skipped_steps", []) if s <= step]
+        self.mix_state = self._resumed_mixing(matched[-1] if matched else {}, step)
         written_on = state.get("cpu", {}).get("blas")
         now = self._cpu()["blas"] if self.engine.name == "numpy" else None
         if now and written_on and written_on != now:
@@ -315,6 +336,23 @@ class Trainer:
         self.event("resume", step=step, stop=stop, total_steps=self.total_steps)
         self.log(f"resumed {files.ckpt} at step {step}")
         return step
+
+    def _resumed_mixing(self, entry: dict, step: int) -> MixState:
+        """The mixing state of the checkpoint resumed from; a run written before mixing existed drew every batch
+        by the loader's scheme, so its rows per source are counted again from the steps it trained."""
+        n = len(self.train_windows.sources)
+        if "mixing" in entry:
+            return MixState.from_json(entry["mixing"], n)
+        if self.mixture.active and any(self.mixture.policies[p.name] for p in self.program.phases if p.start < step):
+            raise AndreaError(f"{self.files.ckpt}: cannot resume: its .state.json holds no mixing state for step {step}; "
+                              f"use --init-from {self.files.ckpt} to start a new run from its weights")
+        state = MixState.fresh(n)
+        skipped = set(self.skipped_steps)
+        for s in range(step):
+            if s + 1 not in skipped:
+                for w in self.train_windows.batch_windows(s, self.exp.batch_size):
+                    state.rows[self.train_windows.window_source(w)] += 1
+        return state
 
     def _check_phases(self, state: dict, step: int) -> None:
         """A phase that has run (it started before `step`) must be the same phase now; one not yet started may
@@ -371,7 +409,9 @@ class Trainer:
             return
         params, m, v = self.model.host_state()
         digest = checkpoint_digest(step, params, m, v)
-        entry = {"step": step, "sha256": digest, "elapsed_s": elapsed}
+        # the mixing state goes with each checkpoint: the state file may vouch for the one before this one too
+        entry = {"step": step, "sha256": digest, "elapsed_s": elapsed, "mixing": self.mix_state.to_json(),
+                 "tokens_per_source": self._tokens_per_source()}
         self.recent_checkpoints = [c for c in self.recent_checkpoints if c["step"] != step][-(STATE_CHECKPOINT_HISTORY - 1):] + [entry]
         try:
             write_json_atomic(self.files.state, self._state(step, elapsed))
@@ -403,6 +443,8 @@ class Trainer:
                         "status": "finished" if p.end <= step else "running" if p.start < step else "waiting"}
                        for p in self.program.phases],
             "phase": self.program.phase_at(min(step, self.total_steps - 1)).name,
+            "mixing": self.mix_state.to_json(),
+            "tokens_per_source": self._tokens_per_source(),
             "best": self.best,
             "engine": self.engine.name,
             **({"cpu": self._cpu()} if self.engine.name == "numpy" else {}),
@@ -414,6 +456,11 @@ class Trainer:
             "elapsed_s": elapsed,
             "written_at": datetime.now(timezone.utc).isoformat(),
         }
+
+    def _tokens_per_source(self) -> dict:
+        """Train tokens (targets) each source gave to the steps trained so far."""
+        names = self.mixture.names
+        return {names[k]: rows * self.exp.model.seq_len for k, rows in enumerate(self.mix_state.rows)}
 
     def _cpu(self) -> dict:
         """What a CPU run's bytes depend on: NumPy, its BLAS and how products are cut (not the thread count)."""
@@ -452,14 +499,22 @@ class Trainer:
                 t0 = time.time()
                 phase = self.program.phase_at(step)
                 iv = phase.intervals
-                rank = (self.rank.rank, self.world) if self.rank else ()
-                micro = self.train_windows.train_micro_batches(step, exp.batch_size, exp.micro_batches, *rank)
-                weights = (self.train_windows.train_micro_weights(step, exp.batch_size, exp.micro_batches, *rank)
+                probs, windows, sources = self._draw(phase, step)
+                rank = self.rank.rank if self.rank else 0
+                mine = rank_rows(windows, rank, self.world)
+                micro = self.train_windows.micro_batches_of(mine, exp.micro_batches)
+                weights = (self.train_windows.micro_weights_of(mine, exp.micro_batches)
                            if phase.loss_on == "assistant" else None)
+                by_source = None
+                if len(self.mixture.names) > 1:  # each source's training loss, from the step's own losses
+                    by_source = (np.split(np.array(rank_rows(sources, rank, self.world)), exp.micro_batches),
+                                 len(self.mixture.names))
                 lr = phase.lr_at(step)
                 trained = True
                 try:
-                    loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer, weights=weights)
+                    loss, norm = model.train_step(micro, step=step, lr=lr, optimizer=exp.optimizer, weights=weights,
+                                                  sources=by_source)
+                    mixed = self._account(phase, probs, sources)
                 except NonFiniteStep as fault:
                     # An fp16 overflow is part of the loss scale's working, not a fault: always skipped.
                     overflow = isinstance(fault, LossScaleOverflow)
@@ -477,7 +532,7 @@ class Trainer:
                 step += 1
                 elapsed = self.elapsed_before + time.time() - t_start
                 if trained:
-                    self._after_step(phase, step, loss, lr, norm, time.time() - t0, elapsed, progress)
+                    self._after_step(phase, step, loss, lr, norm, time.time() - t0, elapsed, progress, mixed)
                 pivot = step == phase.end and step < self.total_steps
                 if pivot:
                     self._pivot(phase, step, elapsed)
@@ -501,20 +556,49 @@ class Trainer:
         self.log(f"done: step {step} of {self.total_steps}")
         return 0
 
-    def _after_step(self, phase, step, loss, lr, norm, dt, elapsed, progress) -> None:
+    def _draw(self, phase, step: int) -> tuple[list[float] | None, list[int], list[int]]:
+        """(probabilities or None, windows, sources) of the step's B rows: the phase's mixing policy's draw
+        (which advances the mixing state), else the loader's scheme."""
+        if self.mixture.policies[phase.name] is None:
+            windows = self.train_windows.batch_windows(step, self.exp.batch_size)
+            return None, windows, [self.train_windows.window_source(w) for w in windows]
+        probs = self.mixture.probabilities(phase, self.mix_state)
+        return (probs, *self.mixture.batch(step, probs, self.mix_state))
+
+    def _account(self, phase, probs, sources: list[int]) -> dict:
+        """After a trained step: rows per source, the bandit's update from each source's training loss, and the
+        record's per-source fields."""
+        counts = np.bincount(sources, minlength=len(self.mixture.names))
+        for k, c in enumerate(counts):
+            self.mix_state.rows[k] += int(c)
+        fields = {}
+        if self.model.source_loss_sums is not None and len(self.mixture.names) > 1:
+            sums, weights = self.model.source_loss_sums
+            source_loss = {k: float(sums[k] / weights[k]) for k in range(len(sums)) if weights[k] > 0}
+            if probs is not None:
+                self.mixture.update(phase, self.mix_state, probs, source_loss)
+                fields["mix"] = self.mixture.named(probs)
+            fields["source_loss"] = self.mixture.named(source_loss)
+            fields["source_sequences"] = self.mixture.named({k: int(c) for k, c in enumerate(counts) if c})
+        return fields
+
+    def _after_step(self, phase, step, loss, lr, norm, dt, elapsed, progress, mixed: dict) -> None:
         """The step's record (validation losses at the eval interval and at the end of each phase), the best
         checkpoint, progress and samples."""
-        from andrea.evaluate import validation_loss
+        from andrea.evaluate import source_validation_losses, validation_loss
 
         exp, iv = self.exp, phase.intervals
         record = {"step": step, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": norm,
-                  "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt, "time": elapsed}
+                  "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt, "time": elapsed,
+                  **mixed}
         last = step == phase.end
         if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
             record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
             if self.masks:
                 record["val_loss_assistant"] = validation_loss(self.model, self.val_windows, iv["eval_batches"],
                                                                assistant=True)
+            if self.mixture.active:
+                record["val_loss_sources"] = source_validation_losses(self.model, self.val_windows, iv["eval_batches"])
         if self.is_main:
             self._append(record)
             if self.headline in record and (self.best is None or record[self.headline] < self.best["value"]):

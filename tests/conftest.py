@@ -61,3 +61,27 @@ def chat_data(tmp_path_factory):
     train_tokenizer(root / "megachat" / "train.parquet", 512, tokens / "tokenizer.json")
     tokenize(tokens / "tokenizer.json", root / "megachat", tokens, threads=1)
     return tokens
+
+
+@pytest.fixture(scope="session")
+def two_sources(tmp_path_factory):
+    """The data stages, in-process, on the first conversations of both embedded domains: a folder of
+    two sources (pydocs/, wordnet/ with shards and masks, their union, a 512-token tokenizer.json)."""
+    from andrea.data.embedded_corpus import corpus_file
+    from andrea.data.prep_megachat import prep_megachat
+    from andrea.data.pull_hermes3 import pull_hermes3
+    from andrea.data.tokenize_shards import tokenize
+    from andrea.data.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("two_sources")
+    megachat = {}
+    for name in ("pydocs", "wordnet"):
+        with gzip.open(corpus_file(name), "rt") as f:
+            (root / f"{name}.jsonl").write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
+        pull_hermes3(str(root / f"{name}.jsonl"), root / name / "raw.parquet")
+        prep_megachat(root / name / "raw.parquet", root / name / "megachat", val_fraction=0.1)
+        megachat[name] = root / name / "megachat"
+    tokens = root / "tokens"
+    train_tokenizer([m / "train.parquet" for m in megachat.values()], 512, tokens / "tokenizer.json")
+    tokenize(tokens / "tokenizer.json", None, tokens, threads=1, sources=megachat)
+    return tokens
