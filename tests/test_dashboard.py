@@ -88,6 +88,30 @@ def test_serves_the_page_and_run_files(server, tree):
     assert resp.getheader("Cache-Control") == "no-store"
 
 
+def test_the_page_has_the_per_source_charts(server):
+    """The mixture and the per-source losses have their panels, hidden until a run has the fields."""
+    page = request(server, "GET", "/")[1].decode()
+    for chart in ("chart-mix", "chart-val-sources", "chart-source-loss"):
+        figure = page[page.rindex("<figure", 0, page.index(f'id="{chart}"')):page.index(f'id="{chart}"')]
+        assert "hidden" in figure, chart
+    assert all(f'id="{chart}"' in page for chart in ("chart-loss", "chart-lr", "chart-grad", "chart-tps"))
+    script = request(server, "GET", "/app.js")[1].decode()
+    for field in ('"mix"', '"val_loss_sources"', '"source_loss"', '"source_sequences"'):
+        assert field in script, field
+
+
+def test_a_mixing_run_is_listed_with_its_phase(tmp_path):
+    """Step records with per-source objects (mix, source_loss, ...) are step records like any other."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rec = dict(LOSS_LINES[2], phase="main", mix={"pydocs": 0.7, "noise": 0.3}, source_loss={"pydocs": 6.0},
+               source_sequences={"pydocs": 2}, val_loss_sources={"pydocs": 5.9, "noise": 7.1})
+    (results / "mixed.loss.json").write_text(json.dumps(LOSS_LINES[0]) + "\n" + json.dumps(rec) + "\n"
+                                             + json.dumps(rec)[:50] + "\n")
+    with running(results) as srv:
+        assert listed(srv, "mixed")["phase"] == "main"
+
+
 def test_range_sends_only_the_appended_bytes(server, tree):
     full = (tree / "run.loss.json").read_bytes()
     offset = len(full) // 2

@@ -373,6 +373,10 @@ def test_a_run_without_phases_renders_as_before(tmp_path, page):
         wait_points(page, "old loss", 40)
         assert series_labels(page) == ["step", "old loss", "old loss EMA", "old val loss"]
         assert points(page, "old val loss") == 4
+        # No per-source chart: their figures stay hidden and no uPlot is built for them.
+        assert sorted(page.evaluate("Object.keys(window.andreaDashboard.charts)")) == ["grad", "loss", "lr", "tps"]
+        for el in ("chart-mix", "chart-val-sources", "chart-source-loss"):
+            assert not page.is_visible(f"#{el}"), el
         assert all(drawn == [] for drawn in phases_drawn(page).values())
         assert not page.is_visible("#key-assistant") and not page.is_visible("#key-phase")
         for col in ("phase", "asst", "best"):
@@ -395,3 +399,141 @@ def test_page_draws_a_real_two_phase_run(tmp_path, page, tiny_experiment_raw, ch
         row = page.locator("tr[data-run=tiny]")
         assert row.locator("[data-cell=phase]").inner_text() == "polish"
         assert " @ " in row.locator("[data-cell=best]").inner_text()
+
+
+# A run that mixes data sources, in two phases: the mixture changes at the pivot; "noise" is drawn
+# only from step 5 on (its first training loss comes later than the others'); validation per source
+# at the eval interval. A source's name is any string, markup included.
+SOURCES = ("pydocs", "wordnet", "web <raw>")
+
+
+def mixture(step):
+    p = 0.6 if step <= PIVOT else 0.2
+    return {"pydocs": p, "wordnet": round(0.9 - p, 6), "web <raw>": 0.1}
+
+
+def mixed_record(step, sources=SOURCES):
+    rec = phased_record(step)
+    mix = {name: p for name, p in mixture(step).items() if name in sources}
+    drawn = [name for name in sources if name != "web <raw>" or step >= 5]
+    rec.update(mix=mix, source_loss={name: rec["loss"] + 0.1 * k for k, name in enumerate(drawn)},
+               source_sequences={name: 4 - k for k, name in enumerate(drawn)})
+    if "val_loss" in rec:
+        rec["val_loss_sources"] = {name: rec["val_loss"] + 0.2 * k for k, name in enumerate(sources)}
+    return rec
+
+
+def mixed_lines(steps, sources=SOURCES):
+    out = ""
+    for s in steps:
+        out += json.dumps(mixed_record(s, sources)) + "\n"
+        if s == PIVOT:
+            out += json.dumps({"event": "pivot", "wall": 1.0, "step": PIVOT, "from": "main", "to": "polish"}) + "\n"
+    return out
+
+
+SOURCE_CHARTS = {"mix": "chart-mix", "val_sources": "chart-val-sources", "source_loss": "chart-source-loss"}
+
+
+def source_charts_shown(page):
+    return {name: page.is_visible(f"#{el}") for name, el in SOURCE_CHARTS.items()}
+
+
+def test_page_draws_the_mixture_and_the_losses_per_source(tmp_path, page):
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / "mixed.loss.json"
+    run.write_text(json.dumps({"event": "start", "wall": 0, "step": 0, "stop": 80, "total_steps": 80}) + "\n"
+                   + mixed_lines(range(1, 71)) + "null\n" + json.dumps(mixed_record(71))[:40] + "\n")
+    (results / "other.loss.json").write_text(mixed_lines(range(1, 41), sources=("wordnet", "pydocs")))
+    (results / "old.loss.json").write_text(lines(range(1, 41)))
+
+    with running(results) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=mixed")
+        wait_points(page, "mixed loss", 70)
+        assert source_charts_shown(page) == {"mix": True, "val_sources": True, "source_loss": True}
+        assert series_labels(page, "mix") == ["step", "mixed mix (pydocs)", "mixed mix (wordnet)", "mixed mix (web <raw>)"]
+        assert series_labels(page, "val_sources") == ["step", "mixed val loss (pydocs)", "mixed val loss (wordnet)",
+                                                      "mixed val loss (web <raw>)"]
+        assert series_labels(page, "source_loss") == ["step", "mixed loss EMA (pydocs)", "mixed loss EMA (wordnet)",
+                                                      "mixed loss EMA (web <raw>)"]
+        # The loss chart is the one it always was.
+        assert series_labels(page) == ["step", "mixed loss", "mixed loss EMA", "mixed val loss", "mixed val loss (assistant)"]
+
+        def series(chart, label):
+            return page.evaluate("""([n, label]) => {
+                const u = window.andreaDashboard.charts[n];
+                return u.data[u.series.findIndex((s) => s.label === label)];
+            }""", [chart, label])
+
+        probs = series("mix", "mixed mix (pydocs)")
+        assert probs[0] == 0.6 and probs[PIVOT - 1] == 0.6 and probs[PIVOT] == 0.2 and len(probs) == 70
+        assert page.evaluate("[window.andreaDashboard.charts.mix.scales.y.min, window.andreaDashboard.charts.mix.scales.y.max]") == [0, 1]
+        assert [v for v in series("val_sources", "mixed val loss (wordnet)") if v is not None] == [
+            mixed_record(s)["val_loss_sources"]["wordnet"] for s in range(10, 71, 10)]
+        noise = series("source_loss", "mixed loss EMA (web <raw>)")
+        assert noise[:4] == [None] * 4 and None not in noise[4:]
+
+        # A source keeps its colour on every chart; the sources' colours differ.
+        strokes = page.evaluate("""() => Object.fromEntries(["mix", "val_sources", "source_loss"].map((n) =>
+            [n, window.andreaDashboard.charts[n].series.slice(1).map((s) => s._stroke)]))""")
+        assert strokes["mix"] == strokes["val_sources"] == strokes["source_loss"]
+        assert len(set(strokes["mix"])) == 3
+
+        # Each chart's key names its sources, in their colours (the name as text, not markup).
+        key = page.locator("#chart-mix").locator("xpath=..").locator(".key.sources .source")
+        assert key.all_inner_texts() == list(SOURCES)
+        assert page.locator("#chart-val-sources").locator("xpath=..").locator(".key.sources .source").all_inner_texts() == list(SOURCES)
+
+        # Phase boundaries on the new charts as on the others.
+        page.wait_for_function("""(step) => ["chart-mix", "chart-val-sources", "chart-source-loss", "chart-lr"].every((id) => {
+            const drawn = JSON.parse(document.getElementById(id).dataset.phases || "null");
+            return drawn && drawn.length === 1 && drawn[0].x === step && drawn[0].to === "polish";
+        })""", arg=PIVOT, timeout=10_000)
+
+        # The read-out names each source, its probability and the sequences drawn.
+        box = page.locator("#chart-mix .u-over").bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.95, box["y"] + box["height"] * 0.5)
+        page.wait_for_selector("#tip", state="visible")
+        tip = page.inner_text("#tip")
+        assert "web <raw>" in tip and "0.20 · 4 seq" in tip and "polish" in tip
+
+        # A second mixing run: the same colour for the same source, its own dash, and a key for the dashes.
+        page.check("tr[data-run=other] input")
+        page.wait_for_function("window.andreaDashboard.charts.mix.series.some((s) => s.label === 'other mix (pydocs)')",
+                               timeout=10_000)
+        stroke_of = """([n, label]) => {
+            const s = window.andreaDashboard.charts[n].series.find((s) => s.label === label);
+            return [s._stroke, JSON.stringify(s.dash || [])];
+        }"""
+        mine, other = (page.evaluate(stroke_of, ["val_sources", f"{r} val loss (pydocs)"]) for r in ("mixed", "other"))
+        assert mine[0] == other[0] and mine[1] != other[1]
+        assert page.locator("#chart-mix").locator("xpath=..").locator(".key.sources .run-dash").all_inner_texts() == [
+            "mixed", "other"]
+        page.uncheck("tr[data-run=other] input")
+
+        # Overlaid with a run without sources: it adds no series to the per-source charts.
+        page.check("tr[data-run=old] input")
+        wait_points(page, "old loss", 40)
+        assert series_labels(page, "mix") == ["step", "mixed mix (pydocs)", "mixed mix (wordnet)", "mixed mix (web <raw>)"]
+        assert not page.locator("#chart-mix").locator("xpath=..").locator(".key.sources .run-dash").count()
+
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-sources.png"), full_page=True)
+
+        # Only the run without sources: the per-source charts go away.
+        page.uncheck("tr[data-run=mixed] input")
+        page.wait_for_function("!window.andreaDashboard.charts.mix", timeout=10_000)
+        assert source_charts_shown(page) == {"mix": False, "val_sources": False, "source_loss": False}
+
+    # A run whose records have the mixture but no eval step yet: only the charts it has data for.
+    results2 = tmp_path / "results2"
+    results2.mkdir()
+    early = [dict(mixed_record(s)) for s in range(1, 10)]
+    (results2 / "early.loss.json").write_text("".join(json.dumps({k: v for k, v in rec.items() if k != "source_loss"}) + "\n"
+                                                      for rec in early))
+    with running(results2) as srv:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/?poll=200#runs=early")
+        wait_points(page, "early loss", 9)
+        page.wait_for_function("!!window.andreaDashboard.charts.mix", timeout=10_000)
+        assert source_charts_shown(page) == {"mix": True, "val_sources": False, "source_loss": False}

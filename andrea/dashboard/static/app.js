@@ -9,13 +9,20 @@
 // Step records of a run trained in phases carry "phase"; a "pivot" event (step = the last step of the
 // finished phase, "from", "to") marks each change and is drawn on every chart; a "best" event names
 // the step of NAME.best.ckpt. Records at the eval interval carry val_loss and, for data with loss
-// masks, val_loss_assistant.
+// masks, val_loss_assistant. A run that mixes data sources adds, per step, "mix" (each source's
+// probability), "source_loss" and "source_sequences" (of the sources drawn that step) and, at the eval
+// interval, "val_loss_sources": objects keyed by source name, each drawn on a chart of its own.
 
 const params = new URLSearchParams(location.search);
 const POLL_MS = Math.max(200, Number(params.get("poll")) || 2000);
 const LIVE_AGE_S = 120;   // a loss file written this recently belongs to a run that is training
 const RATE_WINDOW = 50;   // steps over which tokens/s and the ETA are measured
 const COLORS = ["#2f6fde", "#e8743b", "#19a979", "#d64545", "#945ecf", "#13a4b4", "#c6a100", "#6c8893"];
+// Data sources have colours of their own (a source keeps its colour on every chart and for every run);
+// the runs on the per-source charts are told apart by their line's dash.
+const SOURCE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
+  "#ff9da7", "#8c8c8c"];
+const RUN_DASHES = [[], [6, 4], [2, 3], [9, 3, 2, 3]];
 // Tick spacings: whole steps and tokens; round durations for wall time.
 const COUNT_INCRS = Array.from({length: 16}, (_, e) => [1, 2, 5].map((m) => m * 10 ** e)).flat();
 const TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
@@ -31,6 +38,8 @@ let structure = "";       // what the charts were built for; a change rebuilds t
 let dataKey = "";         // what their data was built from; a change refreshes it
 let zoom = null;          // {min, max} of x chosen by dragging on a chart; double-click clears it
 let hovered = null;       // the uPlot under the mouse: only it shows the read-out
+const sourceColors = new Map();  // source name -> colour, in the order the sources were first read
+let sourceRuns = [];      // ids of the plotted runs that have per-source fields: each one's dash
 
 class Run {
   constructor(id, url) {
@@ -295,14 +304,46 @@ function columns(run) {
   const r = run.records;
   const col = (field) => r.map((rec) => (Number.isFinite(rec[field]) ? rec[field] : null));
   const loss = col("loss"), grad = col("grad_norm"), tps = col("tokens_per_s"), valAsst = col("val_loss_assistant");
+  const mix = bySource(r, "mix"), valSources = bySource(r, "val_loss_sources"), sourceLoss = bySource(r, "source_loss");
+  for (const m of [mix, valSources, sourceLoss]) for (const name of m.keys()) sourceColor(name);
   run.columns = {
     version: run.version, x: view.x, smooth: view.smooth, run,
     xs: col(view.x), loss, lossEma: ema(loss, view.smooth), val: col("val_loss"), lr: col("lr"),
     valAsst, hasAsst: valAsst.some((v) => v != null),
     grad, gradEma: ema(grad, view.smooth), tps, tpsEma: ema(tps, view.smooth),
+    mix, valSources, sourceSequences: bySource(r, "source_sequences"),
+    sourceLossEma: new Map([...sourceLoss].map(([name, v]) => [name, ema(v, view.smooth)])),
   };
   return run.columns;
 }
+
+// A per-source field of the records (an object keyed by source name) as one column per source, in
+// the order the sources first appear; null where a record lacks the source (not drawn that step, not
+// an eval step). No column for a run without the field.
+function bySource(records, field) {
+  const out = new Map();
+  records.forEach((rec, i) => {
+    const o = rec[field];
+    if (!o || typeof o !== "object" || Array.isArray(o)) return;
+    for (const [name, v] of Object.entries(o)) {
+      if (!Number.isFinite(v)) continue;
+      if (!out.has(name)) out.set(name, new Array(records.length).fill(null));
+      out.get(name)[i] = v;
+    }
+  });
+  return out;
+}
+
+function sourceColor(name) {
+  if (!sourceColors.has(name)) sourceColors.set(name, SOURCE_COLORS[sourceColors.size % SOURCE_COLORS.length]);
+  return sourceColors.get(name);
+}
+
+function runDash(id) {
+  return RUN_DASHES[Math.max(0, sourceRuns.indexOf(id)) % RUN_DASHES.length];
+}
+
+const hasSources = (c) => c.mix.size > 0 || c.valSources.size > 0 || c.sourceLossEma.size > 0;
 
 // Tokens/s and seconds per step over the last RATE_WINDOW steps: steadier than one step's figure.
 function rate(run) {
@@ -481,6 +522,28 @@ const CHARTS = [
     readout: (c, i) => [["EMA", fmtLoss(c.lossEma[i])], ["raw", fmtLoss(c.loss[i])], ["val", fmtLoss(lastMeasured(c.val, i))],
       ...(c.hasAsst ? [["val asst", fmtLoss(lastMeasured(c.valAsst, i))]] : [])],
   },
+  // The per-source charts, built only while a plotted run has their field: one series per source
+  // (`sources` gives the run's columns by source name) in the source's colour, dashed by run.
+  sourceChart({
+    name: "mix", el: "chart-mix", fmt: fmtTick, range: [0, 1], sources: (c) => c.mix,
+    series: (run, name) => ({label: `${run.id} mix (${name})`}),
+    // The probability and, where the record has it, how many of the step's sequences were drawn.
+    value: (c, name, p, i) => {
+      const n = c.sourceSequences.has(name) ? c.sourceSequences.get(name)[i] : null;
+      return `${fmtFixed(2)(p[i])}${n == null ? "" : ` · ${fmtInt(n)} seq`}`;
+    },
+  }),
+  sourceChart({
+    name: "val_sources", el: "chart-val-sources", fmt: fmtTick, logScale: true, sources: (c) => c.valSources,
+    series: (run, name) => ({label: `${run.id} val loss (${name})`, spanGaps: true,
+      points: {show: true, size: 6, width: 1.5, fill: sourceColor(name)}}),
+    value: (c, name, v, i) => fmtLoss(lastMeasured(v, i)),
+  }),
+  sourceChart({
+    name: "source_loss", el: "chart-source-loss", fmt: fmtTick, logScale: true, sources: (c) => c.sourceLossEma,
+    series: (run, name) => ({label: `${run.id} loss EMA (${name})`, spanGaps: true}),
+    value: (c, name, v, i) => fmtLoss(lastMeasured(v, i)),
+  }),
   {
     name: "lr", el: "chart-lr", fmt: (v) => (v ? v.toExponential(1) : "0"),
     table: (c) => [c.xs, c.lr],
@@ -507,6 +570,21 @@ const CHARTS = [
   },
 ];
 
+function sourceChart({sources, series, value, ...def}) {
+  return {
+    ...def, sources, shows: (c) => sources(c).size > 0,
+    table: (c) => [c.xs, ...sources(c).values()],
+    series: (run, c) => [...sources(c).keys()].map((name) => ({stroke: sourceColor(name), width: 1.5, dash: runDash(run.id),
+      ...series(run, name)})),
+    readout: (c, i) => [...sources(c)].map(([name, v]) => [sourceKey(name), value(c, name, v, i)]),
+  };
+}
+
+// A source's swatch and name, as HTML (a source's name is any string).
+function sourceKey(name) {
+  return `<span class="swatch" style="background:${sourceColor(name)}"></span>${escapeHtml(name)}`;
+}
+
 function cssVar(name) {
   return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 }
@@ -518,7 +596,11 @@ function chartData(def, cols) {
 function buildCharts(cols) {
   for (const u of Object.values(charts)) u.destroy();
   charts = {};
-  for (const def of CHARTS) document.getElementById(def.el).dataset.phases = "[]";
+  for (const def of CHARTS) {
+    const el = document.getElementById(def.el);
+    el.dataset.phases = "[]";
+    if (def.shows) el.parentNode.hidden = !cols.some(def.shows);
+  }
   if (!cols.length) return;
   const axis = {
     stroke: cssVar("--axis"),
@@ -528,12 +610,13 @@ function buildCharts(cols) {
   };
   for (const def of CHARTS) {
     const el = document.getElementById(def.el);
+    if (el.parentNode.hidden) continue;
     const log = def.logScale && view.log;
     const opts = {
       width: el.clientWidth, height: el.clientHeight,
       legend: {show: false},
       cursor: {sync: {key: "andrea"}, drag: {x: true, y: false, setScale: false}, points: {size: 7}},
-      scales: {x: {time: false}, y: log ? {distr: 3, log: 10} : {}},
+      scales: {x: {time: false}, y: log ? {distr: 3, log: 10} : def.range ? {range: def.range} : {}},
       axes: [
         {...axis, size: 32, space: view.x === "time" ? 70 : 50, values: (u, ticks) => ticks.map(X_FORMAT[view.x]),
           incrs: view.x === "time" ? TIME_INCRS : COUNT_INCRS},
@@ -557,7 +640,7 @@ function buildCharts(cols) {
 }
 
 function updateCharts(cols) {
-  for (const def of CHARTS) charts[def.name].setData(chartData(def, cols));
+  for (const def of CHARTS) if (charts[def.name]) charts[def.name].setData(chartData(def, cols));
   applyZoom();
 }
 
@@ -658,6 +741,7 @@ function showReadout(u, def) {
       if (typeof rec.phase === "string") head += ` · ${escapeHtml(rec.phase)}`;
     }
     const cells = def.readout(c, i).map(([k, v]) => `<td><span class="k">${k}</span> ${v}</td>`).join("");
+    if (!cells) continue;  // a run without sources on a per-source chart
     rows.push(`<tr><td><span class="swatch" style="background:${run.color}"></span>${escapeHtml(run.id)}</td>${cells}</tr>`);
   }
   tip.innerHTML = `<div class="head">${head}</div><table>${rows.join("")}</table>`;
@@ -682,7 +766,10 @@ function render() {
   const cols = selectedRuns().filter((r) => r.records.length).map(columns);
   document.querySelector(".charts").hidden = !cols.length;
   const dark = matchMedia("(prefers-color-scheme: dark)").matches;
-  const shape = JSON.stringify([cols.map((c) => [c.run.id, c.hasAsst]), view.x, view.log, dark]);
+  sourceRuns = cols.filter(hasSources).map((c) => c.run.id);
+  // A run without sources adds nothing to the shape: an old run's charts are built as they always were.
+  const sources = (c) => (hasSources(c) ? [[...c.mix.keys()], [...c.valSources.keys()], [...c.sourceLossEma.keys()]] : []);
+  const shape = JSON.stringify([cols.map((c) => [c.run.id, c.hasAsst, ...sources(c)]), view.x, view.log, dark]);
   renderKeys(cols);
   const data = JSON.stringify([shape, cols.map((c) => c.version), view.smooth]);
   if (shape !== structure) buildCharts(cols);
@@ -709,6 +796,36 @@ function renderKeys(cols) {
     }));
   }
   document.getElementById("key-phase").hidden = !cols.some((c) => c.run.pivots.length);
+  for (const def of CHARTS.filter((d) => d.shows)) renderSourceKey(def, cols.filter(def.shows));
+}
+
+// A per-source chart's key: a swatch and the name of each source it draws and, with more than one
+// run on it, each run's dash.
+function renderSourceKey(def, cols) {
+  const key = document.getElementById(def.el).parentNode.querySelector(".key.sources");
+  const names = new Set(cols.flatMap((c) => [...def.sources(c).keys()]));
+  const ordered = [...sourceColors.keys()].filter((name) => names.has(name));
+  const runsShown = cols.length > 1 ? cols.map((c) => c.run.id) : [];
+  const want = JSON.stringify([ordered, runsShown.map((id) => [id, runDash(id)])]);
+  if (key.dataset.drawn === want) return;
+  key.dataset.drawn = want;
+  const entries = ordered.map((name) => {
+    const item = document.createElement("span");
+    item.className = "source";
+    item.dataset.source = name;
+    item.innerHTML = sourceKey(name);
+    return item;
+  });
+  for (const id of runsShown) {
+    const item = document.createElement("span");
+    item.className = "run-dash";
+    const dash = runDash(id).join(" ");
+    item.innerHTML = `<svg width="22" height="8" aria-hidden="true"><line x1="0" y1="4" x2="22" y2="4" stroke="currentColor"
+      stroke-width="1.5" stroke-dasharray="${dash || "none"}"/></svg>`;
+    item.append(id);
+    entries.push(item);
+  }
+  key.replaceChildren(...entries);
 }
 
 function refresh(rebuild = false) {
