@@ -12,6 +12,8 @@ and each source is drawn in proportion to its tokens); W = sum W_k. Sample j of 
 (j = step * batch_size + i) is window perm_e[j mod W] with e = j // W and perm_e a permutation of
 the W windows drawn from PCG64(seed, e): each epoch visits every window once, in a fresh order.
 Resume therefore needs only the step. With one source this is exactly the single-shard scheme.
+An experiment with `mixing` draws its batches by andrea.mixing instead (docs/FIREHOSE-BANDIT.md);
+`micro_batches_of` / `micro_weights_of` read any list of windows.
 Validation reads windows 0, 1, 2, ... in order: the sources' val sets one after the other.
 
 Loss masks (DIR/<name>/train.mask.bin beside each shard, see andrea.shards): the target weights of
