@@ -114,7 +114,9 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         "experiment": {"name": exp.name, "path": exp.path, "trajectory_hash": exp.trajectory_hash()},
         "checkpoint": {**ckpt_record, "step": step, "n_params": int(params.size),
                        "vouched_for_by_state": ckpt_record["sha256"] in recorded_sha256s(state) if state else None},
-        "data": {"val": {**_file_record(val_path), "tokens": int(windows.tokens.size), "windows": windows.n_windows},
+        "data": {"val": {**(_file_record(val_path) if val_path.is_file() else  # a folder of sources without a union
+                            {"path": str(val_path), "shards": [_file_record(s) for s in windows.shards]}),
+                         "tokens": int(windows.tokens.size), "windows": windows.n_windows},
                  "tokenizer": _file_record(tokenizer_path) if tokenizer_path else None},
         "trained_on": (state or {}).get("data"),
         "tokens_per_source": _tokens_per_source(state, ckpt_record["sha256"]),
@@ -170,7 +172,8 @@ def main(args) -> int:
     report = evaluate_checkpoint(args.experiment, args.ckpt, args.data, tokenizer=args.tokenizer,
                                  engine=args.engine, n_batches=args.batches)
     write_json_atomic(args.out, report)
-    inputs = [args.ckpt, report["data"]["val"]["path"]]
+    val = report["data"]["val"]
+    inputs = [args.ckpt, *([val["path"]] if "shards" not in val else [s["path"] for s in val["shards"]])]
     if report["data"]["tokenizer"]:
         inputs.append(report["data"]["tokenizer"]["path"])
     write_manifest(

@@ -123,14 +123,18 @@ class Log:
             f.write(f"{stamp} {msg}\n")
 
 
-def data_fingerprint(data_dir: Path) -> dict:
+def data_fingerprint(data_dir: Path, *windows) -> dict:
+    """Bytes and manifest sha256 of what the run reads, keyed by path in DATA: train.bin and val.bin (a folder
+    of sources: their union), or, in a folder of sources without a union, each source's shards."""
     out = {}
-    for name in ("train.bin", "val.bin"):
-        path = data_dir / name
-        out[name] = {"bytes": path.stat().st_size}
-        manifest = path.with_name(name + ".manifest.json")
-        if manifest.is_file():
-            out[name]["sha256"] = json.loads(manifest.read_text()).get("sha256")
+    for split in windows:
+        union = data_dir / Path(split.path).name
+        for path in [union] if union.is_file() else split.shards:
+            key = str(Path(path).relative_to(data_dir)) if Path(path).is_relative_to(data_dir) else str(path)
+            out[key] = {"bytes": Path(path).stat().st_size}
+            manifest = Path(path).with_name(Path(path).name + ".manifest.json")
+            if manifest.is_file():
+                out[key]["sha256"] = json.loads(manifest.read_text()).get("sha256")
     return out
 
 
@@ -437,7 +441,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "samples_seen": step * self.exp.batch_size,
             "tokens_seen": step * self.exp.tokens_per_step,
-            "data": {"dir": str(self.data_dir), **data_fingerprint(self.data_dir)},
+            "data": {"dir": str(self.data_dir), **data_fingerprint(self.data_dir, self.train_windows, self.val_windows)},
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
             "phases": [{"name": p.name, "start": p.start, "end": p.end, "hash": p.hash(), "loss_on": p.loss_on,
                         "status": "finished" if p.end <= step else "running" if p.start < step else "waiting"}

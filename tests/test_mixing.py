@@ -317,3 +317,22 @@ def test_a_mixing_run_whose_source_has_no_validation_window_is_one_sentence(tmp_
                      str(tmp_path / "run" / "m.ckpt"), "--engine", "numpy"]) != 0
     err = capsys.readouterr().err
     assert "wordnet" in err and "10 validation tokens" in err and "Traceback" not in err
+
+
+def test_a_folder_of_sources_without_a_union_trains_and_evaluates(tmp_path, bandit_raw, two_sources):
+    """The loader finds the sources by their folders; the state's fingerprint and the eval then name each
+    source's shards."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("pydocs", "wordnet", "tokenizer.json"):
+        (data / name).symlink_to(two_sources / name)
+    raw = dict(bandit_raw, train={"steps": 3})
+    out = tmp_path / "run" / "mix.ckpt"
+    assert train(write(tmp_path, raw), data, out) == 0
+    fingerprint = json.loads(out.with_name("mix.state.json").read_text())["data"]
+    assert sorted(k for k in fingerprint if k != "dir") == ["pydocs/train.bin", "pydocs/val.bin",
+                                                           "wordnet/train.bin", "wordnet/val.bin"]
+    report = tmp_path / "eval.json"
+    assert cli_main(["eval", "--ckpt", str(out), "--data", str(data), "--out", str(report), "--engine", "numpy"]) == 0
+    val = json.loads(report.read_text())["data"]["val"]
+    assert [s["path"] for s in val["shards"]] == [str(data / "pydocs" / "val.bin"), str(data / "wordnet" / "val.bin")]
