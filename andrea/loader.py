@@ -144,6 +144,10 @@ class TokenWindows:
         start, n = int(self.window_offsets[source]), self.source_windows(source)
         return [start + (first + i) % n for i in range(batch_size)]
 
+    def source_tokens(self, source: int) -> int:
+        """How many tokens the source's shard has."""
+        return int(self._parts[source].size)
+
     def source_windows(self, source: int) -> int:
         """How many windows the source has."""
         return int(self.window_offsets[source + 1] - self.window_offsets[source])

@@ -52,7 +52,7 @@ class MixState:
     def from_json(cls, raw: dict, n_sources: int) -> "MixState":
         state = cls([int(x) for x in raw["draws"]], [float(x) for x in raw["reward"]],
                     [None if x is None else float(x) for x in raw["loss_mean"]], int(raw["updates"]),
-                    [int(x) for x in raw.get("rows", raw["draws"])])
+                    [int(x) for x in raw["rows"]])
         if len(state.draws) != n_sources:
             raise ValueError(f"a mixing state of {len(state.draws)} sources for {n_sources}")
         return state
@@ -154,7 +154,7 @@ class Mixture:
             if self.per_source[k] == 0:
                 shard = self.windows.shards[k]
                 raise AndreaError(
-                    f"{where}: the source {self.names[k]!r} ({shard}) has {self.windows._parts[k].size} tokens, fewer "
+                    f"{where}: the source {self.names[k]!r} ({shard}) has {self.windows.source_tokens(k)} tokens, fewer "
                     f"than one sequence of {self.windows.seq_len + 1}, so it can give no batch; add data to it, leave "
                     "it out of 'mixing.sources', or give it weight 0 in a fixed mix")
         spec["arms"] = arms

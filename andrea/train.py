@@ -229,7 +229,7 @@ class Trainer:
                               f"val split {', '.join(map(str, val.sources))}; rerun `andrea tokenize`")
         for k, shard in enumerate(val.shards):
             if len(val.sources) > 1 and val.source_windows(k) == 0:
-                raise AndreaError(f"{shard}: the source {val.sources[k]!r} has {val._parts[k].size} validation tokens, "
+                raise AndreaError(f"{shard}: the source {val.sources[k]!r} has {val.source_tokens(k)} validation tokens, "
                                   f"fewer than one sequence of {val.seq_len + 1}, so its validation loss cannot be "
                                   "measured; give it more data (a larger val fraction) or drop it from data.sources")
 

@@ -13,6 +13,21 @@ EXPERIMENTS = REPO / "config" / "experiments"
 N_CONVERSATIONS = 600  # embedded conversations the chat_data fixture uses
 
 
+def write_experiment(folder: Path, raw: dict, name: str) -> Path:
+    """An experiment JSON in `folder`."""
+    path = folder / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def train_numpy(experiment, data, out, *extra) -> int:
+    """`andrea train` on the NumPy engine, in-process; its exit status."""
+    from andrea.cli import main
+
+    return main(["train", "--experiment", str(experiment), "--data", str(data), "--out", str(out),
+                 "--engine", "numpy", *extra])
+
+
 def pytest_collection_modifyitems(config, items):
     from andrea.engines import cuda_available
 

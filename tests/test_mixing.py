@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import train_numpy, write_experiment
 
 from andrea.checkpoint import read_header
 from andrea.cli import main as cli_main
@@ -191,14 +192,10 @@ def bandit_raw(tiny_experiment_raw):
 
 
 def write(tmp_path, raw, name="mix.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(raw))
-    return path
+    return write_experiment(tmp_path, raw, name)
 
 
-def train(experiment, data, out, *extra):
-    return cli_main(["train", "--experiment", str(experiment), "--data", str(data), "--out", str(out),
-                     "--engine", "numpy", *extra])
+train = train_numpy
 
 
 def strip(path):

@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+from conftest import train_numpy, write_experiment
 
 from andrea.checkpoint import read_header
 from andrea.cli import main as cli_main
@@ -31,14 +32,10 @@ def two_phase(tmp_path, tiny_experiment_raw):
 
 
 def write(tmp_path, raw, name="tiny.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(raw))
-    return path
+    return write_experiment(tmp_path, raw, name)
 
 
-def train(experiment, data, out, *extra):
-    return cli_main(["train", "--experiment", str(experiment), "--data", str(data), "--out", str(out),
-                     "--engine", "numpy", *extra])
+train = train_numpy
 
 
 def test_warmup_stable_decay_learning_rates(two_phase):
