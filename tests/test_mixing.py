@@ -333,3 +333,15 @@ def test_a_folder_of_sources_without_a_union_trains_and_evaluates(tmp_path, band
     assert cli_main(["eval", "--ckpt", str(out), "--data", str(data), "--out", str(report), "--engine", "numpy"]) == 0
     val = json.loads(report.read_text())["data"]["val"]
     assert [s["path"] for s in val["shards"]] == [str(data / "pydocs" / "val.bin"), str(data / "wordnet" / "val.bin")]
+
+
+def test_a_source_drawn_past_its_last_window_starts_a_new_pass(tmp_path):
+    """No source runs out: one with a single window gives it at every draw, pass after pass."""
+    folder = source_folder(tmp_path, {"alpha": 401, "single": 9})
+    mix, windows, exp = mixture(folder, {"policy": "uniform"})
+    phase = exp.program(windows.tokens.size).phases[0]
+    state = MixState.fresh(2)
+    for step in range(5):
+        ws, sources = mix.batch(step, mix.probabilities(phase, state), state)
+        assert [w for w, k in zip(ws, sources) if k == 1] == [50] * 4  # alpha's 50 windows come first
+    assert state.draws == [20, 20]
