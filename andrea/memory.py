@@ -2,11 +2,17 @@
 
 The plan is a list of named buffers with shapes and dtypes. An engine allocates each exactly once
 (`engine.allocate(plan)`); the model schedule only ever reads and writes these buffers.
+
+Buffers of the roles in PERSISTENT_ROLES hold state from one step to the next; the others (io,
+activations, scratch) are written before they are read within every step and every forward, so
+between steps another model on the same engine may use their memory: the trainer's sampler runs on the
+training model's weights and inside its transient buffers (`engine.allocate(plan, share=...)`), with
+no memory of its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from andrea.layout import ParameterLayout
@@ -21,6 +27,7 @@ RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act":
 RECOMPUTABLE = tuple(sorted({option for option, _ in RECOMPUTED.values()}))
 # Element sizes by dtype name; bfloat16 has no NumPy dtype without ml_dtypes (CuPy brings it on GPU hosts).
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+PERSISTENT_ROLES = ("parameters", "gradients", "optimizer")  # what a step hands to the next
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,11 @@ class MemoryPlan:
     buffers: tuple[BufferSpec, ...]
     micro_batch: int
     training: bool
+    # set when every buffer lies in another model's memory (its weights and transient buffers): what, in words
+    inside: str | None = None
+
+    def sharing(self, what: str) -> "MemoryPlan":
+        return replace(self, inside=what)
 
     @property
     def total_bytes(self) -> int:
@@ -68,14 +80,47 @@ class MemoryPlan:
         for role, n in self.bytes_by_role().items():
             table.add_row(f"[dim]{role}[/dim]", "", "", "", f"{n:,}")
         table.add_row("[bold]total[/bold]", "", "", "", f"[bold]{self.total_bytes:,}[/bold] ({self.total_bytes / 2**20:.1f} MiB)")
+        if self.inside:
+            table.add_row("[bold]of its own[/bold]", "", "", "", f"[bold]0[/bold] (inside {self.inside})")
         return table
 
 
 def device_bytes(*plans: MemoryPlan) -> int:
     """Device memory of several models on one engine (the trainer's and its sampler's): each plan's own
-    buffers, and the engine's once."""
+    buffers (none for a plan inside another's memory), and the engine's once."""
     engine = {b.name: b.nbytes for p in plans for b in p.buffers if b.role == "engine"}
-    return sum(b.nbytes for p in plans for b in p.buffers if b.role != "engine") + sum(engine.values())
+    return sum(b.nbytes for p in plans if not p.inside for b in p.buffers if b.role != "engine") + sum(engine.values())
+
+
+def carve(buffers, nbytes, align: int) -> tuple[list, list[int], int]:
+    """The buffers in the order they are carved from one allocation, the kept ones first and the transient
+    ones after them (so these form one span at its end), their offsets (each `align`-aligned), the total;
+    `nbytes(b)` the bytes of a buffer on this engine."""
+    ordered = sorted(buffers, key=lambda b: b.role not in PERSISTENT_ROLES)  # stable: plan order within each
+    offsets, total = [], 0
+    for b in ordered:
+        offsets.append(total)
+        total += -(-nbytes(b) // align) * align
+    return ordered, offsets, total
+
+
+def split_shared(plan: MemoryPlan, other_bufs: dict, other_plan: MemoryPlan, own: dict = None) -> tuple[dict, list]:
+    """For a plan that shares another model's memory: its kept buffers, which must be the other's same
+    buffers (the same weights), and the list of its transient buffers, to be carved from the other's
+    transient span. `own`: buffers the engine holds itself (shared by every model anyway)."""
+    own = own or {}
+    theirs = {b.name: b for b in other_plan.buffers}
+    aliased, transient = {}, []
+    for b in plan.buffers:
+        if b.name in own:
+            continue
+        if b.role not in PERSISTENT_ROLES:
+            transient.append(b)
+        elif theirs.get(b.name) is None or (theirs[b.name].shape, theirs[b.name].dtype) != (b.shape, b.dtype):
+            raise ValueError(f"{b.name} {b.shape} {b.dtype}: the shared model has no such buffer")
+        else:
+            aliased[b.name] = other_bufs[b.name]
+    return aliased, transient
 
 
 def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,

@@ -87,7 +87,7 @@ class Model:
     """Buffers from the memory plan plus the forward/backward schedule over one engine."""
 
     def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None,
-                 recompute: tuple[str, ...] = (), graphs: bool = True, loss_chunks: int = 1):
+                 recompute: tuple[str, ...] = (), graphs: bool = True, loss_chunks: int = 1, share: "Model | None" = None):
         self.engine = engine
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
@@ -104,7 +104,11 @@ class Model:
                                recompute=tuple(recompute), loss_chunks=loss_chunks,
                                engine_buffers=engine.traits.own_buffers)
         self.recompute = tuple(recompute) if training else ()
-        self.buf = engine.allocate(self.plan)
+        # `share`: a model of the same shape on this engine whose weights this one reads and in whose transient
+        # buffers it runs between that one's steps (memory.py); ValueError when they do not fit
+        self.buf = engine.allocate(self.plan) if share is None else engine.allocate(self.plan, share=(share.buf, share.plan))
+        if share is not None:
+            self.plan = self.plan.sharing("another model's weights and transient buffers")
         self.training = training
         self._views("params", "P")
         # W: the weights the matrix products read: the low-precision copy under mixed precision, else P.

@@ -33,14 +33,17 @@ def check_vocab(tokenizer: ChatTokenizer, shape) -> None:
 
 
 class Sampler:
-    """A batch-1 inference model sharing the training model's engine and shape."""
+    """A batch-1 inference model on the training model's engine and shape. With `share` (the training
+    model), it reads that model's weights and runs inside its transient buffers between its steps: no
+    memory of its own and no weights to load (ValueError where they do not fit)."""
 
-    def __init__(self, engine, shape, tokenizer: ChatTokenizer):
+    def __init__(self, engine, shape, tokenizer: ChatTokenizer, share: Model | None = None):
         check_vocab(tokenizer, shape)
         self.engine = engine
         self.shape = shape
         self.tokenizer = tokenizer
-        self.model = Model(engine, shape, micro_batch=1, training=False)
+        self.model = Model(engine, shape, micro_batch=1, training=False, share=share)
+        self.shares_weights = share is not None
         self.stop_ids = {tokenizer.im_end_id, tokenizer.endoftext_id}
 
     def load_params(self, params: np.ndarray) -> None:

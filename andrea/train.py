@@ -208,14 +208,15 @@ class Trainer:
         self.sampler = None
         self.prompts: list[list[int]] = []
         self._setup_sampling(args.tokenizer)
-        # every buffer on the device: the training model's, and the sampler's model beside it
+        # every buffer on the device: the training model's, and the sampler's (inside it, or beside it)
         plans = [self.model.plan] + ([self.sampler.model.plan] if self.sampler else [])
+        where = "inside the training model's memory" if self.sampler and self.sampler.shares_weights else "beside it"
         if self.is_main:
             console.print(self.model.plan.render(f"Memory plan: {self.exp.name}, micro-batch {micro}"))
             if self.sampler:
-                console.print(self.sampler.model.plan.render("Memory plan: the sampler (micro-batch 1), beside it"))
+                console.print(self.sampler.model.plan.render(f"Memory plan: the sampler (micro-batch 1), {where}"))
         self.log(f"memory plan: {device_bytes(*plans):,} bytes in {sum(len(p.buffers) for p in plans)} buffers"
-                 + (" (training model and sampler; the engine's own buffers once)" if self.sampler else ""))
+                 + (f" (training model and sampler, {where}; the engine's own buffers once)" if self.sampler else ""))
         self.elapsed_before = 0.0
         self.recent_checkpoints: list[dict] = []
         self.skipped_steps: list[int] = []
@@ -267,7 +268,11 @@ class Trainer:
         if not self.prompts:
             self.log("samples: skipped (no conversation with an assistant turn in val.bin)")
             return
-        self.sampler = Sampler(self.engine, self.exp.model, tokenizer)
+        try:
+            self.sampler = Sampler(self.engine, self.exp.model, tokenizer, share=self.model)
+        except ValueError as err:  # the training model's transient buffers are too small for it
+            self.log(f"samples: the sampler needs memory of its own ({err})")
+            self.sampler = Sampler(self.engine, self.exp.model, tokenizer)
 
     # ---- start state -------------------------------------------------------------------------
     def start_step(self, stop: int) -> int:
@@ -473,7 +478,8 @@ class Trainer:
     def write_samples(self, step: int) -> None:
         from andrea.sample import training_samples
 
-        self.sampler.load_params(self.engine.to_host(self.model.buf["params"]))
+        if not self.sampler.shares_weights:
+            self.sampler.load_params(self.engine.to_host(self.model.buf["params"]))
         entry = {"step": step, "samples": training_samples(self.sampler, self.prompts, seed=self.exp.seed, step=step)}
         history = json.loads(self.files.samples.read_text()) if self.files.samples.exists() else []
         history = [h for h in history if h["step"] < step] + [entry]

@@ -7,7 +7,7 @@ Correctness (every op against float64 NumPy, training, determinism, memory, resu
 `python3 -m pytest -m gpu`. This script only measures:
   device    the GPU, its driver and runtime versions
   ceilings  cuBLAS rate (8192^3) per precision and device-to-device copy bandwidth, measured here
-  memory    the trainer's memory plan (training model + sampler) against CuPy's pool and the device
+  memory    the trainer's memory plan (training model, the sampler inside it) against CuPy's pool and the device
   bench     train_step at 12M (B=32, T=512) and 120M (B=8, T=1024) per precision; each op of the real step
             (recorded by andrea.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
             (andrea/ops); the PyTorch peer's variants in the same call
@@ -141,14 +141,16 @@ def memory():
             engine = CudaEngine(precision=precision)
             shape = EXPERIMENTS[name].model
             model = Model(engine, shape, BENCH[name], **options(name, precision))
-            sampler = Sampler(engine, shape, SimpleNamespace(vocab_size=shape.vocab_size, im_end_id=1, endoftext_id=0))
+            # as the trainer runs it: inside the training model's memory
+            sampler = Sampler(engine, shape, SimpleNamespace(vocab_size=shape.vocab_size, im_end_id=1, endoftext_id=0),
+                              share=model)
             plan = device_bytes(model.plan, sampler.model.plan)
             entry = {"micro_batch": BENCH[name], "plan_bytes": plan, "training_plan_bytes": model.plan.total_bytes,
                      "sampler_plan_bytes": sampler.model.plan.total_bytes, "engine_own_bytes": engine.own_bytes,
                      "pool_bytes": pool.total_bytes() - before}
             out[f"{name}/{precision}"] = entry
-            log(f"{name}/{precision} B={BENCH[name]}: plan {plan / 2**20:,.1f} MiB (sampler "
-                f"{entry['sampler_plan_bytes'] / 2**20:,.1f} MiB, the engine's own {engine.own_bytes / 2**20:.1f} MiB); "
+            log(f"{name}/{precision} B={BENCH[name]}: plan {plan / 2**20:,.1f} MiB (the sampler's "
+                f"{entry['sampler_plan_bytes'] / 2**20:,.1f} MiB inside it, the engine's own {engine.own_bytes / 2**20:.1f} MiB); "
                 f"pool {entry['pool_bytes'] / 2**20:,.1f} MiB")
             del model, sampler, engine
     free_device_memory()

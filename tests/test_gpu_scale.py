@@ -103,7 +103,8 @@ def test_deterministic_at_the_experiment_shape(engines, precision, name, micro, 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(BENCH_BATCH))
 def test_the_plan_is_the_device_memory_and_a_step_allocates_nothing(name, precision):
-    """The trainer's printed plan (training model + sampler) against what CuPy's pool hands out for both."""
+    """The trainer's printed plan (training model + the sampler inside its memory) against what CuPy's pool hands
+    out for both: the sampler allocates nothing."""
     import cupy
 
     from andrea.engines.cuda_engine import ALIGN, CudaEngine
@@ -115,20 +116,21 @@ def test_the_plan_is_the_device_memory_and_a_step_allocates_nothing(name, precis
     pool = cupy.get_default_memory_pool()
     before = pool.total_bytes()
     engine = CudaEngine(precision=precision)
-    own = engine.own_bytes
     shape = EXPERIMENT[name].model
     model = Model(engine, shape, BENCH_BATCH[name], **options(name, precision))
     tokenizer = SimpleNamespace(vocab_size=shape.vocab_size, im_end_id=1, endoftext_id=0)  # what Sampler reads of one
-    sampler = Sampler(engine, shape, tokenizer).model.plan
+    with_model = pool.total_bytes()
+    sampler = Sampler(engine, shape, tokenizer, share=model).model.plan
+    assert pool.total_bytes() == with_model and sampler.inside
     model.load_state(init_params(model.layout, 0))
     step_allocations(model, step=0)
     counts = step_allocations(model, step=1)
     assert counts["pool_requests"] == 0 and counts["used_after"] == counts["used_before"]
     planned = device_bytes(model.plan, sampler)  # what the trainer prints
     grown = pool.total_bytes() - before
-    assert planned == model.plan.total_bytes + sampler.total_bytes - own
-    padding = ALIGN * (len(model.plan.buffers) + len(sampler.buffers))
-    print(f"\n{name} {precision}: plan {planned / 2**20:,.1f} MiB (sampler {sampler.total_bytes / 2**20:,.1f} MiB), "
+    assert planned == model.plan.total_bytes
+    padding = ALIGN * len(model.plan.buffers)
+    print(f"\n{name} {precision}: plan {planned / 2**20:,.1f} MiB (the sampler's {sampler.total_bytes / 2**20:,.1f} MiB inside it), "
           f"pool {grown / 2**20:,.1f} MiB")
     assert planned <= grown <= planned + padding + 2**20  # CuPy rounds each allocation to 512 bytes
     del model, engine

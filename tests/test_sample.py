@@ -124,3 +124,73 @@ def test_sample_errors_are_one_sentence(checkpoint, capsys, change, message):
     assert cli(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sampler_inside_the_training_models_memory_generates_what_one_of_its_own_does(chat):
+    from andrea.memory import device_bytes
+    from andrea.model import Model
+
+    engine = NumpyEngine()
+    shape = load_experiment(TINY).model
+    trainer = Model(engine, shape, micro_batch=4)
+    trainer.load_state(init_params(trainer.layout, 7))
+    inside = Sampler(engine, shape, chat, share=trainer)
+    own = sampler_with(trainer.host_state()[0], chat)
+    assert inside.model.buf["params"] is trainer.buf["params"]
+    assert device_bytes(trainer.plan, inside.model.plan) == trainer.plan.total_bytes
+    prompt = chat.encode_prompt([{"role": "user", "content": "How do I sort a list?"}])
+    for seed in range(3):
+        kwargs = dict(max_new_tokens=12, temperature=1.0, top_k=20)
+        assert inside.generate(prompt, rng=np.random.default_rng(seed), **kwargs) == \
+            own.generate(prompt, rng=np.random.default_rng(seed), **kwargs)
+    with pytest.raises(ValueError, match="no such buffer"):
+        Sampler(engine, load_experiment(REPO / "config" / "experiments" / "ANDREA-12M-TRAIN.json").model, chat,
+                share=trainer)
+
+
+def fill_transient(model, byte: int = 0xFF) -> None:
+    """Overwrite every transient buffer of the model's plan (io, activations, scratch) with `byte`."""
+    from andrea.memory import PERSISTENT_ROLES
+
+    e = model.engine
+    if e.name == "numpy":
+        next(model.buf[b.name].base for b in model.plan.buffers if b.role not in PERSISTENT_ROLES).fill(byte)
+    else:
+        import cupy
+
+        start, size = e._transient_span(model.buf, model.plan)
+        cupy.cuda.runtime.memsetAsync(start.ptr, byte, size, cupy.cuda.get_current_stream().ptr)
+
+
+@pytest.mark.parametrize("engine, precision", [("numpy", "fp32"), pytest.param("cuda", "fp32", marks=pytest.mark.gpu),
+                                               pytest.param("cuda", "bf16", marks=pytest.mark.gpu)])
+def test_no_step_reads_what_an_earlier_one_left_in_the_transient_buffers(tmp_path, chat_data, monkeypatch, engine,
+                                                                         precision):
+    """What lets the sampler run inside the training model's memory: a run whose transient buffers are filled
+    with NaN bytes after every step, a run that samples every other step, and a run that never samples
+    write the same checkpoint."""
+    from andrea.model import Model
+
+    raw = json.loads(TINY.read_text())
+    raw.update(train={"steps": 8}, precision=precision)
+    out = {}
+    for name, sample_every in (("plain", 0), ("sampling", 2), ("garbage", 0)):
+        raw["intervals"] = {"checkpoint": 0, "sample": sample_every, "eval": 3, "eval_batches": 2}
+        experiment = tmp_path / f"{name}.json"
+        experiment.write_text(json.dumps(raw))
+        if name == "garbage":
+            original = Model.train_step
+
+            def step_then_garbage(self, *args, **kwargs):
+                result = original(self, *args, **kwargs)
+                fill_transient(self)
+                return result
+
+            monkeypatch.setattr(Model, "train_step", step_then_garbage)
+        out[name] = tmp_path / name / "tiny.ckpt"
+        assert cli(["train", "--experiment", str(experiment), "--data", str(chat_data), "--out", str(out[name]),
+                    "--engine", engine]) == 0
+    log = (tmp_path / "sampling" / "tiny.log").read_text()
+    assert "inside the training model's memory" in log
+    assert json.loads((tmp_path / "sampling" / "tiny.samples.json").read_text())[-1]["step"] == 8
+    assert out["sampling"].read_bytes() == out["plain"].read_bytes() == out["garbage"].read_bytes()

@@ -29,7 +29,7 @@ from andrea.engines.cublas import Cublas, CublasLt
 from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
 from andrea.kernels_build import build_options, kernel_dir, kernel_source
-from andrea.memory import BufferSpec
+from andrea.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, grad_norm, layernorm, loss, mlp, residual_add
 from andrea.ops.base import ELEMENTWISE_THREADS, blocks, ptr
 from andrea.precision import PRECISIONS
@@ -107,19 +107,38 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.k[name]((grid,), (threads,), args)
 
     # ---- buffers -------------------------------------------------------------------------
-    def allocate(self, plan):
+    def allocate(self, plan, share=None):
         """Every plan buffer, carved from one device allocation (each 256-byte aligned), zero-filled;
-        the engine's own buffers, which the plan lists too, are the ones it already holds."""
-        carved = [b for b in plan.buffers if b.name not in self.own]
-        offsets, total = [], 0
-        for b in carved:
-            offsets.append(total)
-            total += -(-b.nbytes // ALIGN) * ALIGN
+        the engine's own buffers, which the plan lists too, are the ones it already holds.
+
+        `share` = (buffers, plan) of another model on this engine: the plan's weights are that model's, and
+        its transient buffers are carved from that model's transient span (memory.carve puts it last),
+        which this model may use between that one's steps; nothing is allocated (ValueError if it does
+        not fit)."""
+        own = {b.name: self.own[b.name] for b in plan.buffers if b.name in self.own}
+        if share is not None:
+            other_bufs, other_plan = share
+            bufs, transient = split_shared(plan, other_bufs, other_plan, self.own)
+            start, size = self._transient_span(other_bufs, other_plan)
+            _, offsets, total = carve(transient, lambda b: b.nbytes, ALIGN)
+            if total > size:
+                raise ValueError(f"the transient buffers need {total:,} bytes, the shared model's span has {size:,}")
+            bufs.update({b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=start + off)
+                         for b, off in zip(transient, offsets)})
+            return {**bufs, **own}
+        carved, offsets, total = carve([b for b in plan.buffers if b.name not in self.own], lambda b: b.nbytes, ALIGN)
         arena = cupy.cuda.alloc(total)
         cupy.cuda.runtime.memsetAsync(arena.ptr, 0, total, cupy.cuda.get_current_stream().ptr)
         bufs = {b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=arena + off) for b, off in zip(carved, offsets)}
-        bufs.update({b.name: self.own[b.name] for b in plan.buffers if b.name in self.own})
-        return bufs
+        return {**bufs, **own}
+
+    def _transient_span(self, bufs, plan):
+        """(pointer, bytes) of the transient buffers allocate() carved for `plan`: the end of its allocation."""
+        carved, offsets, total = carve([b for b in plan.buffers if b.name not in self.own], lambda b: b.nbytes, ALIGN)
+        first = next((i for i, b in enumerate(carved) if b.role not in PERSISTENT_ROLES), len(carved))
+        if first == len(carved):
+            raise ValueError("the shared model has no transient buffers")
+        return bufs[carved[first].name].data, total - offsets[first]
 
     # ---- graphs ------------------------------------------------------------------------------
     def capture(self, fn):

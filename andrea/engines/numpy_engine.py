@@ -7,11 +7,17 @@ Shapes: B micro-batch, T sequence, C model width, H heads, V vocab. Activations 
 
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 from andrea.engines.cpu_blas import BlockedProducts
 from andrea.engines.protocol import EngineTraits
+from andrea.memory import PERSISTENT_ROLES, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, grad_norm, layernorm, loss, mlp, residual_add
+
+
+ARENA_ALIGN = 64  # bytes: each transient buffer's start in its byte array
 
 
 class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.NumpyOps, attn_out.NumpyOps,
@@ -27,9 +33,31 @@ class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.Nu
         self.products = BlockedProducts(threads)
         self.mm = self.products.matmul
 
-    def allocate(self, plan):
-        dt = {"float32": self.dtype}  # a float64 engine runs the whole plan in float64
-        return {b.name: np.zeros(b.shape, dtype=dt.get(b.dtype, np.dtype(b.dtype))) for b in plan.buffers}
+    def allocate(self, plan, share=None):
+        """The plan's buffers, zero-filled: the kept ones each on its own, the transient ones carved from one
+        byte array; with `share` = (buffers, plan) of another model, the weights are that model's and the
+        transient buffers are carved from its byte array (the `.base` of each transient view; as
+        CudaEngine.allocate)."""
+        if share is not None:
+            other_bufs, other_plan = share
+            bufs, transient = split_shared(plan, other_bufs, other_plan)
+            arena = next(other_bufs[b.name].base for b in other_plan.buffers if b.role not in PERSISTENT_ROLES)
+        else:
+            bufs = {b.name: np.zeros(b.shape, dtype=self._dtype(b)) for b in plan.buffers if b.role in PERSISTENT_ROLES}
+            transient = [b for b in plan.buffers if b.role not in PERSISTENT_ROLES]
+        _, offsets, total = carve(transient, lambda b: prod(b.shape) * self._dtype(b).itemsize, ARENA_ALIGN)
+        if share is None:
+            arena = np.zeros(total, dtype=np.uint8)
+        elif total > arena.size:
+            raise ValueError(f"the transient buffers need {total:,} bytes, the shared model's span has {arena.size:,}")
+        for b, off in zip(transient, offsets):
+            n = prod(b.shape) * self._dtype(b).itemsize
+            bufs[b.name] = arena[off: off + n].view(self._dtype(b)).reshape(b.shape)
+        return {b.name: bufs[b.name] for b in plan.buffers}
+
+    def _dtype(self, b) -> np.dtype:
+        """A float64 engine runs the whole plan in float64."""
+        return self.dtype if b.dtype == "float32" else np.dtype(b.dtype)
 
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a)
