@@ -345,3 +345,35 @@ def test_a_source_drawn_past_its_last_window_starts_a_new_pass(tmp_path):
         ws, sources = mix.batch(step, mix.probabilities(phase, state), state)
         assert [w for w, k in zip(ws, sources) if k == 1] == [50] * 4  # alpha's 50 windows come first
     assert state.draws == [20, 20]
+
+
+def strip_mixing(state_path):
+    """The state as runs wrote it before mixing existed."""
+    state = json.loads(state_path.read_text())
+    for entry in [state] + state["checkpoints"]:
+        entry.pop("mixing", None)
+        entry.pop("tokens_per_source", None)
+    state_path.write_text(json.dumps(state))
+
+
+def test_a_run_from_before_mixing_resumes_with_its_rows_per_source_counted_again(tmp_path, tiny_experiment_raw,
+                                                                                 two_sources, capsys):
+    raw = dict(tiny_experiment_raw, train={"steps": 8})
+    raw["intervals"] = {"checkpoint": 0, "sample": 0, "eval": 0, "eval_batches": 1}
+    experiment = write(tmp_path, raw)
+    whole, part = tmp_path / "whole" / "mix.ckpt", tmp_path / "part" / "mix.ckpt"
+    assert train(experiment, two_sources, whole) == 0
+    assert train(experiment, two_sources, part, "--max-steps", "4") == 0
+    strip_mixing(part.with_name("mix.state.json"))
+    assert train(experiment, two_sources, part, "--resume") == 0
+    assert part.read_bytes() == whole.read_bytes()
+    done = json.loads(part.with_name("mix.state.json").read_text())
+    assert done["tokens_per_source"] == json.loads(whole.with_name("mix.state.json").read_text())["tokens_per_source"]
+    # a mixing run cannot be resumed from such a state: its draws and rewards are gone
+    mixing = write(tmp_path, dict(raw, mixing={"policy": "bandit"}), "bandit.json")
+    run = tmp_path / "bandit" / "mix.ckpt"
+    assert train(mixing, two_sources, run, "--max-steps", "4") == 0
+    strip_mixing(run.with_name("mix.state.json"))
+    capsys.readouterr()
+    assert train(mixing, two_sources, run, "--resume") != 0
+    assert "holds no mixing state for step 4" in capsys.readouterr().err
