@@ -114,8 +114,8 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         "experiment": {"name": exp.name, "path": exp.path, "trajectory_hash": exp.trajectory_hash()},
         "checkpoint": {**ckpt_record, "step": step, "n_params": int(params.size),
                        "vouched_for_by_state": ckpt_record["sha256"] in recorded_sha256s(state) if state else None},
-        "data": {"val": {**(_file_record(val_path) if val_path.is_file() else  # a folder of sources without a union
-                            {"path": str(val_path), "shards": [_file_record(s) for s in windows.shards]}),
+        "data": {"val": {**(_file_record(val_path) if windows.files == [val_path] else  # sources without a union
+                            {"path": str(val_path), "shards": [_file_record(s) for s in windows.files]}),
                          "tokens": int(windows.tokens.size), "windows": windows.n_windows},
                  "tokenizer": _file_record(tokenizer_path) if tokenizer_path else None},
         "trained_on": (state or {}).get("data"),

@@ -144,6 +144,12 @@ class TokenWindows:
         start, n = int(self.window_offsets[source]), self.source_windows(source)
         return [start + (first + i) % n for i in range(batch_size)]
 
+    @property
+    def files(self) -> list[Path]:
+        """What the split is read from, as the run's records name it: DIR/<split>.bin (one source, or the
+        union of several) where it exists, else each source's shard (a folder of sources without a union)."""
+        return [Path(self.path)] if Path(self.path).is_file() else list(self.shards)
+
     def source_tokens(self, source: int) -> int:
         """How many tokens the source's shard has."""
         return int(self._parts[source].size)

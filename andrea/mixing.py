@@ -124,8 +124,8 @@ class Mixture:
         self.windows = windows
         self.seed, self.batch_size = seed, batch_size
         self.names = [name or "data" for name in windows.sources]
-        self.per_source = [int(windows.window_offsets[k + 1] - windows.window_offsets[k]) for k in range(len(self.names))]
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self.per_source = [windows.source_windows(k) for k in range(len(self.names))]
+        self._passes: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its permutation): the current one
         self.policies = {phase.name: self._check(phase.mixing, f"{where}: phase {phase.name!r}")
                          for phase in program.phases}
 
@@ -193,13 +193,11 @@ class Mixture:
         """The source's n-th draw: its windows in a fresh permutation per pass, from PCG64(seed, MIX_STREAM,
         crc32(name), pass), so a source's order does not depend on which other sources are there."""
         epoch, index = divmod(n, self.per_source[k])
-        perm = self._perms.get((k, epoch))
-        if perm is None:
-            if len(self._perms) > 4 * len(self.names):
-                self._perms.clear()
+        if self._passes.get(k, (None,))[0] != epoch:
             stream = zlib.crc32(self.names[k].encode())
             rng = np.random.Generator(np.random.PCG64([self.seed, MIX_STREAM, stream, epoch]))
-            perm = self._perms[(k, epoch)] = rng.permutation(self.per_source[k])
+            self._passes[k] = (epoch, rng.permutation(self.per_source[k]))
+        perm = self._passes[k][1]
         return int(self.windows.window_offsets[k] + perm[index])
 
     # ---- after the step --------------------------------------------------------------------------

@@ -128,11 +128,10 @@ def data_fingerprint(data_dir: Path, *windows) -> dict:
     of sources: their union), or, in a folder of sources without a union, each source's shards."""
     out = {}
     for split in windows:
-        union = data_dir / Path(split.path).name
-        for path in [union] if union.is_file() else split.shards:
-            key = str(Path(path).relative_to(data_dir)) if Path(path).is_relative_to(data_dir) else str(path)
-            out[key] = {"bytes": Path(path).stat().st_size}
-            manifest = Path(path).with_name(Path(path).name + ".manifest.json")
+        for path in split.files:
+            key = str(path.relative_to(data_dir))
+            out[key] = {"bytes": path.stat().st_size}
+            manifest = path.with_name(path.name + ".manifest.json")
             if manifest.is_file():
                 out[key]["sha256"] = json.loads(manifest.read_text()).get("sha256")
     return out
@@ -228,8 +227,8 @@ class Trainer:
         if val.sources != train.sources:
             raise AndreaError(f"{self.data_dir}: the train split has the sources {', '.join(map(str, train.sources))} but the "
                               f"val split {', '.join(map(str, val.sources))}; rerun `andrea tokenize`")
-        for k, shard in enumerate(val.shards):
-            if len(val.sources) > 1 and val.source_windows(k) == 0:
+        for k, shard in enumerate(val.shards if len(val.sources) > 1 else ()):
+            if val.source_windows(k) == 0:
                 raise AndreaError(f"{shard}: the source {val.sources[k]!r} has {val.source_tokens(k)} validation tokens, "
                                   f"fewer than one sequence of {val.seq_len + 1}, so its validation loss cannot be "
                                   "measured; give it more data (a larger val fraction) or drop it from data.sources")
@@ -359,8 +358,8 @@ class Trainer:
         skipped = set(self.skipped_steps)
         for s in range(step):
             if s + 1 not in skipped:
-                for w in self.train_windows.batch_windows(s, self.exp.batch_size):
-                    state.rows[self.train_windows.window_source(w)] += 1
+                for k in self.train_windows.train_sources(s, self.exp.batch_size):
+                    state.rows[k] += 1
         return state
 
     def _check_phases(self, state: dict, step: int) -> None:
@@ -582,7 +581,7 @@ class Trainer:
         for k, c in enumerate(counts):
             self.mix_state.rows[k] += int(c)
         fields = {}
-        if self.model.source_loss_sums is not None and len(self.mixture.names) > 1:
+        if self.model.source_loss_sums is not None:  # a step over several sources (see the loop)
             sums, weights = self.model.source_loss_sums
             source_loss = {k: float(sums[k] / weights[k]) for k in range(len(sums)) if weights[k] > 0}
             if probs is not None:

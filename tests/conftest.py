@@ -13,7 +13,7 @@ EXPERIMENTS = REPO / "config" / "experiments"
 N_CONVERSATIONS = 600  # embedded conversations the chat_data fixture uses
 
 
-def write_experiment(folder: Path, raw: dict, name: str) -> Path:
+def write_experiment(folder: Path, raw: dict, name: str = "experiment.json") -> Path:
     """An experiment JSON in `folder`."""
     path = folder / name
     path.write_text(json.dumps(raw))
@@ -56,47 +56,52 @@ def repetitive_data(tmp_path):
     return folder
 
 
-@pytest.fixture(scope="session")
-def chat_data(tmp_path_factory):
-    """The data stages, in-process, on the first conversations of the embedded corpus: a folder
-    with train.bin, val.bin and a 512-token tokenizer.json, as `andrea tokenize` leaves it."""
-    from andrea.data.embedded_corpus import corpus_file
+def data_stages(root: Path, chats, vocab_size: int, val_fraction: float = 0.1) -> Path:
+    """pull-hermes3, prep-megachat, train-tokenizer and tokenize, in-process: one JSONL file gives the
+    single-folder layout (ROOT/raw.parquet, ROOT/megachat, ROOT/tokens), {name: JSONL} a folder of sources
+    (ROOT/<name>/raw.parquet, ROOT/<name>/megachat, ROOT/tokens/<name>/); returns ROOT/tokens."""
     from andrea.data.prep_megachat import prep_megachat
     from andrea.data.pull_hermes3 import pull_hermes3
     from andrea.data.tokenize_shards import tokenize
     from andrea.data.train_tokenizer import train_tokenizer
 
-    root = tmp_path_factory.mktemp("chat_data")
-    corpus = corpus_file("pydocs")
-    with gzip.open(corpus, "rt") as f:
-        (root / "chats.jsonl").write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
-    pull_hermes3(str(root / "chats.jsonl"), root / "raw.parquet")
-    prep_megachat(root / "raw.parquet", root / "megachat", val_fraction=0.1)
+    named = chats if isinstance(chats, dict) else {None: chats}
+    megachat = {}
+    for name, path in named.items():
+        where = root if name is None else root / name
+        pull_hermes3(str(path), where / "raw.parquet")
+        prep_megachat(where / "raw.parquet", where / "megachat", val_fraction=val_fraction)
+        megachat[name] = where / "megachat"
     tokens = root / "tokens"
-    train_tokenizer(root / "megachat" / "train.parquet", 512, tokens / "tokenizer.json")
-    tokenize(tokens / "tokenizer.json", root / "megachat", tokens, threads=1)
+    if None in megachat:
+        train_tokenizer(megachat[None] / "train.parquet", vocab_size, tokens / "tokenizer.json")
+        tokenize(tokens / "tokenizer.json", megachat[None], tokens, threads=1)
+    else:
+        train_tokenizer([m / "train.parquet" for m in megachat.values()], vocab_size, tokens / "tokenizer.json")
+        tokenize(tokens / "tokenizer.json", None, tokens, threads=1, sources=megachat)
     return tokens
+
+
+def embedded_chats(path: Path, domain: str) -> Path:
+    """The first N_CONVERSATIONS conversations of an embedded domain, as a JSONL file at `path`."""
+    from andrea.data.embedded_corpus import corpus_file
+
+    with gzip.open(corpus_file(domain), "rt") as f:
+        path.write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """The data stages, in-process, on the first conversations of the embedded corpus: a folder
+    with train.bin, val.bin and a 512-token tokenizer.json, as `andrea tokenize` leaves it."""
+    root = tmp_path_factory.mktemp("chat_data")
+    return data_stages(root, embedded_chats(root / "chats.jsonl", "pydocs"), 512)
 
 
 @pytest.fixture(scope="session")
 def two_sources(tmp_path_factory):
     """The data stages, in-process, on the first conversations of both embedded domains: a folder of
     two sources (pydocs/, wordnet/ with shards and masks, their union, a 512-token tokenizer.json)."""
-    from andrea.data.embedded_corpus import corpus_file
-    from andrea.data.prep_megachat import prep_megachat
-    from andrea.data.pull_hermes3 import pull_hermes3
-    from andrea.data.tokenize_shards import tokenize
-    from andrea.data.train_tokenizer import train_tokenizer
-
     root = tmp_path_factory.mktemp("two_sources")
-    megachat = {}
-    for name in ("pydocs", "wordnet"):
-        with gzip.open(corpus_file(name), "rt") as f:
-            (root / f"{name}.jsonl").write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
-        pull_hermes3(str(root / f"{name}.jsonl"), root / name / "raw.parquet")
-        prep_megachat(root / name / "raw.parquet", root / name / "megachat", val_fraction=0.1)
-        megachat[name] = root / name / "megachat"
-    tokens = root / "tokens"
-    train_tokenizer([m / "train.parquet" for m in megachat.values()], 512, tokens / "tokenizer.json")
-    tokenize(tokens / "tokenizer.json", None, tokens, threads=1, sources=megachat)
-    return tokens
+    return data_stages(root, {name: embedded_chats(root / f"{name}.jsonl", name) for name in ("pydocs", "wordnet")}, 512)

@@ -5,12 +5,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import data_stages
 
 from andrea.data.chatml import IM_END, ChatTokenizer
-from andrea.data.prep_megachat import prep_megachat
-from andrea.data.pull_hermes3 import pull_hermes3
-from andrea.data.tokenize_shards import tokenize
-from andrea.data.train_tokenizer import train_tokenizer
 from andrea.errors import AndreaError
 from andrea.manifest import lineage, lineage_ok, read_manifest
 from andrea.shards import HEADER_INTS, MASK_MAGIC, mask_path, mask_writer, read_mask, read_shard, write_shard
@@ -36,11 +33,7 @@ def shards(tmp_path_factory):
         key = "value" if "conversations" in row else "content"
         turns[-1] = {**turns[-1], key: f"{turns[-1][key]} ({row['source']})"}
     (root / "chats.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    pull_hermes3(str(root / "chats.jsonl"), root / "raw.parquet")
-    prep_megachat(root / "raw.parquet", root / "megachat", val_fraction=0.2)
-    tokens = root / "tokens"
-    train_tokenizer(root / "megachat" / "train.parquet", 400, tokens / "tokenizer.json")
-    tokenize(tokens / "tokenizer.json", root / "megachat", tokens, threads=1)
+    data_stages(root, root / "chats.jsonl", 400, val_fraction=0.2)
     return root
 
 

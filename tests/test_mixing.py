@@ -191,10 +191,7 @@ def bandit_raw(tiny_experiment_raw):
     return raw
 
 
-def write(tmp_path, raw, name="mix.json"):
-    return write_experiment(tmp_path, raw, name)
-
-
+write = write_experiment  # write(tmp_path, raw[, name]): an experiment JSON
 train = train_numpy
 
 

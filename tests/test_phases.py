@@ -31,10 +31,7 @@ def two_phase(tmp_path, tiny_experiment_raw):
     return raw
 
 
-def write(tmp_path, raw, name="tiny.json"):
-    return write_experiment(tmp_path, raw, name)
-
-
+write = write_experiment  # write(tmp_path, raw[, name]): an experiment JSON
 train = train_numpy
 
 
