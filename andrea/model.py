@@ -15,6 +15,7 @@ import numpy as np
 from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
 from andrea.memory import RECOMPUTED, plan_model
+from andrea.ops import fp8
 
 INIT_STD = 0.02
 
@@ -99,10 +100,11 @@ class Model:
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
+        fp8_buffers = fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model) if engine.traits.fp8_products else ()
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
                                recompute=tuple(recompute), loss_chunks=loss_chunks,
-                               engine_buffers=engine.traits.own_buffers)
+                               engine_buffers=engine.traits.own_buffers + fp8_buffers)
         self.recompute = tuple(recompute) if training else ()
         # `share`: a model of the same shape on this engine whose weights this one reads and in whose transient
         # buffers it runs between that one's steps (memory.py); ValueError when they do not fit

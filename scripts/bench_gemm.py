@@ -1,9 +1,13 @@
 """Every matrix product of one ANDREA training step, timed alone through the CUDA engine's cuBLAS handle.
 
-    PYTHONPATH=. python3 scripts/bench_gemm.py [--shape 120M] [--batch 8] [--precision bf16]
+    PYTHONPATH=. python3 scripts/bench_gemm.py [--shape 120M] [--batch 8] [--precision bf16] [--lt] [--fp8]
 
 Each product runs 20 times inside one CUDA graph (no host launch cost in the numbers); the table gives
 the median time per product over 5 graph launches and the rate it reaches. Run on a CUDA machine.
+--lt also times each product through cuBLASLt, every algorithm its heuristic offers (up to 8), against the
+engine's cublasGemmEx; --fp8 times each product's shape on FP8 operands through cuBLASLt (E4M3 x E4M3 for
+the forward products, E5M2 gradients x E4M3 for the backward ones; both operands K-major, as Hopper's FP8
+products take them), with the output type the engine writes there.
 """
 
 from __future__ import annotations
@@ -51,6 +55,32 @@ def timed_ms(engine, fn) -> float:
     return graph_ms(engine, fn, reps=5, inner=REPEATS)
 
 
+def lt_algorithms(engine, c, a, b, m, n, k, ta, tb, beta) -> list[float]:
+    """Each cuBLASLt algorithm's time for the product (the heuristic's order; empty where it offers none)."""
+    lt = engine.blas_lt
+    kw = dict(trans_a=ta, trans_b=tb, beta=beta)
+    return [round(timed_ms(engine, lambda i=i: lt.gemm(c, a, b, m, n, k, algo=i, **kw)), 4)
+            for i in range(lt.algorithms(c, a, b, m, n, k, **kw))]
+
+
+def fp8_ms(engine, m, n, k, out32, rng, backward: bool) -> float | None:
+    """The product C[m, n] = A[m, k] @ B[n, k]^T on FP8 operands with unit scales (None where cuBLASLt has
+    no algorithm): A E5M2 for a backward product (a gradient), else E4M3; B E4M3."""
+    import cupy
+    import ml_dtypes
+
+    a_type = "e5m2" if backward else "e4m3"
+    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+    a = cupy.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(dt[a_type]).view(np.uint8))
+    b = cupy.asarray(rng.standard_normal((n, k), dtype=np.float32).astype(dt["e4m3"]).view(np.uint8))
+    c = cupy.asarray(rng.standard_normal((m, n), dtype=np.float32).astype("float32" if out32 else "bfloat16"))
+    one = cupy.ones(1, dtype=np.float32)
+    kw = dict(trans_b=True, a_type=a_type, b_type="e4m3", a_scale=one, b_scale=one, beta=1.0 if out32 else 0.0)
+    if not engine.blas_lt.gemm(c, a, b, m, n, k, **kw):
+        return None
+    return round(timed_ms(engine, lambda: engine.blas_lt.gemm(c, a, b, m, n, k, **kw)), 4)
+
+
 def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
     """The MLP's two GELU products both ways: cuBLASLt's epilogue, or the plain product and the GELU kernel."""
     import cupy
@@ -83,6 +113,8 @@ def main() -> int:
     parser.add_argument("--shape", default="120M", choices=("12M", "120M"))
     parser.add_argument("--batch", type=int, default=None, help="micro-batch (default: 8 for 120M, 32 for 12M)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
+    parser.add_argument("--lt", action="store_true", help="also every cuBLASLt algorithm for each product")
+    parser.add_argument("--fp8", action="store_true", help="also each product's shape on FP8 operands")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     raw = json.loads((REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json").read_text())
@@ -103,9 +135,22 @@ def main() -> int:
             kw.update(batch=batch, stride_a=0, stride_b=b[0].size, stride_c=c[0].size)
         ms = timed_ms(engine, lambda: engine.blas.gemm(c, a, b, m, n, k, **kw))
         flops = 2 * m * n * k * batch
-        rows.append({"product": name, "m": m, "n": n, "k": k, "batch": batch, "ms": round(ms, 4),
-                     "tflop_s": round(flops / ms / 1e9, 1)})
-        print(f"{name:24} {m:>6} x {n:>6} x {k:>6} (x{batch})  {ms:8.4f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+        row = {"product": name, "m": m, "n": n, "k": k, "batch": batch, "ms": round(ms, 4),
+               "tflop_s": round(flops / ms / 1e9, 1)}
+        line = f"{name:24} {m:>6} x {n:>6} x {k:>6} (x{batch})  {ms:8.4f} ms  {flops / ms / 1e9:6.1f} TFLOP/s"
+        if args.lt and batch == 1:
+            lt = lt_algorithms(engine, c[0], a, b[0], m, n, k, ta, tb, kw["beta"])
+            row["lt_ms"] = lt
+            if lt:
+                line += f" | cuBLASLt algos {' '.join(f'{t:.4f}' for t in lt)}"
+        if args.fp8:
+            # a batch of 3 (Q, K, V) is one product of 3n columns
+            f8 = fp8_ms(engine, m, n * batch, k, out32, rng, backward=any(w in name for w in ("dW", "dinp", "dwte")))
+            row["fp8_ms"] = f8
+            if f8:
+                line += f" | fp8 {f8:.4f} ms {flops / f8 / 1e9:6.1f} TFLOP/s ({ms / f8:.2f}x)"
+        rows.append(row)
+        print(line, flush=True)
     if engine.blas_lt:
         rows += gelu_epilogues(engine, shape, B, rng)
     total = sum(r["ms"] * (3 if "one of 3" in r["product"] else 1) for r in rows if "m" in r)

@@ -66,9 +66,9 @@ def test_training_steps_match_numpy(engines, shape):
     from andrea.engines.numpy_engine import NumpyEngine
 
     ref = train_run(NumpyEngine(), shape, micro_batch=4, n_micro=2, steps=8)
-    for precision, limit in (("fp32", 1e-4), ("tf32", 1e-2), ("bf16", 2e-2), ("fp16", 1e-2)):
+    for precision, limit in (("fp32", 1e-4), ("tf32", 1e-2), ("bf16", 2e-2), ("fp16", 1e-2), ("fp8", 5e-2)):
         run = train_run(engines[precision], shape, micro_batch=4, n_micro=2, steps=8,
-                        recompute=("gelu", "layernorm") if precision in ("bf16", "fp16") else ())
+                        recompute=("gelu", "layernorm") if precision in ("bf16", "fp16", "fp8") else ())
         np.testing.assert_allclose(run.losses, ref.losses, rtol=limit, err_msg=precision)
         np.testing.assert_allclose(run.norms, ref.norms, rtol=10 * limit, err_msg=precision)
 
@@ -162,8 +162,8 @@ def test_plan_is_one_allocation(engines):
 def test_unknown_precision_is_refused():
     from andrea.engines.cuda_engine import CudaEngine
 
-    with pytest.raises(AndreaError, match="fp8"):
-        CudaEngine(precision="fp8")
+    with pytest.raises(AndreaError, match="int4"):
+        CudaEngine(precision="int4")
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(engines):

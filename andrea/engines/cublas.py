@@ -93,20 +93,29 @@ class Cublas:
 
 
 class CublasLt:
-    """cuBLASLt products with a GELU epilogue, for the 16-bit builds: the MLP's up-projection writes
-    act = GELU(pre) with pre beside it (GELU_AUX), and the backward's dout @ W_2^T comes out already times
-    GELU'(pre) (DGELU, reading pre): no elementwise GELU pass over [B, T, 4C] beside the products.
+    """cuBLASLt products: with a GELU epilogue for the 16-bit builds, and on FP8 operands.
+
+    The MLP's up-projection writes act = GELU(pre) with pre beside it (GELU_AUX), and the backward's
+    dout @ W_2^T comes out already times GELU'(pre) (DGELU, reading pre): no elementwise GELU pass over
+    [B, T, 4C] beside the products. FP8 operands (E4M3, E5M2; held in uint8 buffers, their type named by
+    the caller) come with a device scale each, the factor that takes the stored values back to theirs:
+    D = scale_a * scale_b * (A @ B), accumulated in FP32; Hopper's FP8 products take both operands
+    K-major only (row-major A [m, k] and B stored [n, k], trans_b).
 
     Row-major as Cublas.gemm (operands swapped for column-major cuBLAS). The descriptors and the
     heuristic's algorithm are made once per shape, so a shape always runs the same algorithm (the same
     bits); `gemm` returns False where cuBLASLt offers no algorithm, and the caller runs the plain product
     and the GELU kernel instead."""
 
-    EPILOGUES = {"gelu_aux": 32 | 128, "dgelu": 64 | 128}  # CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_DGELU
+    EPILOGUES = {"none": 1, "gelu_aux": 32 | 128, "dgelu": 64 | 128}  # CUBLASLT_EPILOGUE_{DEFAULT,GELU_AUX,DGELU}
+    TYPES = {**Cublas.TYPES, "e4m3": 28, "e5m2": 29}  # CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
     DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_AUX_POINTER, DESC_AUX_LD = 3, 4, 7, 11, 12
+    DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18
+    LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
     PREF_MAX_WORKSPACE_BYTES = 1
     PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES (uint32, default 256)
     SCALE_32F = 0  # CUDA_R_32F
+    HEURISTICS = 8  # algorithms asked of the heuristic when a caller picks other than its first
 
     class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
         _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
@@ -121,6 +130,7 @@ class CublasLt:
         lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(p), i, i]
         lib.cublasLtMatmulDescSetAttribute.argtypes = [p, i, p, sz]
         lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(p), i, u64, u64, i64]
+        lib.cublasLtMatrixLayoutSetAttribute.argtypes = [p, i, p, sz]
         lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(p)]
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [p, i, p, sz]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, ctypes.POINTER(self._Heuristic),
@@ -132,20 +142,32 @@ class CublasLt:
         Cublas._check("cublasLtCreate", lib.cublasLtCreate(ctypes.byref(handle)))
         self.handle = handle.value
         self._plans: dict = {}
-        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._scalars = {}  # host alpha/beta values, one per value
+
+    def _scalar(self, value: float):
+        s = self._scalars.get(value)
+        if s is None:
+            s = self._scalars[value] = ctypes.c_float(value)
+        return ctypes.byref(s)
 
     def _set(self, desc, attr: int, value) -> None:
         Cublas._check("cublasLtMatmulDescSetAttribute", self.lib.cublasLtMatmulDescSetAttribute(
             desc, attr, ctypes.byref(value), ctypes.sizeof(value)))
 
-    def _layout(self, dtype: str, rows: int, cols: int, ld: int):
+    def _layout(self, dtype: str, rows: int, cols: int, ld: int, batch: int = 1, stride: int = 0):
         layout = ctypes.c_void_p()
         Cublas._check("cublasLtMatrixLayoutCreate", self.lib.cublasLtMatrixLayoutCreate(
-            ctypes.byref(layout), Cublas.TYPES[dtype], rows, cols, ld))
+            ctypes.byref(layout), self.TYPES[dtype], rows, cols, ld))
+        if batch > 1:
+            for attr, value in ((self.LAYOUT_BATCH_COUNT, ctypes.c_int32(batch)),
+                                (self.LAYOUT_STRIDED_BATCH_OFFSET, ctypes.c_int64(stride))):
+                Cublas._check("cublasLtMatrixLayoutSetAttribute", self.lib.cublasLtMatrixLayoutSetAttribute(
+                    layout, attr, ctypes.byref(value), ctypes.sizeof(value)))
         return layout
 
-    def _plan(self, key, aux):
-        t_c, t_ab, m, n, k, trans_a, trans_b, epilogue, align_b, align_a, align_c, _ = key
+    def _plan(self, key, aux, scales=None):
+        (t_c, t_a, t_b, m, n, k, trans_a, trans_b, epilogue, _, algo_index, (batch, stride_a, stride_b, stride_c),
+         align_b, align_a, align_c, _) = key
         lib = self.lib
         desc = ctypes.c_void_p()
         Cublas._check("cublasLtMatmulDescCreate", lib.cublasLtMatmulDescCreate(
@@ -153,12 +175,15 @@ class CublasLt:
         self._set(desc, self.DESC_TRANSA, ctypes.c_int(Cublas.OP_T if trans_b else Cublas.OP_N))
         self._set(desc, self.DESC_TRANSB, ctypes.c_int(Cublas.OP_T if trans_a else Cublas.OP_N))
         self._set(desc, self.DESC_EPILOGUE, ctypes.c_int(self.EPILOGUES[epilogue]))
-        self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
-        self._set(desc, self.DESC_AUX_LD, ctypes.c_int64(n))
+        if aux is not None:
+            self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
+            self._set(desc, self.DESC_AUX_LD, ctypes.c_int64(n))
+        if scales is not None:
+            self._set_scales(desc, *scales)
         # column-major: cuBLAS's A is our B (n x k as stored, or k x n transposed), its B our A, C is n x m
-        lay_b = self._layout(t_ab, k, n, k) if trans_b else self._layout(t_ab, n, k, n)
-        lay_a = self._layout(t_ab, m, k, m) if trans_a else self._layout(t_ab, k, m, k)
-        lay_c = self._layout(t_c, n, m, n)
+        lay_b = self._layout(t_b, k, n, k, batch, stride_b) if trans_b else self._layout(t_b, n, k, n, batch, stride_b)
+        lay_a = self._layout(t_a, m, k, m, batch, stride_a) if trans_a else self._layout(t_a, k, m, k, batch, stride_a)
+        lay_c = self._layout(t_c, n, m, n, batch, stride_c)
         pref = ctypes.c_void_p()
         Cublas._check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
         limit = ctypes.c_uint64(self.workspace.nbytes)
@@ -169,27 +194,58 @@ class CublasLt:
             value = ctypes.c_uint32(align)
             Cublas._check("cublasLtMatmulPreferenceSetAttribute", lib.cublasLtMatmulPreferenceSetAttribute(
                 pref, attr, ctypes.byref(value), ctypes.sizeof(value)))
-        result, found = self._Heuristic(), ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, 1,
-                                                    ctypes.byref(result), ctypes.byref(found))
-        plan = (desc, lay_b, lay_a, lay_c, result) if status == 0 and found.value > 0 else None
+        wanted = max(1, algo_index + 1)
+        results, found = (self._Heuristic * wanted)(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, wanted,
+                                                    results, ctypes.byref(found))
+        ok = status == 0 and found.value > algo_index
+        plan = (desc, lay_b, lay_a, lay_c, results[algo_index]) if ok else None
         self._plans[key] = plan
         return plan
 
-    def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str, aux) -> bool:
-        """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) with `aux` [m, n] (GELU's input: written by
-        gelu_aux, read by dgelu); False (nothing run) where cuBLASLt has no algorithm for it."""
+    def _set_scales(self, desc, a_scale, b_scale) -> None:
+        """The FP8 operands' device descales; cuBLAS's A is our B."""
+        self._set(desc, self.DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data.ptr))
+        self._set(desc, self.DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data.ptr))
+
+    def algorithms(self, c, a, b, m, n, k, **kw) -> int:
+        """How many algorithms the heuristic offers for this product (up to HEURISTICS): `algo` below
+        takes 0 .. that - 1."""
+        return sum(self._plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
+
+    def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
+                  a_type=None, b_type=None, a_scale=None, b_scale=None, algo=0, beta=0.0, batch=1, stride_a=0,
+                  stride_b=0, stride_c=0):
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
-        key = (c.dtype.name, a.dtype.name, m, n, k, trans_a, trans_b, epilogue, *map(_alignment, (b, a, c, aux)))
-        plan = self._plans[key] if key in self._plans else self._plan(key, aux)
+        aligns = map(_alignment, (b, a, c, c if aux is None else aux))
+        key = (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
+               a_scale is not None, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+        if key not in self._plans:
+            self._plan(key, aux, None if a_scale is None else (a_scale, b_scale))
+        return key, self._plans[key]
+
+    def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
+             a_type=None, b_type=None, a_scale=None, b_scale=None, beta: float = 0.0, algo: int = 0, batch: int = 1,
+             stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
+        """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
+        epilogues (GELU's input: written by gelu_aux, read by dgelu). FP8 operands: a_type/b_type ("e4m3",
+        "e5m2") and a_scale/b_scale (FP32 device scalars). `algo` takes the heuristic's algo-th choice
+        (0: its first). `batch` products with the operands' strides in elements (0: the same matrix for each),
+        as Cublas.gemm. False (nothing run) where cuBLASLt has no algorithm for it."""
+        key, plan = self._plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
+                                   a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, algo=algo, batch=batch,
+                                   stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
         if plan is None:
             return False
-        desc, lay_b, lay_a, lay_c, algo = plan
-        self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
+        desc, lay_b, lay_a, lay_c, result = plan
+        if aux is not None:
+            self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
+        if a_scale is not None:
+            self._set_scales(desc, a_scale, b_scale)
         Cublas._check("cublasLtMatmul", self.lib.cublasLtMatmul(
-            self.handle, desc, ctypes.byref(self._one), b.data.ptr, lay_b, a.data.ptr, lay_a, ctypes.byref(self._zero),
-            c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(algo), self.workspace.data.ptr, self.workspace.nbytes,
-            cupy.cuda.get_current_stream().ptr))
+            self.handle, desc, self._scalar(1.0), b.data.ptr, lay_b, a.data.ptr, lay_a, self._scalar(beta),
+            c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(result), self.workspace.data.ptr,
+            self.workspace.nbytes, cupy.cuda.get_current_stream().ptr))
         return True
 
 

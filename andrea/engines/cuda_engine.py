@@ -30,7 +30,7 @@ from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
 from andrea.kernels_build import build_options, kernel_dir, kernel_source
 from andrea.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
-from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, grad_norm, layernorm, loss, mlp, residual_add
+from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, mlp, residual_add
 from andrea.ops.base import ELEMENTWISE_THREADS, blocks, ptr
 from andrea.precision import PRECISIONS
 
@@ -68,7 +68,7 @@ def _load_kernels(precision: str) -> dict:
 
 
 class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOps, attn_out.CudaOps,
-                 mlp.CudaOps, residual_add.CudaOps, loss.CudaOps, grad_norm.CudaOps, adamw.CudaOps):
+                 mlp.CudaOps, residual_add.CudaOps, loss.CudaOps, grad_norm.CudaOps, adamw.CudaOps, fp8.CudaOps):
     name = "cuda"
     xp = cupy
 
@@ -78,6 +78,12 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         if precision not in PRECISIONS:
             raise AndreaError(f"unknown precision '{precision}'; the CUDA engine runs {', '.join(PRECISIONS)}")
         p = PRECISIONS[precision]
+        if p.fp8_products:
+            cc = cupy.cuda.Device().compute_capability  # "90" on Hopper
+            if int(cc) < 89:
+                raise AndreaError(f"precision fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is sm_{cc}: "
+                                  "train in bf16")
+        self.fp8 = p.fp8_products
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.act_vec = 16 // np.dtype(p.act_dtype).itemsize  # ACT_VEC: activations per 16-byte access
@@ -87,12 +93,14 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())
         self.own = {b.name: cupy.zeros(b.shape, dtype=b.dtype) for b in own}
         self.traits = EngineTraits(attention="lse", act_dtype=p.act_dtype, loss_scaling=p.loss_scaling, graphs=True,
-                                   own_buffers=own)
+                                   own_buffers=own, fp8_products=p.fp8_products)
         self._decay_ranges: tuple = ()
         self.blas = Cublas(p.tf32_products, self.own["cublas_workspace"])
-        # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace)
+        # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace);
+        # fp8: the layers' FP8 products
         self.blas_lt = CublasLt(self.own["cublas_workspace"]) if p.low else None
         self._capture_streams: list = []
+        self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
 
     @property
     def own_bytes(self) -> int:
@@ -115,6 +123,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         its transient buffers are carved from that model's transient span (memory.carve puts it last),
         which this model may use between that one's steps; nothing is allocated (ValueError if it does
         not fit)."""
+        self._hold_plan_buffers(plan)
         own = {b.name: self.own[b.name] for b in plan.buffers if b.name in self.own}
         if share is not None:
             other_bufs, other_plan = share
@@ -131,6 +140,16 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         cupy.cuda.runtime.memsetAsync(arena.ptr, 0, total, cupy.cuda.get_current_stream().ptr)
         bufs = {b.name: cupy.ndarray(b.shape, dtype=b.dtype, memptr=arena + off) for b, off in zip(carved, offsets)}
         return {**bufs, **own}
+
+    def _hold_plan_buffers(self, plan) -> None:
+        """Engine buffers that a model's plan sizes (fp8_operands): allocated here for the first plan that names
+        one, again (larger) for a plan that needs more; the earlier one stays held, since graphs recorded on it
+        still read it."""
+        for b in plan.buffers:
+            if b.role == "engine" and (b.name not in self.own or self.own[b.name].nbytes < b.nbytes):
+                if b.name in self.own:
+                    self._retired.append(self.own[b.name])
+                self.own[b.name] = cupy.zeros(b.shape, dtype=b.dtype)
 
     def _transient_span(self, bufs, plan):
         """(pointer, bytes) of the transient buffers allocate() carved for `plan`: the end of its allocation."""

@@ -23,6 +23,8 @@ class EngineTraits:
     graphs: bool
     # Device buffers the engine holds itself (cuBLAS workspace, its ops' scratch), for the memory plan.
     own_buffers: tuple[BufferSpec, ...] = ()
+    # The layers' products run on FP8 operands (precision fp8): a model's plan adds the engine's fp8_operands.
+    fp8_products: bool = False
 
 
 class Engine(Protocol):

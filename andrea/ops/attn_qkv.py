@@ -5,6 +5,7 @@ back: one [3, C, C] view, so the CUDA half runs each direction as one batched pr
 from __future__ import annotations
 
 from andrea.ops.base import Draw, OpCase, start_grad
+from andrea.ops.fp8 import fp8_shapes_ok
 
 KERNELS: dict = {}
 
@@ -31,15 +32,40 @@ class CudaOps:
     def attn_qkv_fwd(self, qkv, inp, W_QKV):
         C = inp.shape[-1]
         N = inp.size // C
-        self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
+        if not (self.fp8 and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
+            self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
+
+    def _attn_qkv_fwd_fp8(self, qkv, inp, W_QKV, N, C) -> bool:
+        """qkv[i] = X @ W_i on FP8 operands: X [N, C] and each W_i^T [C, C], one batched product (False: not run)."""
+        if not fp8_shapes_ok(N, C):
+            return False
+        xq, wt = self._fp8_operands(N * C, 3 * C * C)
+        sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq)
+        sw = self._fp8_cast(W_QKV, C, C, "e4m3", 1, qt=wt, qt_batch=C * C, batch=3)
+        return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
-        # the three C x C weight gradients as one batched product
-        self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, beta=1.0, batch=3, stride_b=N * C, stride_c=C * C)
-        for i in range(3):
-            self.blas.gemm(dinp, dqkv[i], W_QKV[i], N, C, C, trans_b=True, beta=0.0 if overwrite and i == 0 else 1.0)
+        done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, inp, W_QKV, overwrite, N, C)
+                              if self.fp8 and fp8_shapes_ok(N, C) else (False, False))
+        if not done_dW:  # the three C x C weight gradients as one batched product
+            self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, beta=1.0, batch=3, stride_b=N * C, stride_c=C * C)
+        if not done_dinp:
+            for i in range(3):
+                self.blas.gemm(dinp, dqkv[i], W_QKV[i], N, C, C, trans_b=True, beta=0.0 if overwrite and i == 0 else 1.0)
+
+    def _attn_qkv_bwd_fp8(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite, N, C) -> tuple[bool, bool]:
+        """dW_i += X^T dq_i (X^T [C, N] and each dq_i^T [C, N]: one batched product), and dinp = [dq_0 dq_1 dq_2]
+        @ [W_0; W_1; W_2]^T as one product over 3C (dqkv cast side by side as [N, 3C], W_QKV as [C, 3C]).
+        Which of the two ran."""
+        xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
+        sx = self._fp8_cast(inp, N, C, "e4m3", 0, qt=xt)
+        sd = self._fp8_cast(dqkv, N, C, "e5m2", 1, q=dq, ldq=3 * C, q_batch=C, qt=dqt, qt_batch=C * N, batch=3)
+        sw = self._fp8_cast(W_QKV, C, C, "e4m3", 2, q=w, ldq=3 * C, q_batch=C, batch=3)
+        return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=1.0, batch=3, stride_b=C * N,
+                               stride_c=C * C),
+                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

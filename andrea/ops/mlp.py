@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, start_grad
+from andrea.ops.fp8 import fp8_shapes_ok
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -52,20 +53,30 @@ class CudaOps:
         C, F = W_1.shape
         N = inp.size // C
         self._mlp_up(pre, act, inp, W_1)
-        self.blas.gemm(out, act, W_2, N, C, F)
+        if not (self._fp8_ok(N, C) and self._linear_fwd_fp8(out, act, W_2, N, F, C)):
+            self.blas.gemm(out, act, W_2, N, C, F)
+
+    def _fp8_ok(self, N, C) -> bool:
+        return self.fp8 and fp8_shapes_ok(N, C)
 
     def _mlp_up(self, pre, act, inp, W_1):
         """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes."""
         if not self._gelu_epilogue(pre, act, inp, W_1):
             C, F = W_1.shape
-            self.blas.gemm(pre, inp, W_1, inp.size // C, F, C)
+            N = inp.size // C
+            if not (self._fp8_ok(N, C) and self._linear_fwd_fp8(pre, inp, W_1, N, C, F)):
+                self.blas.gemm(pre, inp, W_1, N, F, C)
             self._gelu(act, pre)
 
     def _gelu_epilogue(self, pre, act, inp, W_1) -> bool:
         """pre = inp @ W_1 and act = GELU(pre) as one cuBLASLt product (GELU_AUX); False where there is none."""
         C, F = W_1.shape
-        return self.blas_lt is not None and self.blas_lt.gemm(act, inp, W_1, inp.size // C, F, C, epilogue="gelu_aux",
-                                                              aux=pre)
+        N = inp.size // C
+        if self.blas_lt is None:
+            return False
+        if self._fp8_ok(N, C):
+            return self._linear_fwd_fp8(act, inp, W_1, N, C, F, epilogue="gelu_aux", aux=pre)
+        return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)
 
     def _gelu(self, act, pre):
         self._launch("k_mlp_fwd", self._vec_blocks(pre.size), ELEMENTWISE_THREADS, act, pre, np.int64(pre.size))
@@ -75,14 +86,26 @@ class CudaOps:
         the GELU is the product's epilogue, by the forward's own product again (the same bits in act and pre)."""
         C, F = W_1.shape
         N = inp.size // C
+        beta = 0.0 if overwrite else 1.0
         if recompute and not self._gelu_epilogue(pre, act, inp, W_1):
             self._gelu(act, pre)
-        self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
-        if not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre)):
+        # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre)
+        done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0,
+                                                   dinp_kw={"epilogue": "dgelu", "aux": pre})
+                              if self._fp8_ok(N, C) else (False, False))
+        if not done_dW:
+            self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
+        if not (done_dpre or self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu",
+                                                                aux=pre)):
             self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
             self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
-        self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
-        self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=0.0 if overwrite else 1.0)
+        # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T
+        done_dW, done_dinp = (self._linear_bwd_fp8(dinp, dW_1, dpre, inp, W_1, N, C, F, beta)
+                              if self._fp8_ok(N, C) else (False, False))
+        if not done_dW:
+            self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
+        if not done_dinp:
+            self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=beta)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

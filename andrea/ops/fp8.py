@@ -1,0 +1,157 @@
+"""FP8 operands for the matrix products of attn_qkv, attn_out and mlp under precision fp8 (kernels/fp8.cu).
+
+Per-tensor current scaling: each operand is cast right before its product with the scale of its own
+amax, the largest power of two s with amax * s <= the format's largest value (E4M3 448 for activations
+and weights, E5M2 57344 for gradients), and the product takes 1 / s. Powers of two make x * s and 1 / s
+exact; amax is a max, the same whatever order combines it. So a scale is a function of the tensor at
+hand: there is no scale state to carry between steps, and a resume restores nothing beyond the
+checkpoint. (Delayed scaling, an amax history from earlier steps, would save the amax pass; it would
+also be state, and the first step would need the pass anyway.)
+
+Hopper's FP8 products take both operands K-major, so each product gets the layout it needs from the
+cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
+transposes written by the same pass that writes the plain layout. The operands live in the engine's
+`fp8_operands` buffer, one op at a time (the plan sizes it: `operand_bytes`); the scales in
+`fp8_scales`. The classifier, attention, LayerNorm and the optimizer stay as in bf16.
+
+`quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
+even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from andrea.memory import BufferSpec
+from andrea.ops.base import blocks, kernel_defines
+
+KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast")}
+# format -> (exponent of its largest value 1.75 * 2^emax, that value)
+FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
+CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tests/test_fp8.py)
+OVERWRITE_CASES: tuple = ()
+SCALE_SLOTS = 4  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
+SLOT_FLOATS = 4  # cuBLASLt takes 16-byte aligned pointers
+ALIGN = 256
+
+
+def engine_buffers() -> tuple:
+    return (BufferSpec("fp8_scales", (SLOT_FLOATS * SCALE_SLOTS,), "float32", "engine"),)
+
+
+def plan_buffers(B: int, T: int, C: int) -> tuple:
+    """The engine buffer a model's plan adds under precision fp8 (held by the engine, sized by the model)."""
+    return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),)
+
+
+def operand_bytes(B: int, T: int, C: int) -> int:
+    """The FP8 operands of the largest op, mlp_bwd's weight-gradient half: X^T [C, N], dpre and dpre^T
+    [N, 4C], W_1 [C, 4C], each 256-byte aligned (attn_qkv_bwd needs 7 N C + 3 C^2, less)."""
+    N, F = B * T, 4 * C
+    return sum(-(-n // ALIGN) * ALIGN for n in (N * C, N * F, N * F, C * F))
+
+
+# ---- the reference -----------------------------------------------------------------------------
+def scale_exponent(amax: float, fmt: str) -> int:
+    """e with s = 2^e the largest power of two where amax * s <= the format's largest value (float32 amax;
+    0 for amax 0), kept inside float32's normal range: kernels/fp8.cu's fp8_scale_exponent."""
+    bits = int(np.float32(amax).view(np.uint32))
+    if bits == 0:
+        return 0
+    emax = FORMATS[fmt][0]
+    k = ((bits >> 23) & 0xFF) - 127
+    e = emax - k - (1 if (bits & 0x7FFFFF) > 0x600000 else 0)
+    return max(-126, min(127, e))
+
+
+def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
+    """(the FP8 bytes of x as uint8, the descale 1 / s): the engine's cast of the same float32 values."""
+    import ml_dtypes
+
+    x = np.asarray(x, dtype=np.float32)
+    amax = float(np.max(np.abs(x))) if x.size else 0.0
+    e = scale_exponent(amax, fmt)
+    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    q = (x * np.float32(2.0**e)).astype(dtype)
+    return q.view(np.uint8), 2.0**-e
+
+
+def dequantize(q: np.ndarray, descale: float, fmt: str) -> np.ndarray:
+    """float64 values of FP8 bytes times their descale."""
+    import ml_dtypes
+
+    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    return q.view(dtype).astype(np.float64) * descale
+
+
+# ---- CUDA --------------------------------------------------------------------------------------
+class CudaOps:
+    """The casts and the FP8 products, for the ops' fp8 branches. Each `*_fp8` branch in the op modules
+    returns False where cuBLASLt has no FP8 algorithm for the shape (a dimension not a multiple of 16,
+    say); the op then runs its bf16 products instead."""
+
+    def _fp8_operands(self, *sizes: int) -> list:
+        """uint8 views of the engine's fp8_operands buffer, one per size, 256-byte aligned, back to back. An
+        op run outside a model (whose plan sizes the buffer) gets one sized here on first use."""
+        import cupy
+
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // ALIGN) * ALIGN
+        buf = self.own.get("fp8_operands")
+        if buf is None or buf.nbytes < total:
+            buf = self.own["fp8_operands"] = cupy.empty(total, dtype=np.uint8)
+        return [buf[o:o + n] for o, n in zip(offsets, sizes)]
+
+    def _fp8_slot(self, i: int):
+        at = SLOT_FLOATS * i
+        scales = self.own["fp8_scales"]
+        return scales[at + 1:at + 2].view(np.uint32), scales[at:at + 1]
+
+    def _fp8_cast(self, x, rows: int, cols: int, fmt: str, slot: int, *, q=None, ldq=None, q_batch=0, qt=None,
+                  ldqt=None, qt_batch=0, batch: int = 1):
+        """Cast x [batch, rows, cols] to FP8 with its own scale: into q (row-major, leading dimension ldq,
+        batch z at z * q_batch) and/or qt (its transpose [cols, rows] per batch, leading dimension ldqt);
+        returns the device descale 1 / s that the product takes."""
+        amax, descale = self._fp8_slot(slot)
+        n = batch * rows * cols
+        threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
+        self.zero(amax)
+        self._launch("k_fp8_amax", min(blocks(n, threads), 8 * 132), threads, amax, x, np.int64(n))
+        tile = kernel_defines("fp8")["FP8_TILE"]
+        grid = (-(-cols // tile), -(-rows // tile), batch)
+        null = np.uint64(0)
+        self.k["k_fp8_cast"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
+            null if q is None else q, np.int64(ldq or cols), np.int64(q_batch),
+            null if qt is None else qt, np.int64(ldqt or rows), np.int64(qt_batch),
+            descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2")))
+        return descale
+
+    def _linear_fwd_fp8(self, out, inp, W, N, K, M, **kw) -> bool:
+        """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written."""
+        xq, wt = self._fp8_operands(N * K, K * M)
+        sx = self._fp8_cast(inp, N, K, "e4m3", 0, q=xq)
+        sw = self._fp8_cast(W, K, M, "e4m3", 1, qt=wt)
+        return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, **kw)
+
+    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, dinp_kw=None) -> tuple[bool, bool]:
+        """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp; `dinp_kw`: an epilogue)
+        on FP8 operands: inp^T and dout^T for the first, dout and W as stored for the second. Which ran."""
+        xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
+        sx = self._fp8_cast(inp, N, K, "e4m3", 0, qt=xt)
+        sd = self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
+        sw = self._fp8_cast(W, K, M, "e4m3", 2, q=w)
+        return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),
+                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta, **(dinp_kw or {})))
+
+    def _fp8_gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, **kw) -> bool:
+        """Row-major C[m, n] = (a_scale * A[m, k]) @ (b_scale * B[n, k])^T (+ beta * C, an epilogue, a batch)
+        on FP8 operands; False where cuBLASLt has no algorithm (nothing ran)."""
+        return self.blas_lt.gemm(c, a, b, m, n, k, trans_b=True, a_type=a_fmt, b_type=b_fmt, a_scale=a_scale,
+                                 b_scale=b_scale, **kw)
+
+
+def fp8_shapes_ok(*dims: int) -> bool:
+    """Whether every dimension of a product suits cuBLASLt's FP8 kernels (multiples of 16)."""
+    return all(d % 16 == 0 for d in dims)
