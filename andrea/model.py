@@ -94,13 +94,15 @@ class Model:
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and engine.traits.graphs
         self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted) -> recorded micro-batch
+        self._prepare_graph = None  # the FP8 weight casts, recorded (_weights_changed)
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.source_loss_sums: np.ndarray | None = None  # the last train_step's per-source losses (its `sources`)
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
-        fp8_buffers = fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model) if engine.traits.fp8_products else ()
+        fp8_buffers = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer)
+                       if engine.traits.fp8_products else ())
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
                                recompute=tuple(recompute), loss_chunks=loss_chunks,
@@ -138,6 +140,7 @@ class Model:
         e.upload(self.buf["params"], params)
         if "params_lp" in self.buf:
             e.cast(self.buf["params_lp"], self.buf["params"])
+            self._weights_changed()
         if self.training:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
@@ -384,8 +387,25 @@ class Model:
         e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
                      eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
                      decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"))
+        self._weights_changed()
         e.zero_grads(b["grads"])
         return loss, norm
+
+    def _weights_changed(self) -> None:
+        """After params_lp is written: the FP8 weight copies follow it (precision fp8), before any op reads them;
+        a recorded graph where the engine records them (4 casts of 3 launches a layer)."""
+        if "params_fp8" not in self.buf:
+            return
+        e = self.engine
+
+        def prepare():
+            e.prepare_fp8_weights(self.buf["params_fp8"], self.W["layers"])
+        if not self.graphs:
+            prepare()
+            return
+        if self._prepare_graph is None:
+            self._prepare_graph = e.capture(prepare)
+        e.replay(self._prepare_graph)
 
     def _add_source_losses(self, per_source: np.ndarray, row_sources: np.ndarray, w: np.ndarray | None) -> None:
         """Add the micro-batch's per-row sums of (weighted) target losses and of weights to their sources."""

@@ -11,11 +11,33 @@
 #define FP8_AMAX_THREADS 256
 
 // amax of n activations into *amax as float bits (non-negative floats order as their bits); *amax starts
-// at 0 (the launcher clears it). NaN is passed over here and shows in the cast's output.
-extern "C" __global__ void k_fp8_amax(unsigned int* amax, const act_t* __restrict__ x, long long n) {
+// at 0 (the launcher clears it). NaN is passed over here and shows in the cast's output. 16-byte loads
+// where x is 16-byte aligned (the tail, and any other x, one element at a time).
+extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsigned int* amax, const act_t* __restrict__ x,
+                                                                          long long n) {
     __shared__ float scratch[32];
+    constexpr int per = 16 / sizeof(act_t);
     float m = 0.0f;
-    GRID_STRIDE_LOOP(i, n) m = fmaxf(m, fabsf(to_f32(x[i])));
+    long long head = 0;
+    if ((reinterpret_cast<size_t>(x) % 16) == 0) {
+        head = n / per * per;
+        const uint4* v = reinterpret_cast<const uint4*>(x);
+        GRID_STRIDE_LOOP(i, head / per) {
+            const uint4 w = v[i];
+            const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#ifdef ACT_LOWP
+            for (int j = 0; j < 4; ++j) {
+                float lo, hi;
+                unpack_lowp2(words[j], lo, hi);
+                m = fmaxf(m, fmaxf(fabsf(lo), fabsf(hi)));
+            }
+#else
+            for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(__uint_as_float(words[j])));
+#endif
+        }
+    }
+    for (long long i = head + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        m = fmaxf(m, fabsf(to_f32(x[i])));
     m = block_max(m, scratch);
     if (threadIdx.x == 0 && m > 0.0f) atomicMax(amax, __float_as_uint(m));
 }

@@ -161,3 +161,18 @@ def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
     for k in ref:
         rel = np.linalg.norm(got[k] - ref[k]) / np.linalg.norm(ref[k])
         assert rel <= 1e-2, (k, rel)
+
+
+@pytest.mark.gpu
+def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
+    """Training with the model's FP8 weight copies (cast once per weight update) and with every op casting its
+    weights itself gives the same bytes: the copies are fresh after every AdamW step and every load."""
+    from andrea.config import ModelShape
+    from andrea.engines.crosscheck import train_run
+
+    shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
+    prepared = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
+    assert engine._fp8_weights  # the copies were in use
+    monkeypatch.setattr(type(engine), "prepare_fp8_weights", lambda self, buf, layers: setattr(self, "_fp8_weights", {}))
+    per_call = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
+    assert prepared.digest == per_call.digest

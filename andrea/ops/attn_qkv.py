@@ -41,7 +41,7 @@ class CudaOps:
             return False
         xq, wt = self._fp8_operands(N * C, 3 * C * C)
         sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq)
-        sw = self._fp8_cast(W_QKV, C, C, "e4m3", 1, qt=wt, qt_batch=C * C, batch=3)
+        wt, sw = self._fp8_weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
         return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
@@ -62,7 +62,7 @@ class CudaOps:
         xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
         sx = self._fp8_cast(inp, N, C, "e4m3", 0, qt=xt)
         sd = self._fp8_cast(dqkv, N, C, "e5m2", 1, q=dq, ldq=3 * C, q_batch=C, qt=dqt, qt_batch=C * N, batch=3)
-        sw = self._fp8_cast(W_QKV, C, C, "e4m3", 2, q=w, ldq=3 * C, q_batch=C, batch=3)
+        w, sw = self._fp8_weight(W_QKV, "input_grad", C, C, 2, into=w, ldq=3 * C, q_batch=C, batch=3)
         return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=1.0, batch=3, stride_b=C * N,
                                stride_c=C * C),
                 self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))

@@ -39,9 +39,23 @@ def engine_buffers() -> tuple:
     return (BufferSpec("fp8_scales", (SLOT_FLOATS * SCALE_SLOTS,), "float32", "engine"),)
 
 
-def plan_buffers(B: int, T: int, C: int) -> tuple:
-    """The engine buffer a model's plan adds under precision fp8 (held by the engine, sized by the model)."""
-    return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),)
+def plan_buffers(B: int, T: int, C: int, L: int) -> tuple:
+    """The buffers a model's plan adds under precision fp8: the engine's operand scratch (sized by the model)
+    and the model's FP8 weight copies (`params_fp8`, derived from params_lp as params_lp is from params)."""
+    return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
+            BufferSpec("params_fp8", (weight_bytes(C, L),), "uint8", "parameters"))
+
+
+# The layer matrices with FP8 copies. Each is kept as the forward reads it (transposed) and as the input
+# gradient reads it: attn_qkv's three side by side as [C, 3C] (its one product over 3C), the others as stored.
+WEIGHTS = (("W_QKV", 3), ("W_O", 1), ("W_1", 4), ("W_2", 4))  # name, elements in C^2
+
+
+def weight_bytes(C: int, L: int) -> int:
+    """Each layer matrix twice (as the forward reads it, transposed, and as the input gradient reads it),
+    256-byte aligned, then a scale slot per matrix."""
+    per_layer = sum(2 * -(-n * C * C // ALIGN) * ALIGN for _, n in WEIGHTS)
+    return L * per_layer + L * len(WEIGHTS) * SLOT_FLOATS * 4
 
 
 def operand_bytes(B: int, T: int, C: int) -> int:
@@ -90,6 +104,40 @@ class CudaOps:
     returns False where cuBLASLt has no FP8 algorithm for the shape (a dimension not a multiple of 16,
     say); the op then runs its bf16 products instead."""
 
+    def prepare_fp8_weights(self, params_fp8, layers) -> None:
+        """Cast every layer matrix of `layers` (the model's params_lp views) into params_fp8, both layouts in
+        one pass: the products of the ops then read these instead of casting their weights per call. The
+        model calls this whenever params_lp may have changed, before the ops that read it (a step's first
+        micro-batch, a forward)."""
+        at, copies = 0, {}
+        slots = params_fp8[params_fp8.nbytes - len(layers) * len(WEIGHTS) * SLOT_FLOATS * 4:].view(np.float32)
+        for l, w in enumerate(layers):
+            for j, (name, _) in enumerate(WEIGHTS):
+                W = w[name]
+                padded = -(-W.size // ALIGN) * ALIGN
+                nat, tr = params_fp8[at:at + W.size], params_fp8[at + padded:at + padded + W.size]
+                at += 2 * padded
+                slot = slots[(l * len(WEIGHTS) + j) * SLOT_FLOATS:][:SLOT_FLOATS]
+                if name == "W_QKV":  # forward: each W_i^T; input gradient: [W_0 W_1 W_2] as [C, 3C]
+                    C = W.shape[-1]
+                    self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3)
+                else:
+                    self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr)
+                # W itself is kept too: while the copy is in use its memory cannot go to another array
+                copies[W.data.ptr] = (W, nat, tr, slot[:1])
+        self._fp8_weights = copies
+
+    def _fp8_weight(self, W, fmt_layout: str, rows: int, cols: int, slot: int, **cast):
+        """(FP8 bytes, descale) of a weight: its prepared copy ("forward": transposed, "input_grad": as the input
+        gradient reads it), or cast here into the operand scratch `cast["into"]` when it has none."""
+        copy = getattr(self, "_fp8_weights", {}).get(W.data.ptr)
+        if copy is not None and copy[0].shape == W.shape:
+            _, nat, tr, descale = copy
+            return (tr if fmt_layout == "forward" else nat), descale
+        into = cast.pop("into")
+        key = "qt" if fmt_layout == "forward" else "q"
+        return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{key: into}, **cast)
+
     def _fp8_operands(self, *sizes: int) -> list:
         """uint8 views of the engine's fp8_operands buffer, one per size, 256-byte aligned, back to back. An
         op run outside a model (whose plan sizes the buffer) gets one sized here on first use."""
@@ -104,10 +152,10 @@ class CudaOps:
             buf = self.own["fp8_operands"] = cupy.empty(total, dtype=np.uint8)
         return [buf[o:o + n] for o, n in zip(offsets, sizes)]
 
-    def _fp8_slot(self, i: int):
-        at = SLOT_FLOATS * i
-        scales = self.own["fp8_scales"]
-        return scales[at + 1:at + 2].view(np.uint32), scales[at:at + 1]
+    def _fp8_slot(self, i):
+        """(amax word, descale) of scale slot i of the engine's fp8_scales, or of a slot array given."""
+        slot = i if not isinstance(i, int) else self.own["fp8_scales"][SLOT_FLOATS * i:][:SLOT_FLOATS]
+        return slot[1:2].view(np.uint32), slot[:1]
 
     def _fp8_cast(self, x, rows: int, cols: int, fmt: str, slot: int, *, q=None, ldq=None, q_batch=0, qt=None,
                   ldqt=None, qt_batch=0, batch: int = 1):
@@ -118,7 +166,7 @@ class CudaOps:
         n = batch * rows * cols
         threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
         self.zero(amax)
-        self._launch("k_fp8_amax", min(blocks(n, threads), 8 * 132), threads, amax, x, np.int64(n))
+        self._launch("k_fp8_amax", min(blocks(n, 8 * threads), 8 * 132), threads, amax, x, np.int64(n))
         tile = kernel_defines("fp8")["FP8_TILE"]
         grid = (-(-cols // tile), -(-rows // tile), batch)
         null = np.uint64(0)
@@ -132,7 +180,7 @@ class CudaOps:
         """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written."""
         xq, wt = self._fp8_operands(N * K, K * M)
         sx = self._fp8_cast(inp, N, K, "e4m3", 0, q=xq)
-        sw = self._fp8_cast(W, K, M, "e4m3", 1, qt=wt)
+        wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, **kw)
 
     def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, dinp_kw=None) -> tuple[bool, bool]:
@@ -141,7 +189,7 @@ class CudaOps:
         xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
         sx = self._fp8_cast(inp, N, K, "e4m3", 0, qt=xt)
         sd = self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
-        sw = self._fp8_cast(W, K, M, "e4m3", 2, q=w)
+        w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
         return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),
                 self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta, **(dinp_kw or {})))
 

@@ -12,6 +12,10 @@ from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, start_grad
 from andrea.ops.fp8 import fp8_shapes_ok
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
+# fp8: dpre = dout @ W_2^T on FP8 operands, then the GELU-gradient kernel (k_mlp_bwd): cuBLASLt's DGELU
+# epilogue on FP8 operands took ~0.23 ms at 120M, against ~0.08 for the product and the kernel
+# (docs/PERFORMANCE.md, fp8).
+FP8_DGELU_EPILOGUE = False
 GELU_K = math.sqrt(2.0 / math.pi)
 
 
@@ -90,13 +94,15 @@ class CudaOps:
         if recompute and not self._gelu_epilogue(pre, act, inp, W_1):
             self._gelu(act, pre)
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre)
-        done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0,
-                                                   dinp_kw={"epilogue": "dgelu", "aux": pre})
+        epilogue = {"epilogue": "dgelu", "aux": pre} if FP8_DGELU_EPILOGUE else {}
+        done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, dinp_kw=epilogue)
                               if self._fp8_ok(N, C) else (False, False))
         if not done_dW:
             self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
-        if not (done_dpre or self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu",
-                                                                aux=pre)):
+        if done_dpre and not epilogue:
+            self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
+        elif not (done_dpre or self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True,
+                                                                  epilogue="dgelu", aux=pre)):
             self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
             self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
         # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T
