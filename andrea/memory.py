@@ -87,8 +87,11 @@ class MemoryPlan:
 
 def device_bytes(*plans: MemoryPlan) -> int:
     """Device memory of several models on one engine (the trainer's and its sampler's): each plan's own
-    buffers (none for a plan inside another's memory), and the engine's once."""
-    engine = {b.name: b.nbytes for p in plans for b in p.buffers if b.role == "engine"}
+    buffers (none for a plan inside another's memory), and the engine's once, at the largest size a plan asks
+    (the engine holds one of that size: fp8_operands)."""
+    engine: dict[str, int] = {}
+    for b in (b for p in plans for b in p.buffers if b.role == "engine"):
+        engine[b.name] = max(engine.get(b.name, 0), b.nbytes)
     return sum(b.nbytes for p in plans if not p.inside for b in p.buffers if b.role != "engine") + sum(engine.values())
 
 
