@@ -33,6 +33,11 @@ class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.Nu
         self.products = BlockedProducts(threads)
         self.mm = self.products.matmul
 
+    @staticmethod
+    def fp8_operand(a, fmt: str):
+        """What a product of attn_qkv, attn_out or mlp reads of `a`: `a` itself (the fp8 emulation rounds it)."""
+        return a
+
     def allocate(self, plan, share=None):
         """The plan's buffers, zero-filled: the kept ones each on its own, the transient ones carved from one
         byte array; with `share` = (buffers, plan) of another model, the weights are that model's and the

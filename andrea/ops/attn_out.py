@@ -13,14 +13,17 @@ def engine_buffers() -> tuple:
 
 
 class NumpyOps:
+    """`fp8_operand`: as in attn_qkv."""
+
     def attn_out_fwd(self, out, inp, W_O):
-        self.mm(inp, W_O, out=out)
+        self.mm(self.fp8_operand(inp, "e4m3"), self.fp8_operand(W_O, "e4m3"), out=out)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         start_grad(dinp, overwrite)
         C = inp.shape[-1]
-        dW_O += self.mm(inp.reshape(-1, C).T, dout.reshape(-1, dout.shape[-1]))
-        dinp += self.mm(dout, W_O.T)
+        x, d, W = self.fp8_operand(inp, "e4m3"), self.fp8_operand(dout, "e5m2"), self.fp8_operand(W_O, "e4m3")
+        dW_O += self.mm(x.reshape(-1, C).T, d.reshape(-1, d.shape[-1]))
+        dinp += self.mm(d, W.T)
 
 
 class CudaOps:

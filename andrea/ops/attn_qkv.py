@@ -15,17 +15,22 @@ def engine_buffers() -> tuple:
 
 
 class NumpyOps:
+    """`fp8_operand` is what each product reads: the array itself, or in the fp8 emulation its FP8 rounding
+    (engines/fp8_emulation.py), one scale per tensor as the CUDA fp8 path casts it."""
+
     def attn_qkv_fwd(self, qkv, inp, W_QKV):
+        x, W = self.fp8_operand(inp, "e4m3"), self.fp8_operand(W_QKV, "e4m3")
         for i in range(3):
-            self.mm(inp, W_QKV[i], out=qkv[i])
+            self.mm(x, W[i], out=qkv[i])
 
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
         start_grad(dinp, overwrite)
         C = inp.shape[-1]
-        x2 = inp.reshape(-1, C)
+        x2 = self.fp8_operand(inp, "e4m3").reshape(-1, C)
+        dq, W = self.fp8_operand(dqkv, "e5m2"), self.fp8_operand(W_QKV, "e4m3")
         for i in range(3):
-            dW_QKV[i] += self.mm(x2.T, dqkv[i].reshape(-1, C))
-            dinp += self.mm(dqkv[i], W_QKV[i].T)
+            dW_QKV[i] += self.mm(x2.T, dq[i].reshape(-1, C))
+            dinp += self.mm(dq[i], W[i].T)
 
 
 class CudaOps:

@@ -34,22 +34,28 @@ def _gelu_grad(x):
 
 
 class NumpyOps:
+    """`fp8_operand`: as in attn_qkv (E4M3 activations and weights, E5M2 gradients)."""
+
     def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
-        self.mm(inp, W_1, out=pre)
+        q = self.fp8_operand
+        self.mm(q(inp, "e4m3"), q(W_1, "e4m3"), out=pre)
         act[...] = _gelu(pre)
-        self.mm(act, W_2, out=out)
+        self.mm(q(act, "e4m3"), q(W_2, "e4m3"), out=out)
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
         """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
         start_grad(dinp, overwrite)
         C, F = W_1.shape
+        q = self.fp8_operand
         if recompute:
             act[...] = _gelu(pre)
-        dW_2 += self.mm(act.reshape(-1, F).T, dout.reshape(-1, C))
-        self.mm(dout, W_2.T, out=dpre)
+        d = q(dout, "e5m2")
+        dW_2 += self.mm(q(act, "e4m3").reshape(-1, F).T, d.reshape(-1, C))
+        self.mm(d, q(W_2, "e4m3").T, out=dpre)
         dpre *= _gelu_grad(pre)
-        dW_1 += self.mm(inp.reshape(-1, C).T, dpre.reshape(-1, F))
-        dinp += self.mm(dpre, W_1.T)
+        dp = q(dpre, "e5m2")
+        dW_1 += self.mm(q(inp, "e4m3").reshape(-1, C).T, dp.reshape(-1, F))
+        dinp += self.mm(dp, q(W_1, "e4m3").T)
 
 
 class CudaOps:

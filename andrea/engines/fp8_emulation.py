@@ -1,0 +1,19 @@
+"""The NumPy engine with precision fp8's rounding: every product of attn_qkv, attn_out and mlp reads its
+operands rounded to FP8 as the CUDA engine casts them (andrea/ops/fp8.py: one power-of-two scale per tensor,
+E4M3 activations and weights, E5M2 gradients), in float32 otherwise. It isolates what the FP8 rounding
+alone does to training, on the CPU and at any shape (tests/test_fp8.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from andrea.engines.numpy_engine import NumpyEngine
+from andrea.ops import fp8
+
+
+class Fp8EmulationEngine(NumpyEngine):
+    name = "numpy-fp8"
+
+    def fp8_operand(self, a, fmt: str):
+        q, descale = fp8.quantize(np.ascontiguousarray(a, dtype=np.float32), fmt)
+        return fp8.dequantize(q, descale, fmt).astype(self.dtype).reshape(a.shape)
