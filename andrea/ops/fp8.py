@@ -32,6 +32,7 @@ CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tes
 OVERWRITE_CASES: tuple = ()
 SCALE_SLOTS = 4  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
 SLOT_FLOATS = 4  # cuBLASLt takes 16-byte aligned pointers
+AMAX_BLOCKS = 8 * 132  # the amax pass's grid at most: 8 blocks on each of an H100/H200's 132 SMs
 ALIGN = 256
 
 
@@ -107,8 +108,9 @@ class CudaOps:
     def prepare_fp8_weights(self, params_fp8, layers) -> None:
         """Cast every layer matrix of `layers` (the model's params_lp views) into params_fp8, both layouts in
         one pass: the products of the ops then read these instead of casting their weights per call. The
-        model calls this whenever params_lp may have changed, before the ops that read it (a step's first
-        micro-batch, a forward)."""
+        model calls this whenever it writes params_lp (its load, every AdamW step). The engine keeps the
+        last model's views (so that their memory, while in use here, goes to no other array): that model's
+        buffers live until another model prepares its own or the engine goes."""
         at, copies = 0, {}
         slots = params_fp8[params_fp8.nbytes - len(layers) * len(WEIGHTS) * SLOT_FLOATS * 4:].view(np.float32)
         for l, w in enumerate(layers):
@@ -123,19 +125,18 @@ class CudaOps:
                     self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3)
                 else:
                     self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr)
-                # W itself is kept too: while the copy is in use its memory cannot go to another array
                 copies[W.data.ptr] = (W, nat, tr, slot[:1])
         self._fp8_weights = copies
 
-    def _fp8_weight(self, W, fmt_layout: str, rows: int, cols: int, slot: int, **cast):
+    def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, **cast):
         """(FP8 bytes, descale) of a weight: its prepared copy ("forward": transposed, "input_grad": as the input
         gradient reads it), or cast here into the operand scratch `cast["into"]` when it has none."""
         copy = getattr(self, "_fp8_weights", {}).get(W.data.ptr)
         if copy is not None and copy[0].shape == W.shape:
             _, nat, tr, descale = copy
-            return (tr if fmt_layout == "forward" else nat), descale
+            return (tr if layout == "forward" else nat), descale
         into = cast.pop("into")
-        key = "qt" if fmt_layout == "forward" else "q"
+        key = "qt" if layout == "forward" else "q"
         return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{key: into}, **cast)
 
     def _fp8_operands(self, *sizes: int) -> list:
@@ -166,7 +167,8 @@ class CudaOps:
         n = batch * rows * cols
         threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
         self.zero(amax)
-        self._launch("k_fp8_amax", min(blocks(n, 8 * threads), 8 * 132), threads, amax, x, np.int64(n))
+        # 8 activations a thread a pass; a few blocks an SM are enough to stream it (the max needs no order)
+        self._launch("k_fp8_amax", min(blocks(n, 8 * threads), AMAX_BLOCKS), threads, amax, x, np.int64(n))
         tile = kernel_defines("fp8")["FP8_TILE"]
         grid = (-(-cols // tile), -(-rows // tile), batch)
         null = np.uint64(0)
