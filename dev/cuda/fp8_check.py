@@ -1,0 +1,104 @@
+"""Where does precision fp8 depart from its own rounding? One micro-batch's gradient of every tensor, from the
+same init and batch, on up to four engines:
+
+  cuda-fp8   the CUDA engine in fp8 (FP8 products, bf16 elsewhere)
+  emu-fp8    the NumPy engine with the same FP8 rounding of the same products (andrea/engines/fp8_emulation.py)
+  cuda-bf16  the CUDA engine in bf16
+  fp32       the NumPy engine
+
+For each tensor it prints ||a - b|| / ||b|| for cuda-fp8 against emu-fp8 (the engine against its own
+rounding: near bf16's level, ~1e-2, unless the GPU path is at fault), emu-fp8 against fp32 (what the FP8
+rounding does) and cuda-bf16 against fp32 (for scale), then, with --steps, each engine's losses over that
+many steps. Without a CUDA device the CUDA columns are left out.
+
+    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M [--batch 8] [--steps 0] [--json out.json]
+    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape tiny --steps 50     # on the CPU too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from andrea.config import load_experiment  # noqa: E402
+from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.engines.fp8_emulation import Fp8EmulationEngine  # noqa: E402
+from andrea.engines.numpy_engine import NumpyEngine  # noqa: E402
+from andrea.model import Model, init_params  # noqa: E402
+
+
+def engines() -> dict:
+    found = {"emu-fp8": Fp8EmulationEngine, "fp32": NumpyEngine}
+    from andrea.engines import cuda_available
+
+    if cuda_available():
+        from andrea.engines.cuda_engine import CudaEngine
+
+        found = {"cuda-fp8": lambda: CudaEngine(precision="fp8"), **found,
+                 "cuda-bf16": lambda: CudaEngine(precision="bf16")}
+    return found
+
+
+def gradients(make, exp, B: int, seed: int) -> tuple[dict, float]:
+    """Per-tensor gradients (float64, on the host) of one micro-batch of the synthetic stream, and its loss."""
+    engine = make()
+    options = {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
+    model = Model(engine, exp.model, B, **options)
+    model.load_state(init_params(model.layout, seed))
+    (tokens, targets), = synthetic_micro_batches(exp.model, B, 1, 0, seed)
+    loss = model.forward_backward(tokens, targets)
+    flat = engine.to_host(model.buf["grads"]).astype(np.float64)
+    return {t.name: flat[t.offset:t.end] for t in model.layout.tensors}, loss
+
+
+def losses(make, exp, B: int, steps: int, seed: int) -> list[float]:
+    engine = make()
+    model = Model(engine, exp.model, B, recompute=tuple(exp.recompute), loss_chunks=exp.loss_chunks)
+    model.load_state(init_params(model.layout, seed))
+    return [model.train_step(synthetic_micro_batches(exp.model, B, 1, s, seed), step=s, lr=lr_at(s),
+                             optimizer=OPTIMIZER)[0] for s in range(steps)]
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    d = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / d) if d else float(np.linalg.norm(a))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="tiny", choices=("tiny", "12M", "120M"))
+    parser.add_argument("--batch", type=int, help="micro-batch (default: the experiment's)")
+    parser.add_argument("--steps", type=int, default=0, help="also train this many steps on each engine")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--json", help="write the numbers here")
+    args = parser.parse_args()
+    exp = load_experiment(REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json")
+    B = args.batch or exp.micro_batch_size
+    runs = {name: gradients(make, exp, B, args.seed) for name, make in engines().items()}
+    pairs = [(a, b) for a, b in (("cuda-fp8", "emu-fp8"), ("emu-fp8", "fp32"), ("cuda-bf16", "fp32"))
+             if a in runs and b in runs]
+    report = {"shape": args.shape, "micro_batch": B, "loss": {k: v[1] for k, v in runs.items()}, "grad_rel": {}}
+    print(f"{args.shape} B={B}: first-batch loss " + ", ".join(f"{k} {v[1]:.5f}" for k, v in runs.items()))
+    print(f"{'tensor':22}" + "".join(f"{a + ' vs ' + b:>24}" for a, b in pairs))
+    for name in runs["fp32"][0]:
+        row = {f"{a}/{b}": rel(runs[a][0][name], runs[b][0][name]) for a, b in pairs}
+        report["grad_rel"][name] = row
+        print(f"{name:22}" + "".join(f"{v:>24.3e}" for v in row.values()))
+    if args.steps:
+        report["losses"] = {name: losses(make, exp, B, args.steps, args.seed) for name, make in engines().items()}
+        for name, ls in report["losses"].items():
+            print(f"{name:10} " + " ".join(f"{x:.3f}" for x in ls[::max(1, args.steps // 10)]) + f" last {ls[-1]:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
