@@ -112,3 +112,29 @@ def test_training_plan_without_training_ignores_recompute():
     a = plan_model(layout, 2, training=False, recompute=("gelu", "layernorm"))
     b = plan_model(layout, 2, training=False)
     assert hashlib.sha256(repr(a.buffers).encode()).digest() == hashlib.sha256(repr(b.buffers).encode()).digest()
+
+
+def test_fp8_plans_add_the_weight_copies_and_count_the_engine_scratch_once_at_its_largest():
+    """Under fp8 a plan adds params_fp8 (kept, so a sampler sharing the weights shares it: 2 bytes a layer
+    weight, 256-byte aligned, plus the scale slots) and the engine's fp8_operands, which two models on one
+    engine (the trainer at B 8, its sampler at B 1) count once, at the larger size the engine holds."""
+    from andrea.memory import device_bytes
+    from andrea.ops import fp8
+
+    layout = ParameterLayout(SHAPE_120M)
+    C, L = SHAPE_120M.d_model, SHAPE_120M.n_layer
+
+    def plan(B, training=True):
+        return plan_model(layout, B, training=training, attention="lse", act_dtype="bfloat16",
+                          engine_buffers=fp8.plan_buffers(B, SHAPE_120M.seq_len, C, L))
+
+    trainer, sampler = plan(8), plan(1, training=False)
+    by_name = {b.name: b for b in trainer.buffers}
+    weights = sum(t.size for t in layout.tensors if t.name.split(".")[-1] in {"W_Q", "W_K", "W_V", "W_O", "W_1", "W_2"})
+    assert by_name["params_fp8"].role == "parameters"
+    assert 2 * weights <= by_name["params_fp8"].nbytes <= 2 * weights + 8 * 256 * L + 16 * 4 * L
+    big, small = by_name["fp8_operands"].nbytes, {b.name: b for b in sampler.buffers}["fp8_operands"].nbytes
+    assert small < big
+    alone = sum(b.nbytes for b in trainer.buffers) + sum(b.nbytes for b in sampler.buffers if b.role != "engine")
+    assert device_bytes(trainer, sampler) == alone
+    assert device_bytes(sampler, trainer) == alone  # the order does not matter
