@@ -23,7 +23,8 @@ class EngineTraits:
     graphs: bool
     # Device buffers the engine holds itself (cuBLAS workspace, its ops' scratch), for the memory plan.
     own_buffers: tuple[BufferSpec, ...] = ()
-    # The layers' products run on FP8 operands (precision fp8): a model's plan adds the engine's fp8_operands.
+    # The layers' products run on FP8 operands (precision fp8): a model's plan adds the engine's fp8_operands
+    # and its own params_fp8, which it keeps current through prepare_fp8_weights.
     fp8_products: bool = False
 
 
@@ -46,6 +47,7 @@ class Engine(Protocol):
     def cast(self, dst, src) -> None: ...
     def capture(self, fn): ...  # only where traits.graphs
     def replay(self, graph) -> None: ...  # only where traits.graphs
+    def prepare_fp8_weights(self, params_fp8, layers) -> None: ...  # only where traits.fp8_products
 
     def embed_fwd(self, out, tokens, wte, wpe) -> None: ...
     def embed_bwd(self, dwte, dwpe, dout, tokens) -> None: ...
