@@ -101,6 +101,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.blas_lt = CublasLt(self.own["cublas_workspace"]) if p.low else None
         self._capture_streams: list = []
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
+        self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
 
     @property
     def own_bytes(self) -> int:

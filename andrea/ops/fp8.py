@@ -131,7 +131,7 @@ class CudaOps:
     def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, **cast):
         """(FP8 bytes, descale) of a weight: its prepared copy ("forward": transposed, "input_grad": as the input
         gradient reads it), or cast here into the operand scratch `cast["into"]` when it has none."""
-        copy = getattr(self, "_fp8_weights", {}).get(W.data.ptr)
+        copy = self._fp8_weights.get(W.data.ptr)
         if copy is not None and copy[0].shape == W.shape:
             _, nat, tr, descale = copy
             return (tr if layout == "forward" else nat), descale
