@@ -58,8 +58,8 @@ def timed_ms(engine, fn) -> float:
 def lt_algorithms(engine, c, a, b, m, n, k, ta, tb, beta) -> list[float]:
     """Each cuBLASLt algorithm's time for the product (the heuristic's order; empty where it offers none)."""
     lt = engine.blas_lt
-    kw = dict(trans_a=ta, trans_b=tb, beta=beta)
-    return [round(timed_ms(engine, lambda i=i: lt.gemm(c, a, b, m, n, k, algo=i, **kw)), 4)
+    kw = dict(trans_a=ta, trans_b=tb)
+    return [round(timed_ms(engine, lambda i=i: lt.gemm(c, a, b, m, n, k, algo=i, beta=beta, **kw)), 4)
             for i in range(lt.algorithms(c, a, b, m, n, k, **kw))]
 
 

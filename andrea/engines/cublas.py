@@ -11,6 +11,19 @@ import ctypes
 
 import cupy
 
+class _HostScalars:
+    """float32 host values that alpha and beta point at: one object per value, kept alive for the calls."""
+
+    def __init__(self):
+        self._values: dict[float, ctypes.c_float] = {}
+
+    def __call__(self, value: float) -> int:
+        s = self._values.get(value)
+        if s is None:
+            s = self._values[value] = ctypes.c_float(value)
+        return ctypes.addressof(s)
+
+
 class Cublas:
     """The two cuBLAS products the engine needs, through ctypes on an own handle.
 
@@ -41,7 +54,7 @@ class Cublas:
         self._check("cublasCreate_v2", lib.cublasCreate_v2(ctypes.byref(handle)))
         self.handle = handle.value
         self.stream = None
-        self._scalars = {}  # host scalars that alpha/beta point at, one per value
+        self._scalar = _HostScalars()
         self._bind_stream()
 
     @staticmethod
@@ -57,12 +70,6 @@ class Cublas:
             self._check("cublasSetWorkspace_v2", self.lib.cublasSetWorkspace_v2(
                 self.handle, self.workspace.data.ptr, self.workspace.nbytes))
             self.stream = stream
-
-    def _scalar(self, value: float) -> int:
-        s = self._scalars.get(value)
-        if s is None:
-            s = self._scalars[value] = ctypes.c_float(value)
-        return ctypes.addressof(s)
 
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
              alpha=1.0, beta=0.0, batch=1, stride_a=0, stride_b=0, stride_c=0):
@@ -142,13 +149,7 @@ class CublasLt:
         Cublas._check("cublasLtCreate", lib.cublasLtCreate(ctypes.byref(handle)))
         self.handle = handle.value
         self._plans: dict = {}
-        self._scalars = {}  # host alpha/beta values, one per value
-
-    def _scalar(self, value: float):
-        s = self._scalars.get(value)
-        if s is None:
-            s = self._scalars[value] = ctypes.c_float(value)
-        return ctypes.byref(s)
+        self._scalar = _HostScalars()
 
     def _set(self, desc, attr: int, value) -> None:
         Cublas._check("cublasLtMatmulDescSetAttribute", self.lib.cublasLtMatmulDescSetAttribute(
@@ -214,8 +215,8 @@ class CublasLt:
         return sum(self._plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
 
     def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
-                  a_type=None, b_type=None, a_scale=None, b_scale=None, algo=0, beta=0.0, batch=1, stride_a=0,
-                  stride_b=0, stride_c=0):
+                  a_type=None, b_type=None, a_scale=None, b_scale=None, algo=0, batch=1, stride_a=0, stride_b=0,
+                  stride_c=0):
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
         key = (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,

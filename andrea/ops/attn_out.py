@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from andrea.ops.base import Draw, OpCase, start_grad
-from andrea.ops.fp8 import fp8_shapes_ok
 
 KERNELS: dict = {}
 
@@ -30,19 +29,12 @@ class CudaOps:
     def attn_out_fwd(self, out, inp, W_O):
         C = inp.shape[-1]
         N = inp.size // C
-        if not (self.fp8 and fp8_shapes_ok(N, C) and self._linear_fwd_fp8(out, inp, W_O, N, C, C)):
-            self.blas.gemm(out, inp, W_O, N, C, C)
+        self._linear_fwd(out, inp, W_O, N, C, C)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
-        beta = 0.0 if overwrite else 1.0
-        done_dW, done_dinp = (self._linear_bwd_fp8(dinp, dW_O, dout, inp, W_O, N, C, C, beta)
-                              if self.fp8 and fp8_shapes_ok(N, C) else (False, False))
-        if not done_dW:
-            self.blas.gemm(dW_O, inp, dout, C, C, N, trans_a=True, beta=1.0)
-        if not done_dinp:
-            self.blas.gemm(dinp, dout, W_O, N, C, C, trans_b=True, beta=beta)
+        self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -5,7 +5,6 @@ back: one [3, C, C] view, so the CUDA half runs each direction as one batched pr
 from __future__ import annotations
 
 from andrea.ops.base import Draw, OpCase, start_grad
-from andrea.ops.fp8 import fp8_shapes_ok
 
 KERNELS: dict = {}
 
@@ -37,13 +36,11 @@ class CudaOps:
     def attn_qkv_fwd(self, qkv, inp, W_QKV):
         C = inp.shape[-1]
         N = inp.size // C
-        if not (self.fp8 and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
+        if not (self._fp8_ok(N, C) and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
             self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
     def _attn_qkv_fwd_fp8(self, qkv, inp, W_QKV, N, C) -> bool:
         """qkv[i] = X @ W_i on FP8 operands: X [N, C] and each W_i^T [C, C], one batched product (False: not run)."""
-        if not fp8_shapes_ok(N, C):
-            return False
         xq, wt = self._fp8_operands(N * C, 3 * C * C)
         sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq)
         wt, sw = self._fp8_weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
@@ -53,7 +50,7 @@ class CudaOps:
         C = inp.shape[-1]
         N = inp.size // C
         done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, inp, W_QKV, overwrite, N, C)
-                              if self.fp8 and fp8_shapes_ok(N, C) else (False, False))
+                              if self._fp8_ok(N, C) else (False, False))
         if not done_dW:  # the three C x C weight gradients as one batched product
             self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, beta=1.0, batch=3, stride_b=N * C, stride_c=C * C)
         if not done_dinp:

@@ -105,6 +105,11 @@ class CudaOps:
     returns False where cuBLASLt has no FP8 algorithm for the shape (a dimension not a multiple of 16,
     say); the op then runs its bf16 products instead."""
 
+    def _fp8_ok(self, *dims: int) -> bool:
+        """Whether a product runs on FP8 operands: precision fp8, and dimensions cuBLASLt's FP8 kernels take
+        (the tokens and the widths, multiples of 16)."""
+        return self.fp8 and fp8_shapes_ok(*dims)
+
     def prepare_fp8_weights(self, params_fp8, layers) -> None:
         """Cast every layer matrix of `layers` (the model's params_lp views) into params_fp8, both layouts in
         one pass: the products of the ops then read these instead of casting their weights per call. The
@@ -178,6 +183,21 @@ class CudaOps:
             descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2")))
         return descale
 
+    def _linear_fwd(self, out, inp, W, N, K, M) -> None:
+        """out [N, M] = inp [N, K] @ W [K, M]: on FP8 operands where the op takes them, else the plain product."""
+        if not (self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M)):
+            self.blas.gemm(out, inp, W, N, M, K)
+
+    def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float) -> None:
+        """dW [K, M] += inp^T @ dout and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where the op
+        takes them, else (each product on its own) the plain products."""
+        done_dW, done_dinp = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta)
+                              if self._fp8_ok(N, K, M) else (False, False))
+        if not done_dW:
+            self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=1.0)
+        if not done_dinp:
+            self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
+
     def _linear_fwd_fp8(self, out, inp, W, N, K, M, **kw) -> bool:
         """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written."""
         xq, wt = self._fp8_operands(N * K, K * M)
@@ -185,15 +205,15 @@ class CudaOps:
         wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, **kw)
 
-    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, dinp_kw=None) -> tuple[bool, bool]:
-        """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp; `dinp_kw`: an epilogue)
-        on FP8 operands: inp^T and dout^T for the first, dout and W as stored for the second. Which ran."""
+    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float) -> tuple[bool, bool]:
+        """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
+        and dout^T for the first, dout and W as stored for the second. Which ran."""
         xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
         sx = self._fp8_cast(inp, N, K, "e4m3", 0, qt=xt)
         sd = self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
         w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
         return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),
-                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta, **(dinp_kw or {})))
+                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta))
 
     def _fp8_gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, **kw) -> bool:
         """Row-major C[m, n] = (a_scale * A[m, k]) @ (b_scale * B[n, k])^T (+ beta * C, an epilogue, a batch)

@@ -9,13 +9,8 @@ import math
 import numpy as np
 
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, start_grad
-from andrea.ops.fp8 import fp8_shapes_ok
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
-# fp8: dpre = dout @ W_2^T on FP8 operands, then the GELU-gradient kernel (k_mlp_bwd): cuBLASLt's DGELU
-# epilogue on FP8 operands took ~0.23 ms at 120M, against ~0.08 for the product and the kernel
-# (docs/PERFORMANCE.md, fp8).
-FP8_DGELU_EPILOGUE = False
 GELU_K = math.sqrt(2.0 / math.pi)
 
 
@@ -63,19 +58,13 @@ class CudaOps:
         C, F = W_1.shape
         N = inp.size // C
         self._mlp_up(pre, act, inp, W_1)
-        if not (self._fp8_ok(N, C) and self._linear_fwd_fp8(out, act, W_2, N, F, C)):
-            self.blas.gemm(out, act, W_2, N, C, F)
-
-    def _fp8_ok(self, N, C) -> bool:
-        return self.fp8 and fp8_shapes_ok(N, C)
+        self._linear_fwd(out, act, W_2, N, F, C)
 
     def _mlp_up(self, pre, act, inp, W_1):
         """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes."""
         if not self._gelu_epilogue(pre, act, inp, W_1):
             C, F = W_1.shape
-            N = inp.size // C
-            if not (self._fp8_ok(N, C) and self._linear_fwd_fp8(pre, inp, W_1, N, C, F)):
-                self.blas.gemm(pre, inp, W_1, N, F, C)
+            self._linear_fwd(pre, inp, W_1, inp.size // C, C, F)
             self._gelu(act, pre)
 
     def _gelu_epilogue(self, pre, act, inp, W_1) -> bool:
@@ -91,33 +80,30 @@ class CudaOps:
     def _gelu(self, act, pre):
         self._launch("k_mlp_fwd", self._vec_blocks(pre.size), ELEMENTWISE_THREADS, act, pre, np.int64(pre.size))
 
+    def _gelu_grad(self, dpre, pre):
+        """dpre *= GELU'(pre), in place."""
+        self._launch("k_mlp_bwd", self._vec_blocks(pre.size), ELEMENTWISE_THREADS, dpre, pre, np.int64(pre.size))
+
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
         """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre, or, where
         the GELU is the product's epilogue, by the forward's own product again (the same bits in act and pre)."""
         C, F = W_1.shape
         N = inp.size // C
-        beta = 0.0 if overwrite else 1.0
         if recompute and not self._gelu_epilogue(pre, act, inp, W_1):
             self._gelu(act, pre)
-        # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre)
-        epilogue = {"epilogue": "dgelu", "aux": pre} if FP8_DGELU_EPILOGUE else {}
-        done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, dinp_kw=epilogue)
+        # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
+        # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
+        done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0)
                               if self._fp8_ok(N, C) else (False, False))
         if not done_dW:
             self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
-        if done_dpre and not epilogue:
-            self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
-        elif not (done_dpre or self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True,
-                                                                  epilogue="dgelu", aux=pre)):
+        if done_dpre:
+            self._gelu_grad(dpre, pre)
+        elif not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre)):
             self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
-            self._launch("k_mlp_bwd", self._vec_blocks(N * F), ELEMENTWISE_THREADS, dpre, pre, np.int64(N * F))
+            self._gelu_grad(dpre, pre)
         # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T
-        done_dW, done_dinp = (self._linear_bwd_fp8(dinp, dW_1, dpre, inp, W_1, N, C, F, beta)
-                              if self._fp8_ok(N, C) else (False, False))
-        if not done_dW:
-            self.blas.gemm(dW_1, inp, dpre, C, F, N, trans_a=True, beta=1.0)
-        if not done_dinp:
-            self.blas.gemm(dinp, dpre, W_1, N, C, F, trans_b=True, beta=beta)
+        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

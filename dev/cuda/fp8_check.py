@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.config import load_experiment  # noqa: E402
-from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.engines.crosscheck import synthetic_micro_batches, train_run  # noqa: E402
 from andrea.engines.fp8_emulation import Fp8EmulationEngine  # noqa: E402
 from andrea.engines.numpy_engine import NumpyEngine  # noqa: E402
 from andrea.model import Model, init_params  # noqa: E402
@@ -58,14 +58,6 @@ def gradients(make, exp, B: int, seed: int) -> tuple[dict, float]:
     return {t.name: flat[t.offset:t.end] for t in model.layout.tensors}, loss
 
 
-def losses(make, exp, B: int, steps: int, seed: int) -> list[float]:
-    engine = make()
-    model = Model(engine, exp.model, B, recompute=tuple(exp.recompute), loss_chunks=exp.loss_chunks)
-    model.load_state(init_params(model.layout, seed))
-    return [model.train_step(synthetic_micro_batches(exp.model, B, 1, s, seed), step=s, lr=lr_at(s),
-                             optimizer=OPTIMIZER)[0] for s in range(steps)]
-
-
 def rel(a: np.ndarray, b: np.ndarray) -> float:
     d = np.linalg.norm(b)
     return float(np.linalg.norm(a - b) / d) if d else float(np.linalg.norm(a))
@@ -92,7 +84,8 @@ def main() -> int:
         report["grad_rel"][name] = row
         print(f"{name:22}" + "".join(f"{v:>24.3e}" for v in row.values()))
     if args.steps:
-        report["losses"] = {name: losses(make, exp, B, args.steps, args.seed) for name, make in engines().items()}
+        report["losses"] = {name: train_run(make(), exp.model, B, 1, args.steps, args.seed, recompute=tuple(exp.recompute),
+                                            loss_chunks=exp.loss_chunks).losses for name, make in engines().items()}
         for name, ls in report["losses"].items():
             print(f"{name:10} " + " ".join(f"{x:.3f}" for x in ls[::max(1, args.steps // 10)]) + f" last {ls[-1]:.4f}")
     if args.json:
