@@ -82,12 +82,12 @@ def data_stages(root: Path, chats, vocab_size: int, val_fraction: float = 0.1) -
     return tokens
 
 
-def embedded_chats(path: Path, domain: str) -> Path:
-    """The first N_CONVERSATIONS conversations of an embedded domain, as a JSONL file at `path`."""
+def embedded_chats(path: Path, domain: str, n: int | None = N_CONVERSATIONS) -> Path:
+    """The first n conversations of an embedded domain (None: all of them), as a JSONL file at `path`."""
     from andrea.data.embedded_corpus import corpus_file
 
     with gzip.open(corpus_file(domain), "rt") as f:
-        path.write_text("".join(itertools.islice(f, N_CONVERSATIONS)))
+        path.write_text("".join(itertools.islice(f, n)))
     return path
 
 
@@ -97,6 +97,16 @@ def chat_data(tmp_path_factory):
     with train.bin, val.bin and a 512-token tokenizer.json, as `andrea tokenize` leaves it."""
     root = tmp_path_factory.mktemp("chat_data")
     return data_stages(root, embedded_chats(root / "chats.jsonl", "pydocs"), 512)
+
+
+@pytest.fixture(scope="session")
+def embedded_text(tmp_path_factory):
+    """The data stages on the whole embedded corpus (both domains, about 4.7M tokens) with a 4,096-token
+    tokenizer, as the default pipeline prepares it: real text for training comparisons (ids fit any vocabulary
+    of at least 4,096)."""
+    root = tmp_path_factory.mktemp("embedded_text")
+    return data_stages(root, {name: embedded_chats(root / f"{name}.jsonl", name, None) for name in ("pydocs", "wordnet")},
+                       4096)
 
 
 @pytest.fixture(scope="session")

@@ -49,3 +49,31 @@ def test_weighted_loss_cases_hold_every_kind_of_weight_and_catch_an_engine_that_
     for op in ("loss_weighted", "loss_weighted_in_place"):
         result = compare_op({"bad": IgnoresWeights("float32")}, op, s, np.random.default_rng(1))["bad"]
         assert min(result["dinp"]["rel"], result["dwte"]["rel"]) > 1e-3, op  # the limit is 1e-5
+
+
+def test_text_micro_batches_are_shifted_windows_of_the_shard_and_a_function_of_seed_and_step():
+    from andrea.engines.crosscheck import text_micro_batches
+
+    tokens = np.arange(10_000, dtype=np.uint16)  # each window's values say where it starts
+    (x, y), (x2, y2) = text_micro_batches(tokens, 64, 3, 2, step=5, seed=1)
+    for tok, tgt in ((x, y), (x2, y2)):
+        assert tok.shape == tgt.shape == (3, 64) and tok.dtype == np.int32
+        assert (np.diff(tok, axis=1) == 1).all() and (tgt == tok + 1).all()
+    again = text_micro_batches(tokens, 64, 3, 2, step=5, seed=1)
+    assert all((a == b).all() for pair in zip(again, [(x, y), (x2, y2)]) for a, b in zip(*pair))
+    assert not (text_micro_batches(tokens, 64, 3, 2, step=6, seed=1)[0][0] == x).all()
+    with pytest.raises(ValueError, match="no window"):
+        text_micro_batches(tokens[:64], 64, 1, 1, step=0)
+
+
+def test_train_run_held_out_loss_falls_with_training_on_a_learnable_shard():
+    from andrea.engines.crosscheck import text_micro_batches, train_run
+
+    shape = ModelShape(n_layer=1, d_model=32, n_head=2, vocab_size=64, seq_len=16)
+    tokens = np.tile(np.random.default_rng(0).integers(0, 64, 37), 200).astype(np.uint16)
+    held = text_micro_batches(tokens, 16, 4, 1, step=0, seed=99)
+    runs = [train_run(NumpyEngine(), shape, 4, 1, steps, stream=lambda s: text_micro_batches(tokens, 16, 4, 1, s),
+                      held_out=held) for steps in (0, 40)]
+    assert runs[0].held_out == pytest.approx(np.log(64), rel=0.05)  # untrained: about uniform
+    assert runs[1].held_out < 0.8 * runs[0].held_out
+    assert train_run(NumpyEngine(), shape, 4, 1, 1).held_out is None

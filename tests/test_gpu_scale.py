@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from andrea.config import load_experiment
-from andrea.engines.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, train_run
+from andrea.engines.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, text_micro_batches, train_run
 from andrea.layout import ParameterLayout
 from andrea.ops.base import OpShape
 from andrea.precision import PRECISIONS
-from andrea.shards import write_shard
+from andrea.shards import read_shard, write_shard
 from conftest import EXPERIMENTS, REPO
 
 pytestmark = pytest.mark.gpu
@@ -92,10 +92,12 @@ def test_bf16_follows_fp32_over_200_steps(engines):
     assert abs(b[-1] - f[-1]) / f[-1] <= PARITY_LIMIT
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet: on the synthetic stream fp8 ended 200 steps at 4.50 against "
-                   "bf16's 1.76 (docs/PERFORMANCE.md, fp8); strict, so that meeting it fails until this mark goes")
+@pytest.mark.xfail(strict=True, reason="not met: on the synthetic stream fp8 ended 200 steps at 4.50 against bf16's "
+                   "1.76; the FP8 rounding of any one op family (attn_qkv, attn_out or mlp) delays its memorising drop, "
+                   "while on real text fp8 follows bf16 (the test below; docs/PERFORMANCE.md, fp8); strict, so that "
+                   "meeting it fails until this mark goes")
 def test_fp8_follows_bf16_over_200_steps_at_120m(engines):
-    """ANDREA-120M in fp8 ends 200 steps from the same init within 1.5% of bf16's loss."""
+    """ANDREA-120M in fp8 ends 200 steps of the synthetic stream from the same init within 1.5% of bf16's loss."""
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
     runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M", p)) for p in ("bf16", "fp8")}
     free_device_memory()
@@ -103,6 +105,26 @@ def test_fp8_follows_bf16_over_200_steps_at_120m(engines):
     rel = abs(f[-1] - b[-1]) / b[-1]
     print(f"\n120M B={micro}, {PARITY_STEPS} steps: final loss bf16 {b[-1]:.4f}, fp8 {f[-1]:.4f}, rel {rel:.2e}; "
           f"mean of the last 10: bf16 {np.mean(b[-10:]):.4f}, fp8 {np.mean(f[-10:]):.4f}")
+    assert rel <= FP8_PARITY_LIMIT
+
+
+HELD_OUT_BATCHES = 8  # micro-batches of the validation shard the held-out loss averages
+
+
+def test_fp8_follows_bf16_on_text_over_200_steps_at_120m(engines, embedded_text):
+    """ANDREA-120M in fp8 and in bf16, 200 steps of the embedded corpus from the same init and on the same
+    windows: the held-out loss after them (the validation shard) within 1.5%."""
+    shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
+    train, val = read_shard(embedded_text / "train.bin"), read_shard(embedded_text / "val.bin")
+    held_out = [b for i in range(HELD_OUT_BATCHES) for b in text_micro_batches(val, shape.seq_len, micro, 1, i, seed=7)]
+    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M", p), held_out=held_out,
+                         stream=lambda step: text_micro_batches(train, shape.seq_len, micro, 1, step))
+            for p in ("bf16", "fp8")}
+    free_device_memory()
+    b, f = runs["bf16"], runs["fp8"]
+    rel = abs(f.held_out - b.held_out) / b.held_out
+    print(f"\n120M B={micro}, {PARITY_STEPS} steps of text: held-out loss bf16 {b.held_out:.4f}, fp8 {f.held_out:.4f}, "
+          f"rel {rel:.2e}; last training loss bf16 {b.losses[-1]:.4f}, fp8 {f.losses[-1]:.4f}")
     assert rel <= FP8_PARITY_LIMIT
 
 

@@ -110,6 +110,16 @@ def synthetic_micro_batches(shape: ModelShape, micro_batch: int, n_micro: int, s
     return list(zip(np.split(x, n_micro), np.split(y, n_micro)))
 
 
+def text_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n_micro: int, step: int, seed: int = 0):
+    """Windows of a token shard (real text) at random offsets, a pure function of (seed, step)."""
+    if tokens.size < T + 2:
+        raise ValueError(f"a shard of {tokens.size} tokens holds no window of {T + 1}")
+    starts = np.random.default_rng([seed, step]).integers(0, tokens.size - T - 1, micro_batch * n_micro)
+    rows = np.stack([np.asarray(tokens[s:s + T + 1], dtype=np.int32) for s in starts])
+    x, y = rows[:, :-1], rows[:, 1:]
+    return list(zip(np.split(x, n_micro), np.split(y, n_micro)))
+
+
 def lr_at(step: int) -> float:
     return OPTIMIZER["lr"] * min(1.0, (step + 1) / WARMUP_STEPS)
 
@@ -120,22 +130,25 @@ class TrainRun:
     norms: list
     digest: str  # sha256 of the final params, m and v bytes
     params: np.ndarray
+    held_out: float | None = None  # mean loss over the held-out micro-batches after the last step
 
 
 def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: int, seed: int = 1337,
-              recompute: tuple[str, ...] = (), loss_chunks: int = 1) -> TrainRun:
-    """`steps` optimizer steps from init_params(seed) on synthetic batches."""
+              recompute: tuple[str, ...] = (), loss_chunks: int = 1, stream=None, held_out=()) -> TrainRun:
+    """`steps` optimizer steps from init_params(seed) on the batches stream(step) (default: the synthetic
+    stream), then the mean loss over the `held_out` micro-batches ((tokens, targets) pairs), if any."""
     model = Model(engine, shape, micro_batch, recompute=recompute, loss_chunks=loss_chunks)
     model.load_state(init_params(model.layout, seed))
+    stream = stream or (lambda step: synthetic_micro_batches(shape, micro_batch, n_micro, step, seed))
     losses, norms = [], []
     for step in range(steps):
-        loss, norm = model.train_step(synthetic_micro_batches(shape, micro_batch, n_micro, step, seed),
-                                      step=step, lr=lr_at(step), optimizer=OPTIMIZER)
+        loss, norm = model.train_step(stream(step), step=step, lr=lr_at(step), optimizer=OPTIMIZER)
         losses.append(loss)
         norms.append(norm)
     params, m, v = model.host_state()
     digest = hashlib.sha256(params.tobytes() + m.tobytes() + v.tobytes()).hexdigest()
-    return TrainRun(losses, norms, digest, params)
+    held = float(np.mean([model.forward(x, y) for x, y in held_out])) if held_out else None
+    return TrainRun(losses, norms, digest, params, held)
 
 
 def step_allocations(model, step: int = 0, seed: int = 0) -> dict:

@@ -9,9 +9,11 @@ same init and batch, on up to four engines:
 For each tensor it prints ||a - b|| / ||b|| for cuda-fp8 against emu-fp8 (the engine against its own
 rounding: near bf16's level, ~1e-2, unless the GPU path is at fault), emu-fp8 against fp32 (what the FP8
 rounding does) and cuda-bf16 against fp32 (for scale), then, with --steps, each engine's losses over that
-many steps. Without a CUDA device the CUDA columns are left out.
+many steps. Without a CUDA device the CUDA columns are left out. --from-step S takes the gradients at the
+parameters after S steps of training in bf16 (fp32 on the NumPy engine without a device), on step S's batch:
+activations then have the spread training gives them, which fresh init does not show.
 
-    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M [--batch 8] [--steps 0] [--json out.json]
+    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M [--batch 8] [--from-step 80] [--steps 0] [--json out.json]
     PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape tiny --steps 50     # on the CPU too
 """
 
@@ -46,13 +48,14 @@ def engines() -> dict:
     return found
 
 
-def gradients(make, exp, B: int, seed: int) -> tuple[dict, float]:
-    """Per-tensor gradients (float64, on the host) of one micro-batch of the synthetic stream, and its loss."""
+def gradients(make, exp, B: int, seed: int, params: np.ndarray | None = None, step: int = 0) -> tuple[dict, float]:
+    """Per-tensor gradients (float64, on the host) of step `step`'s micro-batch of the synthetic stream at
+    `params` (default: init), and its loss."""
     engine = make()
     options = {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
     model = Model(engine, exp.model, B, **options)
-    model.load_state(init_params(model.layout, seed))
-    (tokens, targets), = synthetic_micro_batches(exp.model, B, 1, 0, seed)
+    model.load_state(init_params(model.layout, seed) if params is None else params)
+    (tokens, targets), = synthetic_micro_batches(exp.model, B, 1, step, seed)
     loss = model.forward_backward(tokens, targets)
     flat = engine.to_host(model.buf["grads"]).astype(np.float64)
     return {t.name: flat[t.offset:t.end] for t in model.layout.tensors}, loss
@@ -68,15 +71,26 @@ def main() -> int:
     parser.add_argument("--shape", default="tiny", choices=("tiny", "12M", "120M"))
     parser.add_argument("--batch", type=int, help="micro-batch (default: the experiment's)")
     parser.add_argument("--steps", type=int, default=0, help="also train this many steps on each engine")
+    parser.add_argument("--from-step", type=int, default=0,
+                        help="gradients at the parameters after this many steps of training (default: init)")
+    parser.add_argument("--warm-batch", type=int, help="the micro-batch of those steps (default: --batch)")
+    parser.add_argument("--train-on", nargs="+", help="the engines --steps trains (default: all)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args()
     exp = load_experiment(REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json")
     B = args.batch or exp.micro_batch_size
-    runs = {name: gradients(make, exp, B, args.seed) for name, make in engines().items()}
+    found = engines()
+    params = None
+    if args.from_step:
+        warm = "cuda-bf16" if "cuda-bf16" in found else "fp32"
+        params = train_run(found[warm](), exp.model, args.warm_batch or B, 1, args.from_step, args.seed, recompute=tuple(exp.recompute),
+                           loss_chunks=exp.loss_chunks).params
+        print(f"parameters after {args.from_step} steps on {warm}")
+    runs = {name: gradients(make, exp, B, args.seed, params, args.from_step) for name, make in found.items()}
     pairs = [(a, b) for a, b in (("cuda-fp8", "emu-fp8"), ("emu-fp8", "fp32"), ("cuda-bf16", "fp32"))
              if a in runs and b in runs]
-    report = {"shape": args.shape, "micro_batch": B, "loss": {k: v[1] for k, v in runs.items()}, "grad_rel": {}}
+    report = {"shape": args.shape, "micro_batch": B, "from_step": args.from_step, "loss": {k: v[1] for k, v in runs.items()}, "grad_rel": {}}
     print(f"{args.shape} B={B}: first-batch loss " + ", ".join(f"{k} {v[1]:.5f}" for k, v in runs.items()))
     print(f"{'tensor':22}" + "".join(f"{a + ' vs ' + b:>24}" for a, b in pairs))
     for name in runs["fp32"][0]:
@@ -85,7 +99,8 @@ def main() -> int:
         print(f"{name:22}" + "".join(f"{v:>24.3e}" for v in row.values()))
     if args.steps:
         report["losses"] = {name: train_run(make(), exp.model, B, 1, args.steps, args.seed, recompute=tuple(exp.recompute),
-                                            loss_chunks=exp.loss_chunks).losses for name, make in engines().items()}
+                                            loss_chunks=exp.loss_chunks).losses
+                             for name, make in found.items() if not args.train_on or name in args.train_on}
         for name, ls in report["losses"].items():
             print(f"{name:10} " + " ".join(f"{x:.3f}" for x in ls[::max(1, args.steps // 10)]) + f" last {ls[-1]:.4f}")
     if args.json:
