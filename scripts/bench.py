@@ -135,7 +135,7 @@ def memory():
     pool = cupy.get_default_memory_pool()
     out = {}
     for name in BENCH:
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "fp8"):
             free_device_memory()
             before = pool.total_bytes()
             engine = CudaEngine(precision=precision)
@@ -226,12 +226,16 @@ def bench(baseline: str | None, variants, peers):
 
 
 def table() -> str:
-    lines = []
+    """One line an engine variant and PyTorch peer that ran in this call; a variant without one, one line."""
+    lines, paired = [], {}
     for name, precision, e, peer, base in peer_pairs(report.get("bench", {})):
-        ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "-"
-        lines.append(f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
-                     f"   PyTorch {peer:13} {base.get('ms_per_step', float('nan')):8.2f} ms "
-                     f"{base.get('tokens_per_s', 0):>11,} tok/s  {ratio}")
+        engine = f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
+        paired.setdefault(engine, False)
+        if base:
+            paired[engine] = True
+            lines.append(f"{engine}   PyTorch {peer:13} {base['ms_per_step']:8.2f} ms {base['tokens_per_s']:>11,} tok/s  "
+                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+    lines += [f"{engine}   (no PyTorch peer of this precision ran)" for engine, done in paired.items() if not done]
     for key, e in report.get("memory", {}).items():
         if isinstance(e, dict) and "plan_bytes" in e:
             lines.append(f"memory {key}: plan {e['plan_bytes'] / 2**20:,.1f} MiB, pool {e['pool_bytes'] / 2**20:,.1f} MiB")
