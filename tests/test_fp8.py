@@ -42,6 +42,22 @@ def test_quantize_rounds_to_the_nearest_fp8_value(fmt, step):
     assert np.array_equal(fp8.dequantize(again, descale2, fmt), back)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fake_quantize_gives_the_cast_s_values_in_array_arithmetic(fmt):
+    """fake_quantize (the rounding in plain float32 operations, for CuPy's fake-quantized products) equals
+    dequantize(quantize(x)) bit for bit, subnormals and the largest value included, and is exact in bf16."""
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(20000) * np.exp(rng.standard_normal(20000) * 3) * 10.0 ** rng.uniform(-3, 3))
+    x = x.astype(ml_dtypes.bfloat16).astype(np.float32)  # the engine's activations are bf16
+    got = fp8.fake_quantize(np, x, fmt)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, fp8.dequantize(*fp8.quantize(x, fmt), fmt).astype(np.float32))
+    assert np.array_equal(got.astype(ml_dtypes.bfloat16).astype(np.float32), got)
+    assert not np.array_equal(got, x)
+
+
 def test_the_scratch_holds_every_op_s_operands():
     """operand_bytes is mlp_bwd's need; attn_qkv_bwd's and the forward products' are smaller at any shape."""
     for B, T, C in ((1, 16, 16), (8, 1024, 768), (32, 512, 384), (4, 64, 64)):

@@ -91,6 +91,20 @@ def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
     return q.view(np.uint8), 2.0**-e
 
 
+def fake_quantize(xp, x, fmt: str):
+    """dequantize(*quantize(x)) as float32 in array arithmetic of the array module xp (NumPy or CuPy): the
+    cast's values without FP8 types, so that they can feed products of other precisions on any device
+    (dev/cuda/fp8_check.py's cuda-fq8). The values have at most 4 significant bits: exact in bf16."""
+    mantissa, min_exp = {"e4m3": (3, -6), "e5m2": (2, -14)}[fmt]  # mantissa bits, smallest normal exponent
+    x = xp.asarray(x, dtype=xp.float32)
+    e = scale_exponent(float(xp.abs(x).max()) if x.size else 0.0, fmt)
+    a = xp.abs(x) * xp.float32(2.0**e)
+    _, ex = xp.frexp(a)  # a in [2^(ex-1), 2^ex); below the smallest normal the spacing stays that of min_exp
+    step = xp.ldexp(xp.ones_like(a), xp.maximum(ex - 1, min_exp) - mantissa)
+    r = xp.minimum(xp.rint(a / step) * step, xp.float32(FORMATS[fmt][1]))  # rint: to nearest even
+    return xp.copysign(r, x) * xp.float32(2.0**-e)
+
+
 def dequantize(q: np.ndarray, descale: float, fmt: str) -> np.ndarray:
     """float64 values of FP8 bytes times their descale."""
     import ml_dtypes
