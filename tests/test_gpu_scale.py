@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from andrea.config import load_experiment
-from andrea.engines.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, text_micro_batches, train_run
+from andrea.engines.crosscheck import (OP_LIMITS, OPS, compare_op, held_out_micro_batches, step_allocations,
+                                       text_micro_batches, train_run)
 from andrea.layout import ParameterLayout
 from andrea.ops.base import OpShape
 from andrea.precision import PRECISIONS
@@ -108,15 +109,12 @@ def test_fp8_follows_bf16_over_200_steps_at_120m(engines):
     assert rel <= FP8_PARITY_LIMIT
 
 
-HELD_OUT_BATCHES = 8  # micro-batches of the validation shard the held-out loss averages
-
-
 def test_fp8_follows_bf16_on_text_over_200_steps_at_120m(engines, embedded_text):
     """ANDREA-120M in fp8 and in bf16, 200 steps of the embedded corpus from the same init and on the same
     windows: the held-out loss after them (the validation shard) within 1.5%."""
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
     train, val = read_shard(embedded_text / "train.bin"), read_shard(embedded_text / "val.bin")
-    held_out = [b for i in range(HELD_OUT_BATCHES) for b in text_micro_batches(val, shape.seq_len, micro, 1, i, seed=7)]
+    held_out = held_out_micro_batches(val, shape.seq_len, micro)
     runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M", p), held_out=held_out,
                          stream=lambda step: text_micro_batches(train, shape.seq_len, micro, 1, step))
             for p in ("bf16", "fp8")}

@@ -120,6 +120,14 @@ def text_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n_micro: in
     return list(zip(np.split(x, n_micro), np.split(y, n_micro)))
 
 
+HELD_OUT_BATCHES = 8  # micro-batches of a validation shard a held-out loss averages
+
+
+def held_out_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n: int = HELD_OUT_BATCHES, seed: int = 7):
+    """n fixed micro-batches of a validation shard: the held-out loss of train_run."""
+    return [b for i in range(n) for b in text_micro_batches(tokens, T, micro_batch, 1, i, seed)]
+
+
 def lr_at(step: int) -> float:
     return OPTIMIZER["lr"] * min(1.0, (step + 1) / WARMUP_STEPS)
 

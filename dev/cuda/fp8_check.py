@@ -1,21 +1,26 @@
-"""Where does precision fp8 depart from its own rounding? One micro-batch's gradient of every tensor, from the
-same init and batch, on up to four engines:
+"""Where does precision fp8 depart from its own rounding, and what does the rounding do to training? One
+micro-batch's gradient of every tensor, from the same init and batch, on these engines (default: those this
+machine runs):
 
   cuda-fp8   the CUDA engine in fp8 (FP8 products, bf16 elsewhere)
   emu-fp8    the NumPy engine with the same FP8 rounding of the same products (andrea/engines/fp8_emulation.py)
   cuda-fq8   the CUDA engine in bf16 with the operands of those same products rounded to FP8 as the casts round
-             them, then bf16 products (fake_quantized below): the FP8 rounding on the GPU without any FP8 kernel
-  cuda-bf16  the CUDA engine in bf16
+             them (fp8.fake_quantize), then bf16 products: the FP8 rounding on the GPU without any FP8 kernel
+  cuda-bf16  the CUDA engine in bf16 (--engines takes any cuda-<precision>)
   fp32       the NumPy engine
 
 For each tensor it prints ||a - b|| / ||b|| for cuda-fp8 against emu-fp8 and against cuda-fq8 (the engine
-against its own rounding: near bf16's level unless the GPU path is at fault), emu-fp8 against fp32 (what the
-FP8 rounding does) and cuda-bf16 against fp32 (for scale), then, with --steps, each engine's losses over that
-many steps. Without a CUDA device the CUDA columns are left out. --from-step S takes the gradients at the
-parameters after S steps of training in bf16 (fp32 on the NumPy engine without a device), on step S's batch:
-activations then have the spread training gives them, which fresh init does not show.
+against its own rounding: a wrong layout, scale or operand shows as 100% or more), emu-fp8 against fp32
+(what the FP8 rounding does) and cuda-bf16 against fp32 (for scale); then, with --steps, each engine's losses
+over that many steps from the same init. --from-step S takes the gradients at the parameters after S steps
+of training in bf16 (fp32 without a device), where activations have the spread training gives them. --text
+trains on a tokens folder's windows instead of the synthetic stream (the windows of
+tests/test_gpu_scale.py's text parity test) and adds the held-out loss on its validation shard.
 
-    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M [--batch 8] [--from-step 80] [--steps 0] [--json out.json]
+    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M --batch 4 --warm-batch 8 --from-step 80
+    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M --batch 8 --engines cuda-fp8 cuda-fq8 cuda-bf16 --steps 200
+    PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape 120M --batch 8 --text results/data/tokens-V4096 --steps 200 \
+        --engines cuda-fp32 cuda-bf16 cuda-fp16 cuda-fp8 cuda-fq8
     PYTHONPATH=. python3 dev/cuda/fp8_check.py --shape tiny --steps 50     # on the CPU too
 """
 
@@ -32,10 +37,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.config import load_experiment  # noqa: E402
-from andrea.engines.crosscheck import synthetic_micro_batches, train_run  # noqa: E402
+from andrea.engines.crosscheck import (held_out_micro_batches, synthetic_micro_batches,  # noqa: E402
+                                       text_micro_batches, train_run)
 from andrea.engines.fp8_emulation import Fp8EmulationEngine  # noqa: E402
 from andrea.engines.numpy_engine import NumpyEngine  # noqa: E402
 from andrea.model import Model, init_params  # noqa: E402
+from andrea.shards import read_shard  # noqa: E402
 
 
 def fake_quantized(engine):
@@ -71,28 +78,32 @@ def fake_quantized(engine):
     return engine
 
 
+DEFAULT_ENGINES = ("cuda-fp8", "emu-fp8", "cuda-fq8", "cuda-bf16", "fp32")
+
+
 def engines() -> dict:
+    """name -> engine factory: the NumPy ones anywhere, the CUDA ones (any precision as cuda-<precision>) with
+    a device."""
     found = {"emu-fp8": Fp8EmulationEngine, "fp32": NumpyEngine}
     from andrea.engines import cuda_available
 
     if cuda_available():
         from andrea.engines.cuda_engine import CudaEngine
+        from andrea.precision import PRECISIONS
 
-        found = {"cuda-fp8": lambda: CudaEngine(precision="fp8"), **found,
-                 "cuda-fq8": lambda: fake_quantized(CudaEngine(precision="bf16")),
-                 "cuda-bf16": lambda: CudaEngine(precision="bf16")}
+        found.update({f"cuda-{p}": (lambda p=p: CudaEngine(precision=p)) for p in PRECISIONS})
+        found["cuda-fq8"] = lambda: fake_quantized(CudaEngine(precision="bf16"))
     return found
 
 
-def gradients(make, exp, B: int, seed: int, params: np.ndarray | None = None, step: int = 0) -> tuple[dict, float]:
-    """Per-tensor gradients (float64, on the host) of step `step`'s micro-batch of the synthetic stream at
-    `params` (default: init), and its loss."""
+def gradients(make, exp, B: int, seed: int, batch, params: np.ndarray | None = None) -> tuple[dict, float]:
+    """Per-tensor gradients (float64, on the host) of one micro-batch (tokens, targets) at `params` (default:
+    init), and its loss."""
     engine = make()
     options = {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
     model = Model(engine, exp.model, B, **options)
     model.load_state(init_params(model.layout, seed) if params is None else params)
-    (tokens, targets), = synthetic_micro_batches(exp.model, B, 1, step, seed)
-    loss = model.forward_backward(tokens, targets)
+    loss = model.forward_backward(*batch)
     flat = engine.to_host(model.buf["grads"]).astype(np.float64)
     return {t.name: flat[t.offset:t.end] for t in model.layout.tensors}, loss
 
@@ -106,42 +117,64 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny", choices=("tiny", "12M", "120M"))
     parser.add_argument("--batch", type=int, help="micro-batch (default: the experiment's)")
+    parser.add_argument("--engines", nargs="+", help=f"the engines compared (default: {' '.join(DEFAULT_ENGINES)}, "
+                        "those this machine runs; any cuda-<precision> too)")
     parser.add_argument("--steps", type=int, default=0, help="also train this many steps on each engine")
+    parser.add_argument("--train-on", nargs="+", help="the engines --steps trains (default: --engines)")
+    parser.add_argument("--text", type=Path, help="a tokens folder (train.bin, val.bin: `andrea tokenize`'s) to use instead "
+                        "of the synthetic stream; --steps then also reports the held-out loss (the validation shard)")
     parser.add_argument("--from-step", type=int, default=0,
                         help="gradients at the parameters after this many steps of training (default: init)")
     parser.add_argument("--warm-batch", type=int, help="the micro-batch of those steps (default: --batch)")
-    parser.add_argument("--train-on", nargs="+", help="the engines --steps trains (default: all)")
-    parser.add_argument("--skip", nargs="+", default=(), help="engines left out of the gradient comparison")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args()
     exp = load_experiment(REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json")
-    B = args.batch or exp.micro_batch_size
+    B, T = args.batch or exp.micro_batch_size, exp.model.seq_len
     found = engines()
+    names = args.engines or [n for n in DEFAULT_ENGINES if n in found]
+    unknown = [n for n in names + (args.train_on or []) if n not in found]
+    if unknown:
+        parser.error(f"no engine {', '.join(unknown)} here (this machine has: {', '.join(found)})")
+    options = {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
+    held_out = ()
+    if args.text:
+        train, val = read_shard(args.text / "train.bin"), read_shard(args.text / "val.bin")
+        held_out = held_out_micro_batches(val, T, B)
+
+        def stream(step, micro=B):
+            return text_micro_batches(train, T, micro, 1, step)
+    else:
+        def stream(step, micro=B):
+            return synthetic_micro_batches(exp.model, micro, 1, step, args.seed)
     params = None
     if args.from_step:
         warm = "cuda-bf16" if "cuda-bf16" in found else "fp32"
-        params = train_run(found[warm](), exp.model, args.warm_batch or B, 1, args.from_step, args.seed, recompute=tuple(exp.recompute),
-                           loss_chunks=exp.loss_chunks).params
+        micro = args.warm_batch or B
+        params = train_run(found[warm](), exp.model, micro, 1, args.from_step, args.seed, **options,
+                           stream=lambda step: stream(step, micro)).params
         print(f"parameters after {args.from_step} steps on {warm}")
-    runs = {name: gradients(make, exp, B, args.seed, params, args.from_step) for name, make in found.items()
-            if name not in args.skip}
+    (batch,) = stream(args.from_step)
+    runs = {name: gradients(found[name], exp, B, args.seed, batch, params) for name in names}
     pairs = [(a, b) for a, b in (("cuda-fp8", "emu-fp8"), ("cuda-fp8", "cuda-fq8"), ("emu-fp8", "fp32"),
-                                             ("cuda-bf16", "fp32"))
-             if a in runs and b in runs]
-    report = {"shape": args.shape, "micro_batch": B, "from_step": args.from_step, "loss": {k: v[1] for k, v in runs.items()}, "grad_rel": {}}
-    print(f"{args.shape} B={B}: first-batch loss " + ", ".join(f"{k} {v[1]:.5f}" for k, v in runs.items()))
+                                 ("cuda-bf16", "fp32")) if a in runs and b in runs]
+    report = {"shape": args.shape, "micro_batch": B, "from_step": args.from_step, "text": str(args.text or ""),
+              "loss": {k: v[1] for k, v in runs.items()}, "grad_rel": {}}
+    print(f"{args.shape} B={B}: the batch's loss " + ", ".join(f"{k} {v[1]:.5f}" for k, v in runs.items()))
     print(f"{'tensor':22}" + "".join(f"{a + ' vs ' + b:>24}" for a, b in pairs))
     for name in next(iter(runs.values()))[0]:
         row = {f"{a}/{b}": rel(runs[a][0][name], runs[b][0][name]) for a, b in pairs}
         report["grad_rel"][name] = row
         print(f"{name:22}" + "".join(f"{v:>24.3e}" for v in row.values()))
     if args.steps:
-        report["losses"] = {name: train_run(make(), exp.model, B, 1, args.steps, args.seed, recompute=tuple(exp.recompute),
-                                            loss_chunks=exp.loss_chunks).losses
-                             for name, make in found.items() if not args.train_on or name in args.train_on}
-        for name, ls in report["losses"].items():
-            print(f"{name:10} " + " ".join(f"{x:.3f}" for x in ls[::max(1, args.steps // 10)]) + f" last {ls[-1]:.4f}")
+        report["losses"], report["held_out"] = {}, {}
+        for name in args.train_on or names:
+            run = train_run(found[name](), exp.model, B, 1, args.steps, args.seed, **options, stream=stream,
+                            held_out=held_out)
+            report["losses"][name], report["held_out"][name] = run.losses, run.held_out
+            ls = run.losses
+            print(f"{name:10} " + " ".join(f"{x:.3f}" for x in ls[::max(1, args.steps // 10)]) + f" last {ls[-1]:.4f}"
+                  + (f" held-out {run.held_out:.4f}" if held_out else ""), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
