@@ -101,7 +101,7 @@ def chat_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_text(tmp_path_factory):
-    """The data stages on the whole embedded corpus (both domains, about 4.7M tokens) with a 4,096-token
+    """The data stages on the whole embedded corpus (both domains, about 4.5M tokens) with a 4,096-token
     tokenizer, as the default pipeline prepares it: real text for training comparisons (ids fit any vocabulary
     of at least 4,096)."""
     root = tmp_path_factory.mktemp("embedded_text")
