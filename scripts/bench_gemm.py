@@ -67,12 +67,12 @@ def fp8_ms(engine, m, n, k, out32, rng, backward: bool) -> float | None:
     """The product C[m, n] = A[m, k] @ B[n, k]^T on FP8 operands with unit scales (None where cuBLASLt has
     no algorithm): A E5M2 for a backward product (a gradient), else E4M3; B E4M3."""
     import cupy
-    import ml_dtypes
+
+    from andrea.ops.fp8 import ml_dtype
 
     a_type = "e5m2" if backward else "e4m3"
-    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
-    a = cupy.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(dt[a_type]).view(np.uint8))
-    b = cupy.asarray(rng.standard_normal((n, k), dtype=np.float32).astype(dt["e4m3"]).view(np.uint8))
+    a = cupy.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(ml_dtype(a_type)).view(np.uint8))
+    b = cupy.asarray(rng.standard_normal((n, k), dtype=np.float32).astype(ml_dtype("e4m3")).view(np.uint8))
     c = cupy.asarray(rng.standard_normal((m, n), dtype=np.float32).astype("float32" if out32 else "bfloat16"))
     one = cupy.ones(1, dtype=np.float32)
     kw = dict(trans_b=True, a_type=a_type, b_type="e4m3", a_scale=one, b_scale=one, beta=1.0 if out32 else 0.0)

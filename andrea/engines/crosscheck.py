@@ -105,9 +105,7 @@ def synthetic_micro_batches(shape: ModelShape, micro_batch: int, n_micro: int, s
         noise = rng.random(T + 1) < 0.1
         row[noise] = rng.integers(0, V, int(noise.sum()))
         rows.append(row)
-    rows = np.asarray(rows, dtype=np.int32)
-    x, y = rows[:, :-1], rows[:, 1:]
-    return list(zip(np.split(x, n_micro), np.split(y, n_micro)))
+    return _micro_batches(np.asarray(rows, dtype=np.int32), n_micro)
 
 
 def text_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n_micro: int, step: int, seed: int = 0):
@@ -115,7 +113,11 @@ def text_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n_micro: in
     if tokens.size < T + 2:
         raise ValueError(f"a shard of {tokens.size} tokens holds no window of {T + 1}")
     starts = np.random.default_rng([seed, step]).integers(0, tokens.size - T - 1, micro_batch * n_micro)
-    rows = np.stack([np.asarray(tokens[s:s + T + 1], dtype=np.int32) for s in starts])
+    return _micro_batches(np.stack([np.asarray(tokens[s:s + T + 1], dtype=np.int32) for s in starts]), n_micro)
+
+
+def _micro_batches(rows: np.ndarray, n_micro: int) -> list:
+    """Rows of T + 1 tokens as n_micro (tokens, targets) pairs, the targets one position on."""
     x, y = rows[:, :-1], rows[:, 1:]
     return list(zip(np.split(x, n_micro), np.split(y, n_micro)))
 

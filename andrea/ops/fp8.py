@@ -28,6 +28,7 @@ from andrea.ops.base import blocks, kernel_defines
 KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
+GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
 CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tests/test_fp8.py)
 OVERWRITE_CASES: tuple = ()
 SCALE_SLOTS = 4  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
@@ -79,23 +80,28 @@ def scale_exponent(amax: float, fmt: str) -> int:
     return max(-126, min(127, e))
 
 
-def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
-    """(the FP8 bytes of x as uint8, the descale 1 / s): the engine's cast of the same float32 values."""
+def ml_dtype(fmt: str):
+    """The NumPy type of a format (ml_dtypes)."""
     import ml_dtypes
 
+    return {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+
+
+def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
+    """(the FP8 bytes of x as uint8, the descale 1 / s): the engine's cast of the same float32 values."""
     x = np.asarray(x, dtype=np.float32)
     amax = float(np.max(np.abs(x))) if x.size else 0.0
     e = scale_exponent(amax, fmt)
-    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
-    q = (x * np.float32(2.0**e)).astype(dtype)
+    q = (x * np.float32(2.0**e)).astype(ml_dtype(fmt))
     return q.view(np.uint8), 2.0**-e
 
 
 def fake_quantize(xp, x, fmt: str):
     """dequantize(*quantize(x)) as float32 in array arithmetic of the array module xp (NumPy or CuPy): the
-    cast's values without FP8 types, so that they can feed products of other precisions on any device
-    (dev/cuda/fp8_check.py's cuda-fq8). The values have at most 4 significant bits: exact in bf16."""
-    mantissa, min_exp = {"e4m3": (3, -6), "e5m2": (2, -14)}[fmt]  # mantissa bits, smallest normal exponent
+    cast's values without FP8 types, so that they can feed products of other precisions on any device (the
+    CPU emulation, engines/fp8_emulation.py; dev/cuda/fp8_check.py's cuda-fq8). The values have at most 4
+    significant bits: exact in bf16."""
+    mantissa, min_exp = GRID[fmt]
     x = xp.asarray(x, dtype=xp.float32)
     e = scale_exponent(float(xp.abs(x).max()) if x.size else 0.0, fmt)
     a = xp.abs(x) * xp.float32(2.0**e)
@@ -107,10 +113,7 @@ def fake_quantize(xp, x, fmt: str):
 
 def dequantize(q: np.ndarray, descale: float, fmt: str) -> np.ndarray:
     """float64 values of FP8 bytes times their descale."""
-    import ml_dtypes
-
-    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
-    return q.view(dtype).astype(np.float64) * descale
+    return q.view(ml_dtype(fmt)).astype(np.float64) * descale
 
 
 # ---- CUDA --------------------------------------------------------------------------------------
