@@ -20,6 +20,10 @@ from andrea.precision import PRECISIONS
 KERNEL_FILES = ("embed", "layernorm", "attn", "attn_bf16", "mlp", "residual_add", "loss", "grad_norm", "adamw", "fp8")
 COMMON_HEADER = "common.cuh"
 ARCHS = ("sm_80", "sm_89", "sm_90")
+# Hopper's own build of the files that have one (andrea.ops.hopper_kernel_files): the architecture-specific
+# target sm_90a (its warpgroup products, wgmma), whose code runs on compute capability 9.0 only. Off with
+# ANDREA_WGMMA=0.
+HOPPER_ARCH = "sm_90a"
 NVRTC_OPTIONS = ("-std=c++17",)
 # Each precision is its own build of the same sources: the activation type act_t (common.cuh).
 BUILDS = {name: p.build_defines for name, p in PRECISIONS.items()}
@@ -87,3 +91,31 @@ def compile_kernel(op: str, arch: str = "sm_90", folder: Path | None = None, pre
 
 def compile_kernels(arch: str = "sm_90", folder: Path | None = None, precision: str = "fp32") -> dict[str, Compiled]:
     return {op: compile_kernel(op, arch, folder, precision) for op in KERNEL_FILES}
+
+
+def hopper_build_wanted(compute_capability: str) -> bool:
+    """Whether a device of this compute capability ("90") loads the HOPPER_ARCH builds."""
+    return compute_capability == "90" and os.environ.get("ANDREA_WGMMA", "1") != "0"
+
+
+def cubin_cache_dir() -> Path:
+    """Where compiled cubins are kept: CuPy's kernel cache folder (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+
+
+def cached_cubin(op: str, arch: str, precision: str, cache_dir: Path | None = None, folder: Path | None = None) -> Path:
+    """kernels/<op>.cu compiled for `arch` as a cubin file in cache_dir (default cubin_cache_dir()), named by
+    a hash of the source and options; compiled on first use. (CuPy's own cache picks the target itself, so
+    it cannot hold these.)"""
+    import hashlib
+
+    from andrea.atomic import atomic_write
+
+    options = (f"-arch={arch}", *build_options(precision))
+    key = hashlib.sha256("\0".join((kernel_source(op, folder), *options)).encode()).hexdigest()[:24]
+    path = Path(cache_dir or cubin_cache_dir()) / f"andrea-{op}-{arch}-{precision}-{key}.cubin"
+    if not path.is_file():
+        compiled = compile_kernel(op, arch, folder, precision)
+        with atomic_write(path) as f:
+            f.write(compiled.cubin)
+    return path

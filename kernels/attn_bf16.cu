@@ -174,6 +174,86 @@ __device__ __forceinline__ void mma_block(float (&c)[WT][N][4], int n, A a, unsi
     }
 }
 
+// ---- Hopper's warpgroup products (sm_90a builds only) -----------------------------------------------------------
+// wgmma.mma_async m64nNk16: the 4 warps of a warpgroup (a 128-thread block here) multiply 64 rows, warp w rows
+// 16w .. 16w+15, with the same register layouts as the mma above: the A fragment of a k-step is a0..a3 of that warp's
+// 16 rows (registers: Q, dY, K, V rows, or P and dS packed from the accumulators) and accumulator d[n][r] is C
+// fragment r of columns 8n .. 8n+7. B is read by the tensor cores straight from a shared tile in the layout
+// tile_offset writes, which is Hopper's 128-byte swizzle: a tile 1024-byte aligned, 8-row groups 1024 bytes apart.
+// K-major B (rows = n, the 64 columns = k: K for S = Q K^T, Q for S^T = K Q^T, ...): k-step x starts 32 x bytes
+// into the tile; MN-major B (rows = k, columns = n: V for Y += P V, ...), with the transpose bit: k-step x starts
+// 16 x rows in. The products are asynchronous: issued after wgmma.fence (registers they read or accumulate into
+// were written by ordinary instructions), committed as a group, and waited for before their results are read.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTN_WGMMA 1
+#ifdef ACT_FP16
+#define WGMMA_TYPES ".f16.f16"
+#else
+#define WGMMA_TYPES ".bf16.bf16"
+#endif
+
+// The matrix descriptor of a swizzled tile at shared address `addr`: start address, leading and stride byte offsets
+// (the 8-row group stride, 1024, serves as both; a 64-column tile has one swizzle atom across), 128-byte swizzle.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+    constexpr unsigned long long GROUP = 1024 >> 4, SWIZZLE_128B = 1ull << 62;
+    return SWIZZLE_128B | (GROUP << 32) | (GROUP << 16) | ((addr & 0x3ffff) >> 4);
+}
+__device__ __forceinline__ unsigned long long k_major(unsigned tile, int x) { return wg_desc(tile + 32 * x); }
+__device__ __forceinline__ unsigned long long mn_major(unsigned tile, int row) {
+    return wg_desc(tile + row * ATTN_BF16_ROW_BYTES);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// After wg_wait: the accumulators' values are the products' (no read of them may move above the wait).
+template <int N>
+__device__ __forceinline__ void wg_hold(float (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; n++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) asm volatile("" : "+f"(d[n][r])::"memory");
+}
+// Shared memory written by cp.async, read next by the tensor cores: each writing thread orders its writes before
+// the barrier that publishes them.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// d[64 x N] (+)= a[64 x 16] b[16 x N], a from registers, b a descriptor; acc = 0: d = a b.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32" WGMMA_TYPES
+                 " {%0, %1, %2, %3, %4, %5, %6, %7,"
+                 "%8, %9, %10, %11, %12, %13, %14, %15,"
+                 "%16, %17, %18, %19, %20, %21, %22, %23,"
+                 "%24, %25, %26, %27, %28, %29, %30, %31},"
+                 " {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+                   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANS_B), "r"(acc));
+}
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_n32(float (&d)[4][4], const unsigned (&a)[4], unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32" WGMMA_TYPES
+                 " {%0, %1, %2, %3, %4, %5, %6, %7,"
+                 "%8, %9, %10, %11, %12, %13, %14, %15},"
+                 " {%16, %17, %18, %19}, %20, p, 1, 1, %21;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANS_B), "r"(acc));
+}
+#endif
+
 // ---- asynchronous copies ---------------------------------------------------------------------------------------
 // src_bytes 0 fills the destination with zeros and reads nothing (the address is still a valid one).
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool inside) {
@@ -294,24 +374,12 @@ __device__ __forceinline__ Head head_of(int bh, int B, int T, int H) {
 __device__ __forceinline__ int next_stage(int s) { return s == 2 ? 0 : s + 1; }
 
 // ---- forward: one block per (b, h) and query tile, key tiles of 64 -----------------------------------------------
-// One step of the online softmax over the 64 keys kb .. kb+63 of a K / V tile, for the warp's WT m-tiles of rows
-// R .. R + 16 WT - 1 (this thread's rows R + 16 i + g and + 8). kq: the K tile plus chunks_first_part, vq: the V tile
-// plus rows_first_part. MASK: the tile reaches past the warp's first row, so keys after a row are masked (-inf), and
-// 16-key blocks after the warp's last row are skipped (warp-uniform tests).
+// One step of the online softmax over the 64 keys kb .. kb+63 of a K / V tile, on the scores s of the warp's WT
+// m-tiles of rows R .. R + 16 WT - 1 (this thread's rows R + 16 i + g and + 8): rescales o and l where a row's
+// maximum moves and leaves P (unnormalised, base 2) in s. MASK: keys after a row are masked (-inf).
 template <int WT, bool MASK>
-__device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigned (&qf)[WT][4][4],
-                                         float (&o)[WT][8][4], float (&m)[WT][2], float (&l)[WT][2],
-                                         int kb, int R, int g, int t, float s2) {
-    float s[WT][8][4];
-#pragma unroll
-    for (int i = 0; i < WT; i++) zero(s[i]);
-#pragma unroll
-    for (int kc = 0; kc < 4; kc++)
-#pragma unroll
-        for (int np = 0; np < 4; np++) {  // keys 16 np .. 16 np + 15 of the tile
-            if (MASK && kb + 16 * np >= R + 16 * WT) continue;
-            mma_block<false>(s, 2 * np, k_step(qf, kc), kq, 16 * np, kc);
-        }
+__device__ __forceinline__ void fwd_softmax(float (&s)[WT][8][4], float (&o)[WT][8][4], float (&m)[WT][2],
+                                            float (&l)[WT][2], int kb, int R, int g, int t, float s2) {
     // The running maximum m of a row (base 2) moves when the step's maximum passes it, and then the accumulators are
     // rescaled; a step where no row of the warp moves skips the rescale (a warp-uniform test).
     float mx[WT][2];  // the step's row maxima of S, scaled (-inf: every key masked)
@@ -373,6 +441,26 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
                 for (int n = 0; n < w; n++) ps[n] += ps[n + w];
             l[i][h] += ps[0];
         }
+}
+
+// The step on the mma: S and Y += P V for the warp alone. kq: the K tile plus chunks_first_part, vq: the V tile plus
+// rows_first_part. MASK: the tile reaches past the warp's first row, so keys after a row are masked, and 16-key
+// blocks after the warp's last row are skipped (warp-uniform tests).
+template <int WT, bool MASK>
+__device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigned (&qf)[WT][4][4],
+                                         float (&o)[WT][8][4], float (&m)[WT][2], float (&l)[WT][2],
+                                         int kb, int R, int g, int t, float s2) {
+    float s[WT][8][4];
+#pragma unroll
+    for (int i = 0; i < WT; i++) zero(s[i]);
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++)
+#pragma unroll
+        for (int np = 0; np < 4; np++) {  // keys 16 np .. 16 np + 15 of the tile
+            if (MASK && kb + 16 * np >= R + 16 * WT) continue;
+            mma_block<false>(s, 2 * np, k_step(qf, kc), kq, 16 * np, kc);
+        }
+    fwd_softmax<WT, MASK>(s, o, m, l, kb, R, g, t, s2);
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {  // keys 16 kc .. 16 kc + 15 of the tile
         if (MASK && kb + 16 * kc >= R + 16 * WT) continue;
@@ -384,10 +472,40 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
-k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale) {
+#ifdef ATTN_WGMMA
+// The step on the warpgroup products: the block's 64 rows at once (one m-tile a warp). Ks, Vs: the K and V tiles.
+// MASK: the block's diagonal tile, keys after a row masked.
+template <bool MASK>
+__device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsigned (&qf)[1][4][4],
+                                            float (&o)[1][8][4], float (&m)[1][2], float (&l)[1][2], int kb, int R,
+                                            int g, int t, float s2) {
+    float s[1][8][4];
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) wgmma_n64<0>(s[0], qf[0][kc], k_major(Ks, kc), kc);
+    wg_commit();
+    wg_wait();
+    wg_hold(s[0]);
+    fwd_softmax<1, MASK>(s, o, m, l, kb, R, g, t, s2);
+    unsigned pf[4][4];  // P as A fragments, k-steps of 16 keys
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) pack_a(pf[kc], s[0][2 * kc], s[0][2 * kc + 1]);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) wgmma_n64<1>(o[0], pf[kc], mn_major(Vs, 16 * kc), 1);
+    wg_commit();
+    wg_wait();
+    wg_hold(o[0]);
+}
+#endif
+
+// WG: the block is one warpgroup on the warpgroup products (sm_90a builds), else four warps on the mma.
+template <bool WG>
+__device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H,
+                                         float scale) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
-    __shared__ __align__(128) bf16 smem[ATTN_BF16_FWD_SMEM / 2];
+    static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
+    __shared__ __align__(1024) bf16 smem[ATTN_BF16_FWD_SMEM / 2];  // 1024: the swizzle's alignment
     // stage s: K at S0 + s STAGE, V after it; Q first, over stage 2
     const unsigned S0 = smem_u32(smem), Qs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
     const int n_tiles = (T + ROWS - 1) / ROWS;
@@ -431,6 +549,9 @@ k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int
     int stage = 0;
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait<1>();  // tile kt (tile kt + 1 may still be on its way)
+#ifdef ATTN_WGMMA
+        if constexpr (WG) fence_async_smem();
+#endif
         __syncthreads();     // ... for everyone; and everyone is done with tile kt - 1 (and with Q)
         const int ps = next_stage(next_stage(stage));
         if (kt + 2 < n_kt) {  // prefetch tile kt + 2 into the stage of tile kt - 1
@@ -443,6 +564,12 @@ k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int
         cp_async_commit();
         const unsigned Ks = S0 + stage * ATTN_BF16_STAGE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
         const int kb = kt * ATTN_BF16_STREAM;  // the tile's first key
+#ifdef ATTN_WGMMA
+        if constexpr (WG) {  // block-uniform: every row of the block takes part
+            if (kb + ATTN_BF16_STREAM <= q0) fwd_step_wg<false>(Ks, Vs, qf, o, m, l, kb, R, g, t, s2);
+            else fwd_step_wg<true>(Ks, Vs, qf, o, m, l, kb, R, g, t, s2);
+        } else
+#endif
         if (R < T) {  // warp-uniform; warps wholly past T only keep the barriers
             if (kb + ATTN_BF16_STREAM - 1 <= R)
                 fwd_step<WT, false>(Ks + kpart, Vs + vpart, qf, o, m, l, kb, R, g, t, s2);
@@ -469,7 +596,34 @@ k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int
     }
 }
 
+extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
+k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale) {
+    attn_fwd<false>(out, lse, qkv, B, T, C, H, scale);
+}
+#ifdef ATTN_WGMMA
+extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
+k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale) {
+    attn_fwd<true>(out, lse, qkv, B, T, C, H, scale);
+}
+#endif
+
 // ---- backward, first kernel: D and dQ, one block per (b, h) and query tile, key tiles of 64 -----------------------
+// dS = P (dP - D) into dp, for the 8 N keys key0 .. key0 + 8 N - 1 (this thread's 2 N of them) of rows row0 and
+// row0 + 8, from their scores s and dP; P = exp(S - lse). MASK: keys after a row give P = 0.
+template <int N, bool MASK>
+__device__ __forceinline__ void dq_ds(const float (&s)[N][4], float (&dp)[N][4], const float (&lse2)[2],
+                                      const float (&dsum)[2], int key0, int row0, int t, float s2) {
+#pragma unroll
+    for (int n = 0; n < N; n++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int h = r >> 1;
+            float p = exp2_approx(fmaf(s[n][r], s2, -lse2[h]));  // rows past T: lse +inf, P = 0
+            if (MASK && key0 + 8 * n + 2 * t + (r & 1) > row0 + 8 * h) p = 0.0f;
+            dp[n][r] = p * (dp[n][r] - dsum[h]);
+        }
+}
+
 // The 64 keys kb .. kb+63 of a K / V tile for the warp's rows R .. R + 16 WT - 1, 16 keys at a time: S and dP, then
 // dS, then dQ += dS K. kq, vq: the K and V tiles plus chunks_first_part; kt_: the K tile plus rows_first_part. MASK:
 // the tile reaches past the warp's first row (keys after a row give P = 0; 16-key blocks past its last row skipped).
@@ -495,15 +649,7 @@ __device__ __forceinline__ void dq_step(unsigned kq, unsigned vq, unsigned kt_, 
         unsigned a[WT][4];  // dS, rounded to bf16
 #pragma unroll
         for (int i = 0; i < WT; i++) {
-#pragma unroll
-            for (int n = 0; n < 2; n++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const int h = r >> 1;
-                    float p = exp2_approx(fmaf(s[i][n][r], s2, -lse2[i][h]));  // rows past T: lse +inf, P = 0
-                    if (MASK && kb + 16 * c + 8 * n + 2 * t + (r & 1) > R + 16 * i + g + 8 * h) p = 0.0f;
-                    dp[i][n][r] = p * (dp[i][n][r] - dsum[i][h]);
-                }
+            dq_ds<2, MASK>(s[i], dp[i], lse2[i], dsum[i], kb + 16 * c, R + 16 * i + g, t, s2);
             pack_a(a[i], dp[i][0], dp[i][1]);
         }
 #pragma unroll
@@ -511,11 +657,47 @@ __device__ __forceinline__ void dq_step(unsigned kq, unsigned vq, unsigned kt_, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
-k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                   int B, int T, int C, int H, float scale, int add) {
+#ifdef ATTN_WGMMA
+// The step on the warpgroup products: the block's 64 rows, 32 keys at a time. Ks, Vs: the K and V tiles. MASK: the
+// block's diagonal tile.
+template <bool MASK>
+__device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsigned (&qf)[1][4][4],
+                                           const unsigned (&yf)[1][4][4], float (&dq)[1][8][4],
+                                           const float (&lse2)[1][2], const float (&dsum)[1][2], int kb, int R,
+                                           int g, int t, float s2) {
+#pragma unroll
+    for (int c = 0; c < 2; c++) {  // keys kb + 32 c .. kb + 32 c + 31: rows 32 c .. of the tiles
+        float s[4][4], dp[4][4];
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(s, qf[0][kc], k_major(Ks + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(dp, yf[0][kc], k_major(Vs + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
+        wg_commit();
+        wg_wait();
+        wg_hold(s);
+        wg_hold(dp);
+        dq_ds<4, MASK>(s, dp, lse2[0], dsum[0], kb + 32 * c, R + g, t, s2);
+        unsigned a[2][4];  // dS as A fragments, k-steps of 16 keys
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) pack_a(a[kk], dp[2 * kk], dp[2 * kk + 1]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) wgmma_n64<1>(dq[0], a[kk], mn_major(Ks, 32 * c + 16 * kk), 1);
+        wg_commit();
+        wg_wait();
+        wg_hold(dq[0]);
+    }
+}
+#endif
+
+template <bool WG>
+__device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16* dout, const bf16* y,
+                                            const bf16* qkv, const float* lse, int B, int T, int C, int H,
+                                            float scale, int add) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
-    __shared__ __align__(128) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
+    static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
+    __shared__ __align__(1024) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
     // stage s: K at S0 + s STAGE, V after it; the Q and dY tiles first, over stages 1 and 2
     const unsigned S0 = smem_u32(smem);
     const unsigned Qs = S0 + ATTN_BF16_STAGE_BYTES, dYs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
@@ -586,6 +768,9 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
     int stage = 0;
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait<1>();
+#ifdef ATTN_WGMMA
+        if constexpr (WG) fence_async_smem();
+#endif
         __syncthreads();
         const int ps = next_stage(next_stage(stage));
         if (kt + 2 < n_kt) {
@@ -598,6 +783,12 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
         cp_async_commit();
         const unsigned Ks = S0 + stage * ATTN_BF16_STAGE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
         const int kb = kt * ATTN_BF16_STREAM;
+#ifdef ATTN_WGMMA
+        if constexpr (WG) {
+            if (kb + ATTN_BF16_STREAM <= q0) dq_step_wg<false>(Ks, Vs, qf, yf, dq, lse2, dsum, kb, R, g, t, s2);
+            else dq_step_wg<true>(Ks, Vs, qf, yf, dq, lse2, dsum, kb, R, g, t, s2);
+        } else
+#endif
         if (R < T) {
             if (kb + ATTN_BF16_STREAM - 1 <= R)
                 dq_step<WT, false>(Ks + cpart, Vs + cpart, Ks + rpart, qf, yf, dq, lse2, dsum, kb, R, g, t, s2);
@@ -612,7 +803,52 @@ k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, co
     for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t, add);
 }
 
+extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
+k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
+                   int B, int T, int C, int H, float scale, int add) {
+    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add);
+}
+#ifdef ATTN_WGMMA
+extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
+k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
+                 int B, int T, int C, int H, float scale, int add) {
+    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add);
+}
+#endif
+
 // ---- backward, second kernel: dK and dV, one block per (b, h) and key tile, query tiles of 64 ---------------------
+// lse (base 2) and D of this thread's queries col0 + 8 n + 2 t + e of a query tile, from its shared lse and D.
+template <int N>
+__device__ __forceinline__ void load_stats(float (&l2)[N][2], float (&d)[N][2], unsigned ls, unsigned ds, int col0,
+                                           int t) {
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        const int col = col0 + 8 * n + 2 * t;
+        const float2 lv = lds_f2(ls + col * 4), dv = lds_f2(ds + col * 4);
+        l2[n][0] = lv.x * LOG2E;
+        l2[n][1] = lv.y * LOG2E;
+        d[n][0] = dv.x;
+        d[n][1] = dv.y;
+    }
+}
+
+// P^T into s and dS^T = P^T (dP^T - D) into dp, for keys key0 and key0 + 8 (this thread's rows) against the 8 N
+// queries q0 .. q0 + 8 N - 1, from their S^T and dP^T. MASK: queries before a key give P = 0.
+template <int N, bool MASK>
+__device__ __forceinline__ void kv_pds(float (&s)[N][4], float (&dp)[N][4], const float (&l2)[N][2],
+                                       const float (&d)[N][2], int q0, int key0, int t, float s2) {
+#pragma unroll
+    for (int n = 0; n < N; n++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int e = r & 1;
+            float p = exp2_approx(fmaf(s[n][r], s2, -l2[n][e]));
+            if (MASK && q0 + 8 * n + 2 * t + e < key0 + 8 * (r >> 1)) p = 0.0f;
+            s[n][r] = p;
+            dp[n][r] = p * (dp[n][r] - d[n][e]);
+        }
+}
+
 // The 64 queries Q0 .. Q0+63 of a query tile for the warp's keys K0 .. K0 + 16 WT - 1, 16 queries at a time: S^T and
 // dP^T, then P^T and dS^T, then dV += P^T dY and dK += dS^T Q. qc, yc: the Q and dY tiles plus chunks_first_part;
 // qr, yr: the same plus rows_first_part; ls, ds: the tile's lse and D; kf, vf: the warp's keys of K and V as A
@@ -639,28 +875,11 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
             mma_block<false>(dp, 0, k_step(vf, kc), yc, 16 * c, kc);
         }
         float l2[2][2], d[2][2];  // lse (base 2) and D of this thread's queries 16 c + 8 n + 2 t + e
-#pragma unroll
-        for (int n = 0; n < 2; n++) {
-            const int col = 16 * c + 8 * n + 2 * t;
-            const float2 lv = lds_f2(ls + col * 4), dv2 = lds_f2(ds + col * 4);
-            l2[n][0] = lv.x * LOG2E;
-            l2[n][1] = lv.y * LOG2E;
-            d[n][0] = dv2.x;
-            d[n][1] = dv2.y;
-        }
+        load_stats(l2, d, ls, ds, 16 * c, t);
         unsigned pa[WT][4], da[WT][4];  // P^T and dS^T, rounded to bf16
 #pragma unroll
         for (int i = 0; i < WT; i++) {
-#pragma unroll
-            for (int n = 0; n < 2; n++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const int e = r & 1;
-                    float p = exp2_approx(fmaf(s[i][n][r], s2, -l2[n][e]));
-                    if (MASK && qb + 8 * n + 2 * t + e < K0 + 16 * i + g + 8 * (r >> 1)) p = 0.0f;
-                    s[i][n][r] = p;
-                    dp[i][n][r] = p * (dp[i][n][r] - d[n][e]);
-                }
+            kv_pds<2, MASK>(s[i], dp[i], l2, d, qb, K0 + 16 * i + g, t, s2);
             pack_a(pa[i], s[i][0], s[i][1]);
             pack_a(da[i], dp[i][0], dp[i][1]);
         }
@@ -672,12 +891,58 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
     }
 }
 
-// Runs after k_attn_bwd_dq_bf16, whose D it reads.
-extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
-k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                int B, int T, int C, int H, float scale, int add) {
+#ifdef ATTN_WGMMA
+// The step on the warpgroup products: the block's 64 keys against a query tile, 32 queries at a time. Qs, dYs, Ls,
+// Ds: the tile's Q, dY, lse and D. MASK: the block's diagonal tile (queries before a key masked), or a tile that
+// reaches past T (halves wholly past T skipped).
+template <bool MASK>
+__device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned Ls, unsigned Ds,
+                                           const unsigned (&kf)[1][4][4], const unsigned (&vf)[1][4][4],
+                                           float (&dk)[1][8][4], float (&dv)[1][8][4], int Q0, int K0, int T, int g,
+                                           int t, float s2) {
+#pragma unroll
+    for (int c = 0; c < 2; c++) {  // queries Q0 + 32 c .. Q0 + 32 c + 31: rows 32 c .. of the tiles
+        const int qb = Q0 + 32 * c;
+        if (MASK && qb >= T) continue;  // block-uniform
+        float s[4][4], dp[4][4];
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(s, kf[0][kc], k_major(Qs + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(dp, vf[0][kc], k_major(dYs + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
+        wg_commit();
+        float l2[4][2], d[4][2];
+        load_stats(l2, d, Ls, Ds, 32 * c, t);  // while the products run
+        wg_wait();
+        wg_hold(s);
+        wg_hold(dp);
+        kv_pds<4, MASK>(s, dp, l2, d, qb, K0 + g, t, s2);
+        unsigned pa[2][4], da[2][4];  // P^T and dS^T as A fragments, k-steps of 16 queries
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            pack_a(pa[kk], s[2 * kk], s[2 * kk + 1]);
+            pack_a(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            wgmma_n64<1>(dv[0], pa[kk], mn_major(dYs, 32 * c + 16 * kk), 1);
+            wgmma_n64<1>(dk[0], da[kk], mn_major(Qs, 32 * c + 16 * kk), 1);
+        }
+        wg_commit();
+        wg_wait();
+        wg_hold(dv[0]);
+        wg_hold(dk[0]);
+    }
+}
+#endif
+
+template <bool WG>
+__device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv,
+                                            const float* lse, int B, int T, int C, int H, float scale, int add) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
-    __shared__ __align__(128) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
+    static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 keys");
+    __shared__ __align__(1024) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
     // buffer s: Q at QY + s STAGE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
     const unsigned QY = smem_u32(smem), ST = QY + 2 * ATTN_BF16_STAGE_BYTES;
     // the K tile before the first Q and dY, V after it
@@ -734,12 +999,23 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
     for (int qt = qt0; qt < n_qt; qt++) {
         const int s = (qt - qt0) & 1;
         cp_async_wait<0>();  // tile qt
+#ifdef ATTN_WGMMA
+        if constexpr (WG) fence_async_smem();
+#endif
         __syncthreads();     // ... for everyone; and everyone is done with tile qt - 1, in buffer s ^ 1
         if (qt + 1 < n_qt) load_queries(qt + 1, s ^ 1);
         cp_async_commit();
         const unsigned Qs = QY + s * ATTN_BF16_STAGE_BYTES, dYs = Qs + ATTN_BF16_TILE_BYTES;
         const unsigned Ls = ST + s * ATTN_BF16_STAT_BYTES, Ds = Ls + ATTN_BF16_STREAM * 4;
         const int Q0 = qt * ATTN_BF16_STREAM;  // the tile's first query
+#ifdef ATTN_WGMMA
+        if constexpr (WG) {  // every query tile from the block's first key on sees some key of it
+            if (Q0 >= k0 + KROWS && Q0 + ATTN_BF16_STREAM <= T)
+                kv_step_wg<false>(Qs, dYs, Ls, Ds, kf, vf, dk, dv, Q0, K0, T, g, t, s2);
+            else
+                kv_step_wg<true>(Qs, dYs, Ls, Ds, kf, vf, dk, dv, Q0, K0, T, g, t, s2);
+        } else
+#endif
         if (K0 < T && Q0 + ATTN_BF16_STREAM - 1 >= K0) {  // warp-uniform: some query of the tile sees some key
             if (Q0 >= K0 + 16 * WT - 1 && Q0 + ATTN_BF16_STREAM <= T)
                 kv_step<WT, false>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, dk, dv, Q0, K0, T,
@@ -757,3 +1033,18 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
         store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t, add);
     }
 }
+
+// Runs after k_attn_bwd_dq_bf16, whose D it reads.
+extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
+k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
+                int B, int T, int C, int H, float scale, int add) {
+    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add);
+}
+#ifdef ATTN_WGMMA
+// Runs after k_attn_bwd_dq_wg, whose D it reads.
+extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
+k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
+                 int B, int T, int C, int H, float scale, int add) {
+    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add);
+}
+#endif

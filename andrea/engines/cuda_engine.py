@@ -28,7 +28,7 @@ from andrea import ops
 from andrea.engines.cublas import Cublas, CublasLt
 from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
-from andrea.kernels_build import build_options, kernel_dir, kernel_source
+from andrea.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
 from andrea.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, mlp, residual_add
 from andrea.ops.base import ELEMENTWISE_THREADS, blocks, ptr
@@ -42,16 +42,24 @@ _modules: dict[tuple[str, str, tuple[str, ...]], cupy.RawModule] = {}
 
 def _load_kernels(precision: str) -> dict:
     """Every kernel of one precision's build, compiled once per process (and cached on disk by CuPy,
-    keyed by source and options)."""
+    keyed by source and options; on Hopper, the files with a build of its own from kernels_build.cached_cubin)."""
     folder = kernel_dir()
     options = build_options(precision)
+    hopper = ops.hopper_kernel_files() if hopper_build_wanted(cupy.cuda.Device().compute_capability) else {}
     functions = {}
     for op, names in ops.kernel_files().items():
         if op == attn.MMA16_KERNEL_FILE and not PRECISIONS[precision].low:
             continue
-        key = (str(folder), op, options)
+        own_build = op in hopper  # its kernels, and Hopper's own ones beside them
+        key = (str(folder), op, options, own_build)
         if key not in _modules:
-            _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc")
+            if own_build:
+                cubin = cached_cubin(op, HOPPER_ARCH, precision, folder=folder)
+                _modules[key] = cupy.RawModule(path=str(cubin))
+            else:
+                _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc")
+        if own_build:
+            names = (*names, *hopper[op])
         functions.update({name: _modules[key].get_function(name) for name in names})
         if op == attn.MMA16_KERNEL_FILE:
             launch = cupy.ndarray((4,), np.int32, memptr=_modules[key].get_global("attn_bf16_launch")).get()
@@ -61,7 +69,7 @@ def _load_kernels(precision: str) -> dict:
     for name, smem in attn.shared_memory().items():
         functions[name].max_dynamic_shared_size_bytes = smem
         functions[name].preferred_shared_memory_carveout = 100
-    for name in attn.KERNELS[attn.MMA16_KERNEL_FILE]:
+    for name in (*attn.KERNELS[attn.MMA16_KERNEL_FILE], *attn.HOPPER_KERNELS[attn.MMA16_KERNEL_FILE]):
         if name in functions:
             functions[name].preferred_shared_memory_carveout = 100
     return functions

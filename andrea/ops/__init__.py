@@ -33,6 +33,11 @@ def kernel_files() -> dict[str, tuple[str, ...]]:
     return {name: kernels for m in MODULES for name, kernels in m.KERNELS.items()}
 
 
+def hopper_kernel_files() -> dict[str, tuple[str, ...]]:
+    """kernels/<file>.cu -> the kernels its Hopper build (kernels_build.HOPPER_ARCH) adds to kernel_files()'s."""
+    return {name: kernels for m in MODULES for name, kernels in getattr(m, "HOPPER_KERNELS", {}).items()}
+
+
 def engine_buffers() -> tuple:
     """The device buffers the CUDA engine keeps for its ops (BufferSpecs, role engine)."""
     return tuple(spec for m in MODULES for spec in m.engine_buffers())

@@ -3,8 +3,9 @@
 NumPy saves the probabilities [B, H, T, T] in `att` (the plan's attention = "probs"). The CUDA half is
 fused and saves the per-row logsumexp [B, H, T] instead ("lse"; `d_att` [B, H, T] then holds
 rowsum(dY * Y)): kernels/attn.cu (TF32 products on widened tiles; 3xTF32 in fp32) at any head width up
-to 64, and at head width 64 in the 16-bit builds kernels/attn_bf16.cu (the bf16 or f16 mma), whose
-launch shape is the module's constant attn_bf16_launch, read when it loads."""
+to 64, and at head width 64 in the 16-bit builds kernels/attn_bf16.cu (the bf16 or f16 mma; on Hopper,
+its sm_90a build's warpgroup products), whose launch shape is the module's constant attn_bf16_launch,
+read when it loads."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
 
 KERNELS = {"attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
            "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")}
+# Beside them in the file's Hopper build (kernels_build.HOPPER_ARCH), the same three on the warpgroup products,
+# with the same arguments and launch shape; the engine takes these where they are loaded.
+HOPPER_KERNELS = {"attn_bf16": ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd_kv_wg")}
 ATTN_BF16_HEAD = 64  # the only head width kernels/attn_bf16.cu takes
 MMA16_KERNEL_FILE = "attn_bf16"  # built only for the precisions whose activations are 16-bit
 
@@ -101,12 +105,17 @@ class CudaOps:
         return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
                                np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
 
+    def _bf16_kernels(self) -> tuple[str, str, str]:
+        """The 16-bit attention's forward, dQ and dK/dV kernels: Hopper's own where the engine loaded them."""
+        own = HOPPER_KERNELS[MMA16_KERNEL_FILE]
+        return own if own[0] in self.k else KERNELS[MMA16_KERNEL_FILE]
+
     def attn_fwd(self, out, att, qkv, n_head):
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
             threads, rows, _, _ = self.k["attn_bf16_launch"]
-            self.k["k_attn_fwd_bf16"]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims))
+            self.k[self._bf16_kernels()[0]]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (kernel_defines("attn")["ATTN_THREADS"],), (out, att, qkv, *dims),
@@ -118,8 +127,9 @@ class CudaOps:
         if bf16:
             heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
-            self.k["k_attn_bwd_dq_bf16"]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add))
-            self.k["k_attn_bwd_bf16"]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add))
+            _, dq, kv = self._bf16_kernels()
+            self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add))
+            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         threads, smem = (kernel_defines("attn")["ATTN_THREADS"],), shared_memory()

@@ -10,6 +10,8 @@ launches it (largest shared-memory carveout); its launch shape comes from the mo
   --source PATH   a kernel file with the three kernels of kernels/attn_bf16.cu (same names and arguments);
                   repeatable; default the repository's kernels/attn_bf16.cu (through kernel_source(), so
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
+  --hopper        also builds each of those for sm_90a (as the engine does on Hopper) and checks its warpgroup
+                  kernels k_attn_fwd_wg, k_attn_bwd_dq_wg, k_attn_bwd_kv_wg in place of the mma ones.
   --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro (as
                   dev/cuda/attn_bf16_variants.cu does) is built once per k with -DATTN_BF16_VARIANT=k; a source
                   that does not is built once.
@@ -60,7 +62,9 @@ QK_STD = 1.5  # Q and K entries ~ N(0, 1.5^2): S = Q K^T / 8 has std ~2.25
 WARMUP, REPEAT = 5, 20
 TARGET_MS = {"fwd": 0.10, "bwd": 0.30}  # at (8, 1024, 12)
 FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
-KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")
+KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")  # fwd, dq, kv
+HOPPER_KERNELS = ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd_kv_wg")  # the same in the sm_90a build
+ROLES = ("fwd", "dq", "kv")
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
@@ -304,38 +308,65 @@ def launch_config(source: str, module=None, cp=None) -> dict:
             "kv_threads": define("ATTN_BF16_KV_THREADS"), "kv_rows": define("ATTN_BF16_KV_ROWS")}
 
 
+def hopper_module(cp, source: str, options: tuple[str, ...]):
+    """The source built for sm_90a (the warpgroup products), as the engine builds it on Hopper: NVRTC to a cubin,
+    loaded from a file."""
+    import tempfile
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    from andrea.kernels_build import HOPPER_ARCH, cuda_include_dir
+
+    prog = nvrtc.createProgram(source, "attn_bf16.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [f"-arch={HOPPER_ARCH}", "-std=c++17", *options, f"-I{cuda_include_dir()}"])
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"{err}\n{nvrtc.getProgramLog(prog)}") from None
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    return cp.RawModule(path=f.name)
+
+
 class Attn:
-    def __init__(self, cp, source: str | None = None, options: tuple[str, ...] = ()):
+    def __init__(self, cp, source: str | None = None, options: tuple[str, ...] = (), hopper: bool = False):
         self.cp = cp
         source = kernel_source("attn_bf16") if source is None else source
-        self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
-        self.k = {name: self.mod.get_function(name) for name in KERNELS}
+        if hopper:
+            self.mod = hopper_module(cp, source, options)
+        else:
+            self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
+        self.names = dict(zip(ROLES, HOPPER_KERNELS if hopper else KERNELS))
+        self.k = {role: self.mod.get_function(name) for role, name in self.names.items()}
         self.cfg = launch_config(source, self.mod, cp)
         # Static shared memory only (at most 48 KB a block): no attribute to set. The carveout as the engine sets it,
         # so that as many blocks share an SM as there.
         for f in self.k.values():
             f.preferred_shared_memory_carveout = CARVEOUT
-        self.attrs = {name: {"registers": int(f.num_regs), "local_bytes": int(f.local_size_bytes),
-                             "static_shared_bytes": int(f.shared_size_bytes),
-                             "max_threads_per_block": int(f.max_threads_per_block)} for name, f in self.k.items()}
+        self.attrs = {role: {"kernel": self.names[role], "registers": int(f.num_regs),
+                             "local_bytes": int(f.local_size_bytes), "static_shared_bytes": int(f.shared_size_bytes),
+                             "max_threads_per_block": int(f.max_threads_per_block)} for role, f in self.k.items()}
 
     def fwd(self, out, lse, qkv, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C = H * HD
         grid = (B * H, -(-T // cfg["rows"]))
-        self.k["k_attn_fwd_bf16"](grid, (cfg["threads"],),
+        self.k["fwd"](grid, (cfg["threads"],),
                                   (out, lse, qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD))))
 
     def bwd_dq(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
-        self.k["k_attn_bwd_dq_bf16"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
+        self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
                                      (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
-        self.k["k_attn_bwd_bf16"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
+        self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
                                   (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
@@ -437,12 +468,12 @@ def bench(attn: Attn) -> dict:
     return res
 
 
-def run_build(cp, source: str, options: tuple[str, ...], inputs: dict) -> dict:
+def run_build(cp, source: str, options: tuple[str, ...], inputs: dict, hopper: bool = False) -> dict:
     """Builds one kernel source and runs every section on it; the report of that build."""
     rep: dict = {}
     ok = True
     try:
-        attn = Attn(cp, source, options)
+        attn = Attn(cp, source, options, hopper)
         rep["launch"] = attn.cfg
         rep["kernels"] = attn.attrs
         log(f"launch: {attn.cfg}")
@@ -510,7 +541,7 @@ def print_comparison(builds: list[dict]) -> None:
             row += (f" | {r['fwd_ms']:7.4f} {r['bwd_ms']:7.4f} ({r['bwd_dq_ms']:.4f} + {r['bwd_kv_ms']:.4f}) "
                     f"{r['fwd_tflops']:5.0f}/{r['bwd_tflops']:<4.0f}" if "fwd_ms" in r else f" | {'-':<52}")
         k = b.get("kernels", {})
-        row += " | " + " / ".join(f"{k[n]['registers']} ({k[n]['local_bytes']})" if n in k else "-" for n in KERNELS)
+        row += " | " + " / ".join(f"{k[n]['registers']} ({k[n]['local_bytes']})" if n in k else "-" for n in ROLES)
         r = b.get("timing", {}).get(BENCH_NAMES[0], {})
         if "fwd_ms" in r and "fwd_ms" in base:
             row += f" | fwd x{base['fwd_ms'] / r['fwd_ms']:.2f}, bwd x{base['bwd_ms'] / r['bwd_ms']:.2f}"
@@ -531,6 +562,8 @@ def main() -> int:
                     help="kernel file to build and check (repeatable; default kernels/attn_bf16.cu)")
     ap.add_argument("--variants", metavar="LIST",
                     help="comma-separated ATTN_BF16_VARIANT values to build each source with that reads the macro")
+    ap.add_argument("--hopper", action="store_true",
+                    help="also build each source for sm_90a and check its warpgroup kernels (k_attn_*_wg)")
     args = ap.parse_args()
     if args.selftest_reference:
         ok = selftest_reference()
@@ -551,6 +584,8 @@ def main() -> int:
             if variants:
                 log(f"note: {label} does not read ATTN_BF16_VARIANT; built once")
             builds.append({"label": label, "source": label, "variant": None, "text": text, "options": ()})
+    if args.hopper:
+        builds += [{**b, "label": f"{b['label']} [sm_90a wg]", "hopper": True} for b in list(builds)]
 
     report: dict = {"limits": LIMITS, "shapes": [list(s) for s in SHAPES]}
     ok = True
@@ -570,7 +605,7 @@ def main() -> int:
     for b in builds:
         if len(builds) > 1:
             log(f"\n==== {b['label']} ====")
-        b.update(run_build(cp, b.pop("text"), b["options"], inputs))
+        b.update(run_build(cp, b.pop("text"), b["options"], inputs, b.get("hopper", False)))
         ok &= b["pass"]
         if len(builds) > 1:
             log(f"\n== summary: {b['label']} ==")
