@@ -55,6 +55,7 @@
 #define ATTN_BF16_FWD_SMEM (3 * ATTN_BF16_STAGE_BYTES)  // 49152: K and V three times (Q first, over stage 2)
 #define ATTN_BF16_DQ_SMEM (3 * ATTN_BF16_STAGE_BYTES)   // 49152: K and V three times (Q, dY first, over stages 1, 2)
 #define ATTN_BF16_BWD_SMEM (2 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES))  // 33792: Q, dY, lse, D twice
+#define ATTN_BF16_WG_KV_SMEM (3 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES))  // 50688, dynamic: three times
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define POS_INF __int_as_float(0x7f800000)
@@ -294,6 +295,14 @@ __device__ __forceinline__ void load_tile(unsigned tile, const bf16* base, unsig
     }
 }
 
+// Starts copying key tile kt of a head (K at k_off, V one plane on) into a stage: K, then V after it.
+template <int THREADS>
+__device__ __forceinline__ void load_kv_tile(unsigned stage, const bf16* qkv, unsigned k_off, unsigned plane, int kt,
+                                             int T, int C) {
+    load_tile<ATTN_BF16_STREAM, THREADS>(stage, qkv, k_off, kt * ATTN_BF16_STREAM, T, C);
+    load_tile<ATTN_BF16_STREAM, THREADS>(stage + ATTN_BF16_TILE_BYTES, qkv, k_off + plane, kt * ATTN_BF16_STREAM, T, C);
+}
+
 // ---- small helpers ---------------------------------------------------------------------------------------------
 // 2^x by the hardware approximation (relative error about 2^-22); results below 2^-126 flush to zero (harmless next
 // to the row's largest term, 1), and 2^-inf = 0. exp2f() would add a rescaling path for such results.
@@ -375,13 +384,15 @@ __device__ __forceinline__ int next_stage(int s) { return s == 2 ? 0 : s + 1; }
 
 // ---- forward: one block per (b, h) and query tile, key tiles of 64 -----------------------------------------------
 // One step of the online softmax over the 64 keys kb .. kb+63 of a K / V tile, on the scores s of the warp's WT
-// m-tiles of rows R .. R + 16 WT - 1 (this thread's rows R + 16 i + g and + 8): rescales o and l where a row's
-// maximum moves and leaves P (unnormalised, base 2) in s. MASK: keys after a row are masked (-inf).
+// m-tiles of rows R .. R + 16 WT - 1 (this thread's rows R + 16 i + g and + 8): moves the running maxima m, leaves
+// P (unnormalised, base 2) in s and adds its row sums to l, after scaling l by corr, the factor the rows' earlier
+// terms take (1 where a row's maximum stays). Returns whether any row of the warp moved (a warp-uniform value):
+// then the accumulators are to be rescaled by corr too. MASK: keys after a row are masked (-inf).
 template <int WT, bool MASK>
-__device__ __forceinline__ void fwd_softmax(float (&s)[WT][8][4], float (&o)[WT][8][4], float (&m)[WT][2],
-                                            float (&l)[WT][2], int kb, int R, int g, int t, float s2) {
-    // The running maximum m of a row (base 2) moves when the step's maximum passes it, and then the accumulators are
-    // rescaled; a step where no row of the warp moves skips the rescale (a warp-uniform test).
+__device__ __forceinline__ bool softmax_step(float (&s)[WT][8][4], float (&m)[WT][2], float (&l)[WT][2],
+                                             float (&corr)[WT][2], int kb, int R, int g, int t, float s2) {
+    // The running maximum m of a row (base 2) moves when the step's maximum passes it; a step where no row of the
+    // warp moves skips computing corr (and the rescale).
     float mx[WT][2];  // the step's row maxima of S, scaled (-inf: every key masked)
     bool move = false;
 #pragma unroll
@@ -405,21 +416,18 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[WT][8][4], float (&o)[WT]
                 for (int n = 0; n < w; n++) x[n] = fmaxf(x[n], x[n + w]);
             mx[i][h] = row_max4(x[0]) * s2;  // scale > 0 keeps the order
             move |= mx[i][h] > m[i][h];  // m = -inf: any finite maximum moves it
+            corr[i][h] = 1.0f;
         }
-    if (__any_sync(FULL_MASK, move)) {
+    const bool moved = __any_sync(FULL_MASK, move);
+    if (moved) {
 #pragma unroll
         for (int i = 0; i < WT; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const float m_new = mx[i][h] > m[i][h] ? mx[i][h] : m[i][h];
-                const float corr = exp2_approx(m[i][h] - m_new);  // 1, or 0 from m = -inf
+                corr[i][h] = exp2_approx(m[i][h] - m_new);  // 1, or 0 from m = -inf
                 m[i][h] = m_new;
-                l[i][h] *= corr;
-#pragma unroll
-                for (int n = 0; n < 8; n++) {
-                    o[i][n][2 * h] *= corr;
-                    o[i][n][2 * h + 1] *= corr;
-                }
+                l[i][h] *= corr[i][h];
             }
     }
 #pragma unroll
@@ -441,6 +449,17 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[WT][8][4], float (&o)[WT]
                 for (int n = 0; n < w; n++) ps[n] += ps[n + w];
             l[i][h] += ps[0];
         }
+    return moved;
+}
+
+template <int WT>
+__device__ __forceinline__ void rescale(float (&o)[WT][8][4], const float (&corr)[WT][2]) {
+#pragma unroll
+    for (int i = 0; i < WT; i++)
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) o[i][n][r] *= corr[i][r >> 1];
 }
 
 // The step on the mma: S and Y += P V for the warp alone. kq: the K tile plus chunks_first_part, vq: the V tile plus
@@ -460,7 +479,8 @@ __device__ __forceinline__ void fwd_step(unsigned kq, unsigned vq, const unsigne
             if (MASK && kb + 16 * np >= R + 16 * WT) continue;
             mma_block<false>(s, 2 * np, k_step(qf, kc), kq, 16 * np, kc);
         }
-    fwd_softmax<WT, MASK>(s, o, m, l, kb, R, g, t, s2);
+    float corr[WT][2];
+    if (softmax_step<WT, MASK>(s, m, l, corr, kb, R, g, t, s2)) rescale(o, corr);
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {  // keys 16 kc .. 16 kc + 15 of the tile
         if (MASK && kb + 16 * kc >= R + 16 * WT) continue;
@@ -479,14 +499,14 @@ template <bool MASK>
 __device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsigned (&qf)[1][4][4],
                                             float (&o)[1][8][4], float (&m)[1][2], float (&l)[1][2], int kb, int R,
                                             int g, int t, float s2) {
-    float s[1][8][4];
+    float s[1][8][4], corr[1][2];
     wg_fence();
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) wgmma_n64<0>(s[0], qf[0][kc], k_major(Ks, kc), kc);
     wg_commit();
     wg_wait();
     wg_hold(s[0]);
-    fwd_softmax<1, MASK>(s, o, m, l, kb, R, g, t, s2);
+    if (softmax_step<1, MASK>(s, m, l, corr, kb, R, g, t, s2)) rescale(o, corr);
     unsigned pf[4][4];  // P as A fragments, k-steps of 16 keys
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) pack_a(pf[kc], s[0][2 * kc], s[0][2 * kc + 1]);
@@ -499,13 +519,14 @@ __device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsi
 }
 #endif
 
-// WG: the block is one warpgroup on the warpgroup products (sm_90a builds), else four warps on the mma.
+// WG: the block is one warpgroup on the warpgroup products (the Hopper build's k_attn_fwd_wg), else four warps on
+// the mma (k_attn_fwd_bf16).
 template <bool WG>
 __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H,
                                          float scale) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
-    __shared__ __align__(1024) bf16 smem[ATTN_BF16_FWD_SMEM / 2];  // 1024: the swizzle's alignment
+    __shared__ __align__(1024) bf16 smem[ATTN_BF16_FWD_SMEM / 2];  // 1024: the swizzle's period
     // stage s: K at S0 + s STAGE, V after it; Q first, over stage 2
     const unsigned S0 = smem_u32(smem), Qs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
     const int n_tiles = (T + ROWS - 1) / ROWS;
@@ -521,12 +542,7 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     cp_async_commit();
 #pragma unroll
     for (int k = 0; k < 2; k++) {  // key tiles 0 and 1 into stages 0 and 1
-        if (k < n_kt) {
-            const unsigned dst = S0 + k * ATTN_BF16_STAGE_BYTES;
-            load_tile<ATTN_BF16_STREAM, THREADS>(dst, qkv, k_off, k * ATTN_BF16_STREAM, T, C);
-            load_tile<ATTN_BF16_STREAM, THREADS>(dst + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
-                                                 k * ATTN_BF16_STREAM, T, C);
-        }
+        if (k < n_kt) load_kv_tile<THREADS>(S0 + k * ATTN_BF16_STAGE_BYTES, qkv, k_off, hh.plane, k, T, C);
         cp_async_commit();
     }
     cp_async_wait<2>();  // Q
@@ -550,17 +566,12 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait<1>();  // tile kt (tile kt + 1 may still be on its way)
 #ifdef ATTN_WGMMA
-        if constexpr (WG) fence_async_smem();
+        if constexpr (WG) fence_async_smem();  // before the tensor cores read what cp.async wrote
 #endif
         __syncthreads();     // ... for everyone; and everyone is done with tile kt - 1 (and with Q)
-        const int ps = next_stage(next_stage(stage));
-        if (kt + 2 < n_kt) {  // prefetch tile kt + 2 into the stage of tile kt - 1
-            const int row0 = (kt + 2) * ATTN_BF16_STREAM;
-            const unsigned dst = S0 + ps * ATTN_BF16_STAGE_BYTES;
-            load_tile<ATTN_BF16_STREAM, THREADS>(dst, qkv, k_off, row0, T, C);
-            load_tile<ATTN_BF16_STREAM, THREADS>(dst + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
-                                                 row0, T, C);
-        }
+        if (kt + 2 < n_kt)  // prefetch tile kt + 2 into the stage of tile kt - 1
+            load_kv_tile<THREADS>(S0 + next_stage(next_stage(stage)) * ATTN_BF16_STAGE_BYTES, qkv, k_off, hh.plane,
+                                  kt + 2, T, C);
         cp_async_commit();
         const unsigned Ks = S0 + stage * ATTN_BF16_STAGE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
         const int kb = kt * ATTN_BF16_STREAM;  // the tile's first key
@@ -607,7 +618,39 @@ k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H
 }
 #endif
 
+
 // ---- backward, first kernel: D and dQ, one block per (b, h) and query tile, key tiles of 64 -----------------------
+// D of this thread's rows row0 and row0 + 8 into dsum (and, from lane t = 0, into delta), and their lse in base 2
+// (rows past T: D = 0 and lse = +inf, so P = 0). Lane t takes columns 8t .. 8t+7 and 32 + 8t .. 32 + 8t + 7 of dY
+// and Y, read from global memory.
+__device__ __forceinline__ void row_stats(float (&lse2)[2], float (&dsum)[2], float* __restrict__ delta,
+                                          const bf16* __restrict__ dout, const bf16* __restrict__ y,
+                                          const float* __restrict__ lse, const Head& hh, int row0, int T, int C,
+                                          int t) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = row0 + 8 * h;
+        float acc = 0.0f;
+        if (row < T) {
+            const uint4* dy_row = reinterpret_cast<const uint4*>(at64(dout, hh.seq) + row * C);
+            const uint4* y_row = reinterpret_cast<const uint4*>(at64(y, hh.seq) + row * C);
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                const uint4 a = dy_row[t + 4 * k], b = y_row[t + 4 * k];
+                const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    acc = fmaf(lo_f32(av[e]), lo_f32(bv[e]), acc);
+                    acc = fmaf(hi_f32(av[e]), hi_f32(bv[e]), acc);
+                }
+            }
+        }
+        dsum[h] = row_sum4(acc);
+        if (t == 0 && row < T) delta[hh.stat + row] = dsum[h];
+        lse2[h] = row < T ? lse[hh.stat + row] * LOG2E : POS_INF;
+    }
+}
+
 // dS = P (dP - D) into dp, for the 8 N keys key0 .. key0 + 8 N - 1 (this thread's 2 N of them) of rows row0 and
 // row0 + 8, from their scores s and dP; P = exp(S - lse). MASK: keys after a row give P = 0.
 template <int N, bool MASK>
@@ -691,6 +734,7 @@ __device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsig
 }
 #endif
 
+// WG: as in attn_fwd (k_attn_bwd_dq_wg, k_attn_bwd_dq_bf16).
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16* dout, const bf16* y,
                                             const bf16* qkv, const float* lse, int B, int T, int C, int H,
@@ -698,9 +742,9 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
-    // stage s: K at S0 + s STAGE, V after it; the Q and dY tiles first, over stages 1 and 2
+    // stage s: K at S0 + s STAGE, V after it; the Q and dY tiles first, over stage 2
     const unsigned S0 = smem_u32(smem);
-    const unsigned Qs = S0 + ATTN_BF16_STAGE_BYTES, dYs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
+    const unsigned Qs = S0 + 2 * ATTN_BF16_STAGE_BYTES, dYs = Qs + ATTN_BF16_TILE_BYTES;
     const int n_tiles = (T + ROWS - 1) / ROWS;
     const int q0 = (n_tiles - 1 - blockIdx.y) * ROWS;
     const Head hh = head_of(blockIdx.x, B, T, H);
@@ -713,37 +757,16 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     load_tile<ROWS, THREADS>(Qs, qkv, hh.seq, q0, T, C);
     load_tile<ROWS, THREADS>(dYs, dout, hh.seq, q0, T, C);
     cp_async_commit();
-    load_tile<ATTN_BF16_STREAM, THREADS>(S0, qkv, k_off, 0, T, C);  // key tile 0 into stage 0
-    load_tile<ATTN_BF16_STREAM, THREADS>(S0 + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane, 0, T, C);
-    cp_async_commit();
-    // While they arrive: D and lse of the thread's rows (rows past T: D = 0 and lse = +inf, so P = 0). Lane t takes
-    // columns 8t .. 8t+7 and 32 + 8t .. 32 + 8t + 7 of dY and Y, read from global memory.
+#pragma unroll
+    for (int k = 0; k < 2; k++) {  // key tiles 0 and 1 into stages 0 and 1
+        if (k < n_kt) load_kv_tile<THREADS>(S0 + k * ATTN_BF16_STAGE_BYTES, qkv, k_off, hh.plane, k, T, C);
+        cp_async_commit();
+    }
+    // While they arrive: D and lse of the thread's rows
     float lse2[WT][2], dsum[WT][2];  // lse in base 2, and D
 #pragma unroll
-    for (int i = 0; i < WT; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = R + 16 * i + g + 8 * h;
-            float acc = 0.0f;
-            if (row < T) {
-                const uint4* dy_row = reinterpret_cast<const uint4*>(at64(dout, hh.seq) + row * C);
-                const uint4* y_row = reinterpret_cast<const uint4*>(at64(y, hh.seq) + row * C);
-#pragma unroll
-                for (int k = 0; k < 2; k++) {
-                    const uint4 a = dy_row[t + 4 * k], b = y_row[t + 4 * k];
-                    const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        acc = fmaf(lo_f32(av[e]), lo_f32(bv[e]), acc);
-                        acc = fmaf(hi_f32(av[e]), hi_f32(bv[e]), acc);
-                    }
-                }
-            }
-            dsum[i][h] = row_sum4(acc);
-            if (t == 0 && row < T) delta[hh.stat + row] = dsum[i][h];
-            lse2[i][h] = row < T ? lse[hh.stat + row] * LOG2E : POS_INF;
-        }
-    cp_async_wait<1>();  // Q and dY (key tile 0 may still be on its way)
+    for (int i = 0; i < WT; i++) row_stats(lse2[i], dsum[i], delta, dout, y, lse, hh, R + 16 * i + g, T, C, t);
+    cp_async_wait<2>();  // Q and dY
     __syncthreads();
     unsigned qf[WT][4][4], yf[WT][4][4];  // the warp's rows of Q and dY as A fragments
 #pragma unroll
@@ -753,13 +776,6 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
             ldsm(qf[i][kc], lds_at(Qs + rows_first_part(lane), 16 * (WT * warp + i), kc));
             ldsm(yf[i][kc], lds_at(dYs + rows_first_part(lane), 16 * (WT * warp + i), kc));
         }
-    __syncthreads();  // Q and dY are in registers; their space becomes stages 1 and 2
-    if (n_kt > 1) {
-        load_tile<ATTN_BF16_STREAM, THREADS>(S0 + ATTN_BF16_STAGE_BYTES, qkv, k_off, ATTN_BF16_STREAM, T, C);
-        load_tile<ATTN_BF16_STREAM, THREADS>(S0 + ATTN_BF16_STAGE_BYTES + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
-                                             ATTN_BF16_STREAM, T, C);
-    }
-    cp_async_commit();
 
     float dq[WT][8][4];
 #pragma unroll
@@ -767,19 +783,14 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     const unsigned cpart = chunks_first_part(lane), rpart = rows_first_part(lane);
     int stage = 0;
     for (int kt = 0; kt < n_kt; kt++) {
-        cp_async_wait<1>();
+        cp_async_wait<1>();  // tile kt (tile kt + 1 may still be on its way)
 #ifdef ATTN_WGMMA
         if constexpr (WG) fence_async_smem();
 #endif
-        __syncthreads();
-        const int ps = next_stage(next_stage(stage));
-        if (kt + 2 < n_kt) {
-            const int row0 = (kt + 2) * ATTN_BF16_STREAM;
-            const unsigned dst = S0 + ps * ATTN_BF16_STAGE_BYTES;
-            load_tile<ATTN_BF16_STREAM, THREADS>(dst, qkv, k_off, row0, T, C);
-            load_tile<ATTN_BF16_STREAM, THREADS>(dst + ATTN_BF16_TILE_BYTES, qkv, k_off + hh.plane,
-                                                 row0, T, C);
-        }
+        __syncthreads();  // ... for everyone; and everyone is done with tile kt - 1 (and with Q and dY)
+        if (kt + 2 < n_kt)  // prefetch tile kt + 2 into the stage of tile kt - 1
+            load_kv_tile<THREADS>(S0 + next_stage(next_stage(stage)) * ATTN_BF16_STAGE_BYTES, qkv, k_off, hh.plane,
+                                  kt + 2, T, C);
         cp_async_commit();
         const unsigned Ks = S0 + stage * ATTN_BF16_STAGE_BYTES, Vs = Ks + ATTN_BF16_TILE_BYTES;
         const int kb = kt * ATTN_BF16_STREAM;
@@ -815,6 +826,7 @@ k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, cons
     attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add);
 }
 #endif
+
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and key tile, query tiles of 64 ---------------------
 // lse (base 2) and D of this thread's queries col0 + 8 n + 2 t + e of a query tile, from its shared lse and D.
@@ -891,6 +903,28 @@ __device__ __forceinline__ void kv_step(unsigned qc, unsigned yc, unsigned qr, u
     }
 }
 
+// Starts loading query tile qt (Q, dY, lse, D) into buffer s (Q at QY + s STAGE, dY after it; lse then D at
+// ST + s STAT); lse and D past T read as zero, harmless since those queries' Q and dY rows are zero too (so are
+// their dS and their share of dV).
+template <int THREADS>
+__device__ __forceinline__ void load_queries(unsigned QY, unsigned ST, const bf16* qkv, const bf16* dout,
+                                             const float* lse, const float* delta, const Head& hh, int qt, int s,
+                                             int T, int C) {
+    const unsigned buf = QY + s * ATTN_BF16_STAGE_BYTES;
+    const int row0 = qt * ATTN_BF16_STREAM;
+    load_tile<ATTN_BF16_STREAM, THREADS>(buf, qkv, hh.seq, row0, T, C);
+    load_tile<ATTN_BF16_STREAM, THREADS>(buf + ATTN_BF16_TILE_BYTES, dout, hh.seq, row0, T, C);
+    // lse by threads j < 64, D by 64 <= j < 128 (j = the thread, or with fewer threads thread + k THREADS)
+#pragma unroll
+    for (int k = 0; k < (THREADS < 2 * ATTN_BF16_STREAM ? 2 * ATTN_BF16_STREAM / THREADS : 1); k++) {
+        const unsigned j = k * THREADS + threadIdx.x % THREADS;
+        if (j >= 2 * ATTN_BF16_STREAM) break;
+        const int row = row0 + (int)(j % ATTN_BF16_STREAM);
+        const float* src = (j < ATTN_BF16_STREAM ? lse : delta) + hh.stat + min(row, T - 1);
+        cp_async4(ST + s * ATTN_BF16_STAT_BYTES + j * 4, src, row < T);
+    }
+}
+
 #ifdef ATTN_WGMMA
 // The step on the warpgroup products: the block's 64 keys against a query tile, 32 queries at a time. Qs, dYs, Ls,
 // Ds: the tile's Q, dY, lse and D. MASK: the block's diagonal tile (queries before a key masked), or a tile that
@@ -937,16 +971,26 @@ __device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned L
 }
 #endif
 
+// WG: as in attn_fwd (k_attn_bwd_kv_wg, k_attn_bwd_bf16). The query tiles stream through NBUF buffers: two in
+// static shared memory on the mma, three in dynamic shared memory (ATTN_BF16_WG_KV_SMEM) on the warpgroup products,
+// where a tile is then requested two tiles ahead. K and V arrive first, in the last buffer, beside the first tiles.
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv,
                                             const float* lse, int B, int T, int C, int H, float scale, int add) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
+    constexpr int NBUF = WG ? 3 : 2;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 keys");
-    __shared__ __align__(1024) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
-    // buffer s: Q at QY + s STAGE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
-    const unsigned QY = smem_u32(smem), ST = QY + 2 * ATTN_BF16_STAGE_BYTES;
-    // the K tile before the first Q and dY, V after it
-    const unsigned Ks = QY, Vs = QY + KROWS * ATTN_BF16_ROW_BYTES;
+    static_assert(2 * KROWS * ATTN_BF16_ROW_BYTES <= ATTN_BF16_STAGE_BYTES, "K and V fit a buffer");
+    unsigned QY;  // buffer s: Q at QY + s STAGE, dY after it; its lse (64 floats) then D (64 floats) at ST + s STAT
+    if constexpr (WG) {
+        extern __shared__ __align__(1024) unsigned char attn_wg_smem[];
+        QY = smem_u32(attn_wg_smem);
+    } else {
+        __shared__ __align__(128) bf16 smem[ATTN_BF16_BWD_SMEM / 2];
+        QY = smem_u32(smem);
+    }
+    const unsigned ST = QY + NBUF * ATTN_BF16_STAGE_BYTES;
+    const unsigned Ks = QY + (NBUF - 1) * ATTN_BF16_STAGE_BYTES, Vs = Ks + KROWS * ATTN_BF16_ROW_BYTES;
     const int k0 = blockIdx.y * KROWS;  // the longest columns first
     const Head hh = head_of(blockIdx.x, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
@@ -957,7 +1001,12 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     load_tile<KROWS, THREADS>(Ks, qkv, hh.seq + hh.plane, k0, T, C);
     load_tile<KROWS, THREADS>(Vs, qkv, hh.seq + 2 * hh.plane, k0, T, C);
     cp_async_commit();
-    cp_async_wait<0>();
+#pragma unroll
+    for (int k = 0; k < NBUF - 1; k++) {  // query tiles qt0 .. into buffers 0 ..
+        if (qt0 + k < n_qt) load_queries<THREADS>(QY, ST, qkv, dout, lse, delta, hh, qt0 + k, k, T, C);
+        cp_async_commit();
+    }
+    cp_async_wait<NBUF - 1>();  // K and V
     __syncthreads();
     unsigned kf[WT][4][4], vf[WT][4][4];  // the warp's keys of K and V as A fragments
 #pragma unroll
@@ -967,27 +1016,6 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
             ldsm(kf[i][kc], lds_at(Ks + rows_first_part(lane), 16 * (WT * warp + i), kc));
             ldsm(vf[i][kc], lds_at(Vs + rows_first_part(lane), 16 * (WT * warp + i), kc));
         }
-    __syncthreads();  // K and V are in registers; their space becomes the Q and dY buffers
-
-    // Starts loading query tile qt (Q, dY, lse, D) into buffer s; lse and D past T read as zero, harmless since
-    // those queries' Q and dY rows are zero too (so are their dS and their share of dV).
-    auto load_queries = [&](int qt, int s) {
-        const unsigned buf = QY + s * ATTN_BF16_STAGE_BYTES;
-        const int row0 = qt * ATTN_BF16_STREAM;
-        load_tile<ATTN_BF16_STREAM, THREADS>(buf, qkv, hh.seq, row0, T, C);
-        load_tile<ATTN_BF16_STREAM, THREADS>(buf + ATTN_BF16_TILE_BYTES, dout, hh.seq, row0, T, C);
-        // lse by threads j < 64, D by 64 <= j < 128 (j = the thread, or with fewer threads thread + k THREADS)
-#pragma unroll
-        for (int k = 0; k < (THREADS < 2 * ATTN_BF16_STREAM ? 2 * ATTN_BF16_STREAM / THREADS : 1); k++) {
-            const unsigned j = k * THREADS + threadIdx.x % THREADS;
-            if (j >= 2 * ATTN_BF16_STREAM) break;
-            const int row = row0 + (int)(j % ATTN_BF16_STREAM);
-            const float* src = (j < ATTN_BF16_STREAM ? lse : delta) + hh.stat + min(row, T - 1);
-            cp_async4(ST + s * ATTN_BF16_STAT_BYTES + j * 4, src, row < T);
-        }
-    };
-    load_queries(qt0, 0);
-    cp_async_commit();
 
     float dk[WT][8][4], dv[WT][8][4];
 #pragma unroll
@@ -996,14 +1024,15 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
         zero(dv[i]);
     }
     const unsigned cpart = chunks_first_part(lane), rpart = rows_first_part(lane);
+    int s = 0;  // tile qt's buffer
     for (int qt = qt0; qt < n_qt; qt++) {
-        const int s = (qt - qt0) & 1;
-        cp_async_wait<0>();  // tile qt
+        cp_async_wait<NBUF - 2>();  // tile qt
 #ifdef ATTN_WGMMA
         if constexpr (WG) fence_async_smem();
 #endif
-        __syncthreads();     // ... for everyone; and everyone is done with tile qt - 1, in buffer s ^ 1
-        if (qt + 1 < n_qt) load_queries(qt + 1, s ^ 1);
+        __syncthreads();  // ... for everyone; and everyone is done with tile qt - 1 (and with K and V)
+        const int ps = s == 0 ? NBUF - 1 : s - 1;  // the buffer of tile qt - 1 (first: K and V's)
+        if (qt + NBUF - 1 < n_qt) load_queries<THREADS>(QY, ST, qkv, dout, lse, delta, hh, qt + NBUF - 1, ps, T, C);
         cp_async_commit();
         const unsigned Qs = QY + s * ATTN_BF16_STAGE_BYTES, dYs = Qs + ATTN_BF16_TILE_BYTES;
         const unsigned Ls = ST + s * ATTN_BF16_STAT_BYTES, Ds = Ls + ATTN_BF16_STREAM * 4;
@@ -1024,6 +1053,7 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
                 kv_step<WT, true>(Qs + cpart, dYs + cpart, Qs + rpart, dYs + rpart, Ls, Ds, kf, vf, dk, dv, Q0, K0, T,
                                   g, t, s2);
         }
+        s = s == NBUF - 1 ? 0 : s + 1;
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
     const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
@@ -1041,7 +1071,9 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
     attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add);
 }
 #ifdef ATTN_WGMMA
-// Runs after k_attn_bwd_dq_wg, whose D it reads.
+// Runs after k_attn_bwd_dq_wg, whose D it reads; with ATTN_BF16_WG_KV_SMEM bytes of dynamic shared memory (the
+// module's constant attn_wg_kv_smem).
+extern "C" __constant__ int attn_wg_kv_smem = ATTN_BF16_WG_KV_SMEM;
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
                  int B, int T, int C, int H, float scale, int add) {

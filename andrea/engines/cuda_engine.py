@@ -64,6 +64,10 @@ def _load_kernels(precision: str) -> dict:
         if op == attn.MMA16_KERNEL_FILE:
             launch = cupy.ndarray((4,), np.int32, memptr=_modules[key].get_global("attn_bf16_launch")).get()
             functions["attn_bf16_launch"] = tuple(int(x) for x in launch)
+            if own_build:  # the dynamic shared memory of Hopper's dK / dV kernel
+                smem = cupy.ndarray((1,), np.int32, memptr=_modules[key].get_global(attn.WG_KV_SMEM_SYMBOL)).get()
+                functions[attn.WG_KV_SMEM_SYMBOL] = int(smem[0])
+                functions[attn.HOPPER_KERNELS[op][2]].max_dynamic_shared_size_bytes = int(smem[0])
     # Over 48 KB of dynamic shared memory needs the limit raised per kernel; the largest shared-memory
     # carveout lets 3-4 attention blocks share an SM.
     for name, smem in attn.shared_memory().items():

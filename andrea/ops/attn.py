@@ -21,7 +21,9 @@ KERNELS = {"attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
            "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")}
 # Beside them in the file's Hopper build (kernels_build.HOPPER_ARCH), the same three on the warpgroup products,
 # with the same arguments and launch shape; the engine takes these where they are loaded.
+# The last takes the dynamic shared memory its module's int constant WG_KV_SMEM_SYMBOL names.
 HOPPER_KERNELS = {"attn_bf16": ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd_kv_wg")}
+WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"
 ATTN_BF16_HEAD = 64  # the only head width kernels/attn_bf16.cu takes
 MMA16_KERNEL_FILE = "attn_bf16"  # built only for the precisions whose activations are 16-bit
 
@@ -105,10 +107,13 @@ class CudaOps:
         return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
                                np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
 
-    def _bf16_kernels(self) -> tuple[str, str, str]:
-        """The 16-bit attention's forward, dQ and dK/dV kernels: Hopper's own where the engine loaded them."""
+    def _bf16_kernels(self) -> tuple[str, str, str, int]:
+        """The 16-bit attention's forward, dQ and dK/dV kernels, Hopper's own where the engine loaded them, and the
+        dK/dV kernel's dynamic shared memory."""
         own = HOPPER_KERNELS[MMA16_KERNEL_FILE]
-        return own if own[0] in self.k else KERNELS[MMA16_KERNEL_FILE]
+        if own[0] in self.k:
+            return (*own, self.k[WG_KV_SMEM_SYMBOL])
+        return (*KERNELS[MMA16_KERNEL_FILE], 0)
 
     def attn_fwd(self, out, att, qkv, n_head):
         bf16 = self._bf16_attention(qkv, n_head)
@@ -127,9 +132,10 @@ class CudaOps:
         if bf16:
             heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
-            _, dq, kv = self._bf16_kernels()
+            _, dq, kv, kv_smem = self._bf16_kernels()
             self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add))
-            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add))
+            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add),
+                       shared_mem=kv_smem)
             return
         grid, dims = self._attn_shape(qkv, n_head)
         threads, smem = (kernel_defines("attn")["ATTN_THREADS"],), shared_memory()

@@ -67,6 +67,7 @@ HOPPER_KERNELS = ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd_kv_wg")  # th
 ROLES = ("fwd", "dq", "kv")
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
+WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"  # int: dynamic shared memory of k_attn_bwd_kv_wg, in the sm_90a build
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
 
 
@@ -341,6 +342,18 @@ class Attn:
             self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
         self.names = dict(zip(ROLES, HOPPER_KERNELS if hopper else KERNELS))
         self.k = {role: self.mod.get_function(name) for role, name in self.names.items()}
+        # Hopper's dK / dV kernel takes dynamic shared memory, as much as the module's constant says (a file
+        # without the constant: none)
+        self.kv_smem = 0
+        if hopper:
+            try:
+                ptr = self.mod.get_global(WG_KV_SMEM_SYMBOL)
+            except Exception:  # noqa: BLE001 (a file without the constant)
+                ptr = None
+            if ptr is not None:
+                self.kv_smem = int(cp.ndarray((1,), cp.int32, memptr=ptr).get()[0])
+        if self.kv_smem:
+            self.k["kv"].max_dynamic_shared_size_bytes = self.kv_smem
         self.cfg = launch_config(source, self.mod, cp)
         # Static shared memory only (at most 48 KB a block): no attribute to set. The carveout as the engine sets it,
         # so that as many blocks share an SM as there.
@@ -361,13 +374,13 @@ class Attn:
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
-                                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
+                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
-                                  (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
+                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD), shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
         self.bwd_dq(dqkv, delta, dout, y, qkv, lse, B, T, H)
