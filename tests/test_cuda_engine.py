@@ -61,6 +61,46 @@ def test_attention_over_several_tiles(engines, precision, shape):
     assert_close_to_numpy(engines, precision, "attn", shape, B=2)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
+    """On Hopper the engine runs kernels/attn_bf16.cu's warpgroup kernels (k_attn_*_wg); they sum in the mma
+    kernels' order, so both give the same bits: fresh random inputs, several query tiles with a ragged last one,
+    gradients added into old values."""
+    import copy
+
+    from andrea.ops.attn import HOPPER_KERNELS, MMA16_KERNEL_FILE
+
+    e = engines[precision]
+    own = HOPPER_KERNELS[MMA16_KERNEL_FILE]
+    if own[0] not in e.k:
+        pytest.skip("no warpgroup kernels loaded (not a Hopper GPU, or ANDREA_WGMMA=0)")
+    mma = copy.copy(e)
+    mma.k = {name: f for name, f in e.k.items() if name not in own}
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    B, T, H = 2, 333, 3
+    C, act = 64 * H, e.traits.act_dtype
+    host = {name: rng.standard_normal(shape) * 1.5 for name, shape in
+            (("qkv", (3, B, T, C)), ("dout", (B, T, C)), ("old", (3, B, T, C)))}
+
+    def device(shape, dtype, value):
+        a = e.xp.empty(shape, dtype)
+        e.upload(a, np.broadcast_to(value, shape))
+        return a
+
+    qkv, dout = device(host["qkv"].shape, act, host["qkv"]), device(host["dout"].shape, act, host["dout"])
+    results = []
+    for engine in (e, mma):
+        out, dqkv = device((B, T, C), act, np.nan), device(qkv.shape, act, host["old"])
+        lse, datt = device((B, H, T), np.float32, np.nan), device((B, H, T), np.float32, np.nan)
+        engine.attn_fwd(out, lse, qkv, H)
+        engine.attn_bwd(dqkv, datt, dout, qkv, out, lse, H)
+        results.append({k: e.to_host(v).view(np.uint8) for k, v in
+                        {"out": out, "lse": lse, "D": datt, "dqkv": dqkv}.items()})
+    for name in results[0]:
+        assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
+
+
 @pytest.mark.parametrize("shape", [SHAPE, WIDE], ids=["tiny", "wide"])
 def test_training_steps_match_numpy(engines, shape):
     from andrea.engines.numpy_engine import NumpyEngine

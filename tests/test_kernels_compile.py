@@ -1,10 +1,12 @@
 """Every kernel file compiles with NVRTC for each target architecture and each precision's build (no GPU
-needed), and every kernel the CUDA engine launches is in the compiled code under its seed name."""
+needed), and every kernel the CUDA engine launches is in the compiled code under its seed name; the files
+with a Hopper build compile for sm_90a too, with Hopper's own kernels in it."""
 
 import pytest
 
-from andrea.kernels_build import ARCHS, KERNEL_FILES, compile_kernel, kernel_dir, kernel_source
-from andrea.ops import kernel_files
+from andrea.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, hopper_build_wanted,
+                                  kernel_dir, kernel_source)
+from andrea.ops import hopper_kernel_files, kernel_files
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -33,3 +35,51 @@ def test_header_is_spliced_into_the_source():
     source = kernel_source("layernorm")
     assert '#include "common.cuh"' not in source
     assert "block_sum" in source
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
+def test_hopper_build_compiles(op, precision):
+    """The sm_90a build holds the file's kernels and Hopper's own beside them."""
+    compiled = compile_kernel(op, HOPPER_ARCH, precision=precision)
+    for name in (*kernel_files()[op], *hopper_kernel_files()[op]):
+        assert name.encode() in compiled.cubin, f"{name} missing from the {HOPPER_ARCH} build of kernels/{op}.cu"
+
+
+@pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
+def test_hopper_kernels_are_only_in_the_hopper_build(op):
+    """The warpgroup products need sm_90a: a plain sm_90 build (what runs on other GPUs' code paths) has none."""
+    compiled = compile_kernel(op, "sm_90", precision="bf16")
+    for name in hopper_kernel_files()[op]:
+        assert name.encode() not in compiled.cubin
+
+
+def test_hopper_build_is_wanted_on_compute_capability_90_only(monkeypatch):
+    monkeypatch.delenv("ANDREA_WGMMA", raising=False)
+    assert hopper_build_wanted("90")
+    assert not hopper_build_wanted("89") and not hopper_build_wanted("100")
+    monkeypatch.setenv("ANDREA_WGMMA", "0")
+    assert not hopper_build_wanted("90")
+
+
+def test_cached_cubin_compiles_once_per_source(tmp_path, monkeypatch):
+    import shutil
+
+    from andrea import kernels_build
+
+    first = cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", tmp_path)
+    assert first.is_file() and first.parent == tmp_path and first.read_bytes().startswith(b"\x7fELF")
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(kernels_build, "compile_kernel", no_compile)
+    assert cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", tmp_path) == first
+    monkeypatch.undo()
+    # an edited source (here: a copy of the folder with one more comment line) is a new file
+    folder = tmp_path / "kernels"
+    shutil.copytree(kernel_dir(), folder)
+    (folder / "attn_bf16.cu").write_text((folder / "attn_bf16.cu").read_text() + "// edited\n")
+    edited = cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", tmp_path, folder)
+    assert edited != first and edited.is_file()
+    assert cached_cubin("attn_bf16", HOPPER_ARCH, "fp16", tmp_path) not in (first, edited)
