@@ -26,6 +26,12 @@
 // 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
 // carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
 //
+// Hopper's build (sm_90a, where __CUDA_ARCH_FEAT_SM90_ALL is defined) adds k_attn_fwd_wg, k_attn_bwd_dq_wg and
+// k_attn_bwd_kv_wg: the same arguments, launch shape and results (the same bits: their fp32 sums run in the mma
+// kernels' order), each block one warpgroup whose products are wgmma with B read by the tensor cores from the
+// shared tiles. k_attn_bwd_kv_wg takes ATTN_BF16_WG_KV_SMEM = 50688 bytes of dynamic shared memory (the module's
+// int constant attn_wg_kv_smem; the host raises the kernel's dynamic limit to it) for three query buffers.
+//
 // Each block owns a tile of queries (keys in k_attn_bwd_bf16); warp w owns WT m-tiles of 16 rows (WT =
 // ATTN_BF16_WARP_TILES, _KV_WARP_TILES), rows 16 WT w .. 16 WT (w + 1) - 1 of the tile, held in registers as mma A
 // operands, while the other operand streams through shared memory in tiles of 64 rows, filled with cp.async: three

@@ -1,13 +1,15 @@
 """Every matrix product of one ANDREA training step, timed alone through the CUDA engine's cuBLAS handle.
 
-    PYTHONPATH=. python3 scripts/bench_gemm.py [--shape 120M] [--batch 8] [--precision bf16] [--lt] [--fp8]
+    PYTHONPATH=. python3 scripts/bench_gemm.py [--shape 120M] [--batch 8] [--precision bf16] [--lt] [--fp8] [--split-k]
 
 Each product runs 20 times inside one CUDA graph (no host launch cost in the numbers); the table gives
 the median time per product over 5 graph launches and the rate it reaches. Run on a CUDA machine.
 --lt also times each product through cuBLASLt, every algorithm its heuristic offers (up to 8), against the
 engine's cublasGemmEx; --fp8 times each product's shape on FP8 operands through cuBLASLt (E4M3 x E4M3 for
 the forward products, E5M2 gradients x E4M3 for the backward ones; both operands K-major, as Hopper's FP8
-products take them), with the output type the engine writes there.
+products take them), with the output type the engine writes there. --split-k times each single weight
+gradient (k = the tokens) split along k in 2, 4 and 8 chunks: one strided batched product into fp32 partials
+and their sum, with its relative difference from the plain product.
 """
 
 from __future__ import annotations
@@ -81,6 +83,32 @@ def fp8_ms(engine, m, n, k, out32, rng, backward: bool) -> float | None:
     return round(timed_ms(engine, lambda: engine.blas_lt.gemm(c, a, b, m, n, k, **kw)), 4)
 
 
+SPLITS = (2, 4, 8)
+
+
+def split_k_ms(engine, c, a, b, m, n, k, splits: int) -> tuple[float, float]:
+    """A weight gradient C[m, n] += A^T B (A [k, m], B [k, n], k the tokens) with k split in `splits` chunks: one
+    strided batched product into fp32 partials, then their sum added into C by a product with a ones vector
+    (a fixed order). Its time, and its relative difference from the plain product."""
+    import cupy
+
+    part = cupy.zeros((splits, m, n), dtype=np.float32)
+    ones = cupy.ones((splits, 1), dtype=np.float32)
+    chunk = k // splits
+
+    def run():
+        engine.blas.gemm(part, a, b, m, n, chunk, trans_a=True, batch=splits, stride_a=chunk * m, stride_b=chunk * n,
+                         stride_c=m * n)
+        engine.blas.gemm(c, part, ones, m * n, 1, splits, trans_a=True, beta=1.0)
+
+    ms = timed_ms(engine, run)
+    ref = cupy.zeros((m, n), dtype=np.float32)
+    engine.blas.gemm(ref, a, b, m, n, k, trans_a=True, beta=1.0)
+    c[...] = 0
+    run()
+    return ms, float(cupy.linalg.norm(c - ref) / cupy.linalg.norm(ref))
+
+
 def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
     """The MLP's two GELU products both ways: cuBLASLt's epilogue, or the plain product and the GELU kernel."""
     import cupy
@@ -115,6 +143,8 @@ def main() -> int:
     parser.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
     parser.add_argument("--lt", action="store_true", help="also every cuBLASLt algorithm for each product")
     parser.add_argument("--fp8", action="store_true", help="also each product's shape on FP8 operands")
+    parser.add_argument("--split-k", action="store_true",
+                        help=f"also each single weight gradient with its tokens split in {SPLITS} chunks")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     raw = json.loads((REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json").read_text())
@@ -143,6 +173,10 @@ def main() -> int:
             row["lt_ms"] = lt
             if lt:
                 line += f" | cuBLASLt algos {' '.join(f'{t:.4f}' for t in lt)}"
+        if args.split_k and batch == 1 and name.endswith("dW"):
+            splits = {n_: split_k_ms(engine, c[0], a, b[0], m, n, k, n_) for n_ in SPLITS}
+            row["split_k"] = {n_: {"ms": round(t, 4), "rel_diff": d} for n_, (t, d) in splits.items()}
+            line += " | split-K " + " ".join(f"{n_}: {t:.4f} ({d:.0e})" for n_, (t, d) in splits.items())
         if args.fp8:
             # a batch of 3 (Q, K, V) is one product of 3n columns
             f8 = fp8_ms(engine, m, n * batch, k, out32, rng, backward=any(w in name for w in ("dW", "dinp", "dwte")))

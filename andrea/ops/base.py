@@ -3,7 +3,7 @@
 
 An op module (`andrea/ops/<op>.py`, beside `kernels/<op>.cu`) holds one op pair whole: `NumpyOps` and
 `CudaOps`, the two engines' halves (mixed into NumpyEngine and CudaEngine), `KERNELS` (its kernel files
-and their kernels), `ENGINE_BUFFERS` (device buffers the CUDA half keeps for the memory plan), `cost()`
+and their kernels), optionally `HOPPER_KERNELS` (the kernels a file's sm_90a build adds), `ENGINE_BUFFERS` (device buffers the CUDA half keeps for the memory plan), `cost()`
 (FLOPs and fewest bytes of each call) and `case()` (its cross-check against the float64 reference).
 """
 
