@@ -188,6 +188,9 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
                                                      const float* rstd, long long n_rows, int C, int rows_per_chunk,
                                                      int n_chunks, int fused) {
     __shared__ float fold[LN_BWD_WARPS / 2][2][J * ACT_VEC * WARP_SIZE];
+    // Up to 16 columns a lane, dinp is loaded with the row's other inputs, so a row waits for memory once; wider
+    // rows load it after the row's sums, where the registers would otherwise spill.
+    constexpr bool EARLY = J * ACT_VEC <= 16;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const long long first = (long long)blockIdx.x * rows_per_chunk;
     const long long end = min(n_rows, first + rows_per_chunk);
@@ -198,7 +201,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
         for (int k = 0; k < ACT_VEC; k++) dg[j][k] = db[j][k] = 0.0f;
     for (long long row = first + warp; row < end; row += LN_BWD_WARPS) {
         const float m = mean[row], r = rstd[row];
-        float dy[J][ACT_VEC], xhat[J][ACT_VEC];
+        float dy[J][ACT_VEC], xhat[J][ACT_VEC], d[J][ACT_VEC];
         float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
 #pragma unroll
         for (int j = 0; j < J; j++) {
@@ -207,6 +210,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
             float g[ACT_VEC];
             load_f32(dout + row * C + c, dy[j]);
             load_vec(inp + row * C + c, xhat[j]);
+            if (EARLY) load_f32(dinp + row * C + c, d[j]);
             load_f32(gamma + c, g);
 #pragma unroll
             for (int k = 0; k < ACT_VEC; k++) {
@@ -224,13 +228,14 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
         for (int j = 0; j < J; j++) {
             const int c = (lane + WARP_SIZE * j) * ACT_VEC;
             if (c >= C) continue;
-            float g[ACT_VEC], d[ACT_VEC];
+            float g[ACT_VEC];
             load_f32(gamma + c, g);
-            load_f32(dinp + row * C + c, d);
+            if (!EARLY) load_f32(dinp + row * C + c, d[j]);
 #pragma unroll
-            for (int k = 0; k < ACT_VEC; k++) d[k] += r * (dy[j][k] * g[k] - mean_dxhat - xhat[j][k] * mean_dxhat_xhat);
-            store_f32(dinp + row * C + c, d);
-            if (fused) store_vec(dbranch + row * C + c, d);
+            for (int k = 0; k < ACT_VEC; k++)
+                d[j][k] += r * (dy[j][k] * g[k] - mean_dxhat - xhat[j][k] * mean_dxhat_xhat);
+            store_f32(dinp + row * C + c, d[j]);
+            if (fused) store_vec(dbranch + row * C + c, d[j]);
         }
     }
     // warps [half, 2 half) hand their sums to warps [0, half), halving until warp 0 holds the block's
