@@ -68,6 +68,7 @@ ROLES = ("fwd", "dq", "kv")
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
 WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"  # int: dynamic shared memory of k_attn_bwd_kv_wg, in the sm_90a build
+WG_LAUNCH_SYMBOL = "attn_wg_launch"  # int[2] {THREADS, ROWS} of k_attn_fwd_wg and k_attn_bwd_dq_wg, likewise
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
 
 
@@ -332,6 +333,15 @@ def hopper_module(cp, source: str, options: tuple[str, ...]):
     return cp.RawModule(path=f.name)
 
 
+def module_ints(cp, module, symbol: str, n: int) -> list[int] | None:
+    """The module's int[n] constant `symbol`, or None where it has none."""
+    try:
+        ptr = module.get_global(symbol)
+    except Exception:  # noqa: BLE001 (a file without the constant)
+        return None
+    return [int(x) for x in cp.ndarray((n,), cp.int32, memptr=ptr).get()]
+
+
 class Attn:
     def __init__(self, cp, source: str | None = None, options: tuple[str, ...] = (), hopper: bool = False):
         self.cp = cp
@@ -342,19 +352,17 @@ class Attn:
             self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
         self.names = dict(zip(ROLES, HOPPER_KERNELS if hopper else KERNELS))
         self.k = {role: self.mod.get_function(name) for role, name in self.names.items()}
-        # Hopper's dK / dV kernel takes dynamic shared memory, as much as the module's constant says (a file
-        # without the constant: none)
+        self.cfg = launch_config(source, self.mod, cp)
+        # Hopper's forward and dQ kernels take their own launch shape {THREADS, ROWS}, and its dK / dV kernel dynamic
+        # shared memory, as the module's constants say (a file without them: the mma kernels' shape, none)
         self.kv_smem = 0
         if hopper:
-            try:
-                ptr = self.mod.get_global(WG_KV_SMEM_SYMBOL)
-            except Exception:  # noqa: BLE001 (a file without the constant)
-                ptr = None
-            if ptr is not None:
-                self.kv_smem = int(cp.ndarray((1,), cp.int32, memptr=ptr).get()[0])
+            shape = module_ints(cp, self.mod, WG_LAUNCH_SYMBOL, 2)
+            if shape:
+                self.cfg = {**self.cfg, "threads": shape[0], "rows": shape[1]}
+            self.kv_smem = (module_ints(cp, self.mod, WG_KV_SMEM_SYMBOL, 1) or [0])[0]
         if self.kv_smem:
             self.k["kv"].max_dynamic_shared_size_bytes = self.kv_smem
-        self.cfg = launch_config(source, self.mod, cp)
         # Static shared memory only (at most 48 KB a block): no attribute to set. The carveout as the engine sets it,
         # so that as many blocks share an SM as there.
         for f in self.k.values():
