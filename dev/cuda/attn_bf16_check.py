@@ -68,7 +68,6 @@ ROLES = ("fwd", "dq", "kv")
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
 WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"  # int: dynamic shared memory of k_attn_bwd_kv_wg, in the sm_90a build
-WG_LAUNCH_SYMBOL = "attn_wg_launch"  # int[2] {THREADS, ROWS} of k_attn_fwd_wg and k_attn_bwd_dq_wg, likewise
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
 
 
@@ -353,14 +352,9 @@ class Attn:
         self.names = dict(zip(ROLES, HOPPER_KERNELS if hopper else KERNELS))
         self.k = {role: self.mod.get_function(name) for role, name in self.names.items()}
         self.cfg = launch_config(source, self.mod, cp)
-        # Hopper's forward and dQ kernels take their own launch shape {THREADS, ROWS}, and its dK / dV kernel dynamic
-        # shared memory, as the module's constants say (a file without them: the mma kernels' shape, none)
-        self.kv_smem = 0
-        if hopper:
-            shape = module_ints(cp, self.mod, WG_LAUNCH_SYMBOL, 2)
-            if shape:
-                self.cfg = {**self.cfg, "threads": shape[0], "rows": shape[1]}
-            self.kv_smem = (module_ints(cp, self.mod, WG_KV_SMEM_SYMBOL, 1) or [0])[0]
+        # Hopper's dK / dV kernel takes dynamic shared memory, as much as the module's constant says (a file
+        # without the constant: none)
+        self.kv_smem = (module_ints(cp, self.mod, WG_KV_SMEM_SYMBOL, 1) or [0])[0] if hopper else 0
         if self.kv_smem:
             self.k["kv"].max_dynamic_shared_size_bytes = self.kv_smem
         # Static shared memory only (at most 48 KB a block): no attribute to set. The carveout as the engine sets it,
