@@ -9,6 +9,7 @@ ANDREA_KERNELS.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def cubin_cache_dir() -> Path:
 def cached_cubin(op: str, arch: str, precision: str, cache_dir: Path | None = None, folder: Path | None = None) -> Path:
     """kernels/<op>.cu compiled for `arch` as a cubin file in cache_dir (default cubin_cache_dir()), named by
     a hash of the source and options; compiled on first use. (CuPy's own cache picks the target itself, so
-    it cannot hold these.)"""
+    it cannot hold these.) Where cache_dir cannot be written, the cubin goes to a temporary file of its own."""
     import hashlib
 
     from andrea.atomic import atomic_write
@@ -115,7 +116,13 @@ def cached_cubin(op: str, arch: str, precision: str, cache_dir: Path | None = No
     key = hashlib.sha256("\0".join((kernel_source(op, folder), *options)).encode()).hexdigest()[:24]
     path = Path(cache_dir or cubin_cache_dir()) / f"andrea-{op}-{arch}-{precision}-{key}.cubin"
     if not path.is_file():
-        compiled = compile_kernel(op, arch, folder, precision)
-        with atomic_write(path) as f:
-            f.write(compiled.cubin)
+        cubin = compile_kernel(op, arch, folder, precision).cubin
+        try:
+            with atomic_write(path) as f:
+                f.write(cubin)
+        except OSError:  # a cache folder that cannot be written: this process's own file instead
+            fd, name = tempfile.mkstemp(prefix=path.stem + "-", suffix=".cubin")
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            return Path(name)
     return path

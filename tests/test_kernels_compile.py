@@ -83,3 +83,15 @@ def test_cached_cubin_compiles_once_per_source(tmp_path, monkeypatch):
     edited = cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", tmp_path, folder)
     assert edited != first and edited.is_file()
     assert cached_cubin("attn_bf16", HOPPER_ARCH, "fp16", tmp_path) not in (first, edited)
+
+
+def test_cached_cubin_works_without_a_writable_cache(tmp_path):
+    """A cache folder that cannot be created (here: below a file) still gives a loadable cubin, outside it."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    path = cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", blocked / "cache")
+    try:
+        assert path.is_file() and path.read_bytes().startswith(b"\x7fELF")
+        assert blocked not in path.parents
+    finally:
+        path.unlink()
