@@ -37,7 +37,7 @@ from andrea.precision import PRECISIONS
 ALIGN = 256  # bytes: every plan buffer starts on this boundary inside the one device allocation
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # cuBLAS's recommended workspace on Hopper
 
-_modules: dict[tuple[str, str, tuple[str, ...]], cupy.RawModule] = {}
+_modules: dict[tuple[str, str, tuple[str, ...], bool], cupy.RawModule] = {}  # (folder, file, options, Hopper build)
 
 
 def _load_kernels(precision: str) -> dict:
