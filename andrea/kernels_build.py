@@ -8,11 +8,13 @@ ANDREA_KERNELS.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
 from andrea.precision import PRECISIONS
 
@@ -73,21 +75,26 @@ class Compiled:
     log: str
 
 
-def compile_kernel(op: str, arch: str = "sm_90", folder: Path | None = None, precision: str = "fp32") -> Compiled:
-    """NVRTC-compile kernels/<op>.cu to a cubin for `arch`; raises AndreaError with the compiler log."""
+def compile_source(source: str, name: str, options: tuple[str, ...]) -> tuple[bytes, str]:
+    """NVRTC-compile a kernel source (common.cuh spliced in) with these options (-arch=... among them) to a
+    cubin: (cubin, compiler log); raises AndreaError with the compiler log."""
     from cupy_backends.cuda.libs import nvrtc
 
-    options = (f"-arch={arch}", *build_options(precision), f"-I{cuda_include_dir()}")
-    prog = nvrtc.createProgram(kernel_source(op, folder), f"{op}.cu", [], [])
+    prog = nvrtc.createProgram(source, name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, list(options))
+            nvrtc.compileProgram(prog, [*options, f"-I{cuda_include_dir()}"])
         except nvrtc.NVRTCError as err:
-            raise AndreaError(f"kernels/{op}.cu does not compile for {arch} ({precision}): {err}\n"
-                              f"{nvrtc.getProgramLog(prog)}") from None
-        return Compiled(op, arch, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog))
+            raise AndreaError(f"{name} does not compile ({' '.join(options)}): {err}\n{nvrtc.getProgramLog(prog)}") from None
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def compile_kernel(op: str, arch: str = "sm_90", folder: Path | None = None, precision: str = "fp32") -> Compiled:
+    """NVRTC-compile kernels/<op>.cu to a cubin for `arch`; raises AndreaError with the compiler log."""
+    cubin, log = compile_source(kernel_source(op, folder), f"kernels/{op}.cu", (f"-arch={arch}", *build_options(precision)))
+    return Compiled(op, arch, cubin, log)
 
 
 def compile_kernels(arch: str = "sm_90", folder: Path | None = None, precision: str = "fp32") -> dict[str, Compiled]:
@@ -108,10 +115,6 @@ def cached_cubin(op: str, arch: str, precision: str, cache_dir: Path | None = No
     """kernels/<op>.cu compiled for `arch` as a cubin file in cache_dir (default cubin_cache_dir()), named by
     a hash of the source and options; compiled on first use. (CuPy's own cache picks the target itself, so
     it cannot hold these.) Where cache_dir cannot be written, the cubin goes to a temporary file of its own."""
-    import hashlib
-
-    from andrea.atomic import atomic_write
-
     options = (f"-arch={arch}", *build_options(precision))
     key = hashlib.sha256("\0".join((kernel_source(op, folder), *options)).encode()).hexdigest()[:24]
     path = Path(cache_dir or cubin_cache_dir()) / f"andrea-{op}-{arch}-{precision}-{key}.cubin"

@@ -59,7 +59,7 @@
 #define ATTN_BF16_STAT_BYTES (2 * ATTN_BF16_STREAM * 4)               // a query tile's lse and D (fp32)
 // Static shared memory of each kernel, in bytes:
 #define ATTN_BF16_FWD_SMEM (3 * ATTN_BF16_STAGE_BYTES)  // 49152: K and V three times (Q first, over stage 2)
-#define ATTN_BF16_DQ_SMEM (3 * ATTN_BF16_STAGE_BYTES)   // 49152: K and V three times (Q, dY first, over stages 1, 2)
+#define ATTN_BF16_DQ_SMEM (3 * ATTN_BF16_STAGE_BYTES)   // 49152: K and V three times (Q, dY first, over stage 2)
 #define ATTN_BF16_BWD_SMEM (2 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES))  // 33792: Q, dY, lse, D twice
 #define ATTN_BF16_WG_KV_SMEM (3 * (ATTN_BF16_STAGE_BYTES + ATTN_BF16_STAT_BYTES))  // 50688, dynamic: three times
 #define LOG2E 1.4426950408889634f
@@ -225,9 +225,10 @@ __device__ __forceinline__ void wg_hold(float (&d)[N][4]) {
 // the barrier that publishes them.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// d[64 x N] (+)= a[64 x 16] b[16 x N], a from registers, b a descriptor; acc = 0: d = a b.
+// d[64 x N] (+)= a[64 x 16] b[16 x N] for N = 64 (d[8][4]) or 32 (d[4][4]), a from registers, b a descriptor;
+// acc = 0: d = a b.
 template <int TRANS_B>
-__device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b, int acc) {
+__device__ __forceinline__ void wgmma(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32" WGMMA_TYPES
                  " {%0, %1, %2, %3, %4, %5, %6, %7,"
@@ -247,7 +248,7 @@ __device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const unsigned (&a)[
 }
 
 template <int TRANS_B>
-__device__ __forceinline__ void wgmma_n32(float (&d)[4][4], const unsigned (&a)[4], unsigned long long b, int acc) {
+__device__ __forceinline__ void wgmma(float (&d)[4][4], const unsigned (&a)[4], unsigned long long b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32" WGMMA_TYPES
                  " {%0, %1, %2, %3, %4, %5, %6, %7,"
@@ -259,7 +260,24 @@ __device__ __forceinline__ void wgmma_n32(float (&d)[4][4], const unsigned (&a)[
                    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANS_B), "r"(acc));
 }
+
+// d = a x^T over the head's 64 columns: a the A fragments of 64 rows' 4 k-steps (Q, dY, K or V), x the 8 N rows of
+// a K-major tile from `tile` on (K or V for S and dP; Q or dY for S^T and dP^T).
+template <int N>
+__device__ __forceinline__ void wg_scores(float (&d)[N][4], const unsigned (&a)[4][4], unsigned tile) {
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) wgmma<0>(d, a[kc], k_major(tile, kc), kc);
+}
 #endif
+
+// Before the barrier that publishes a block's cp.async writes: on the warpgroup products (WG), which the tensor
+// cores read next, each writing thread orders its writes for them; nothing on the mma.
+template <bool WG>
+__device__ __forceinline__ void fence_for_tensor_reads() {
+#ifdef ATTN_WGMMA
+    if constexpr (WG) fence_async_smem();
+#endif
+}
 
 // ---- asynchronous copies ---------------------------------------------------------------------------------------
 // src_bytes 0 fills the destination with zeros and reads nothing (the address is still a valid one).
@@ -507,8 +525,7 @@ __device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsi
                                             int g, int t, float s2) {
     float s[1][8][4], corr[1][2];
     wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < 4; kc++) wgmma_n64<0>(s[0], qf[0][kc], k_major(Ks, kc), kc);
+    wg_scores(s[0], qf[0], Ks);
     wg_commit();
     wg_wait();
     wg_hold(s[0]);
@@ -518,7 +535,7 @@ __device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsi
     for (int kc = 0; kc < 4; kc++) pack_a(pf[kc], s[0][2 * kc], s[0][2 * kc + 1]);
     wg_fence();
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) wgmma_n64<1>(o[0], pf[kc], mn_major(Vs, 16 * kc), 1);
+    for (int kc = 0; kc < 4; kc++) wgmma<1>(o[0], pf[kc], mn_major(Vs, 16 * kc), 1);
     wg_commit();
     wg_wait();
     wg_hold(o[0]);
@@ -571,9 +588,7 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     int stage = 0;
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait<1>();  // tile kt (tile kt + 1 may still be on its way)
-#ifdef ATTN_WGMMA
-        if constexpr (WG) fence_async_smem();  // before the tensor cores read what cp.async wrote
-#endif
+        fence_for_tensor_reads<WG>();
         __syncthreads();     // ... for everyone; and everyone is done with tile kt - 1 (and with Q)
         if (kt + 2 < n_kt)  // prefetch tile kt + 2 into the stage of tile kt - 1
             load_kv_tile<THREADS>(S0 + next_stage(next_stage(stage)) * ATTN_BF16_STAGE_BYTES, qkv, k_off, hh.plane,
@@ -623,7 +638,6 @@ k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H
     attn_fwd<true>(out, lse, qkv, B, T, C, H, scale);
 }
 #endif
-
 
 // ---- backward, first kernel: D and dQ, one block per (b, h) and query tile, key tiles of 64 -----------------------
 // D of this thread's rows row0 and row0 + 8 into dsum (and, from lane t = 0, into delta), and their lse in base 2
@@ -718,10 +732,8 @@ __device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsig
     for (int c = 0; c < 2; c++) {  // keys kb + 32 c .. kb + 32 c + 31: rows 32 c .. of the tiles
         float s[4][4], dp[4][4];
         wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(s, qf[0][kc], k_major(Ks + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
-#pragma unroll
-        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(dp, yf[0][kc], k_major(Vs + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
+        wg_scores(s, qf[0], Ks + 32 * c * ATTN_BF16_ROW_BYTES);
+        wg_scores(dp, yf[0], Vs + 32 * c * ATTN_BF16_ROW_BYTES);
         wg_commit();
         wg_wait();
         wg_hold(s);
@@ -732,7 +744,7 @@ __device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsig
         for (int kk = 0; kk < 2; kk++) pack_a(a[kk], dp[2 * kk], dp[2 * kk + 1]);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 2; kk++) wgmma_n64<1>(dq[0], a[kk], mn_major(Ks, 32 * c + 16 * kk), 1);
+        for (int kk = 0; kk < 2; kk++) wgmma<1>(dq[0], a[kk], mn_major(Ks, 32 * c + 16 * kk), 1);
         wg_commit();
         wg_wait();
         wg_hold(dq[0]);
@@ -790,9 +802,7 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     int stage = 0;
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait<1>();  // tile kt (tile kt + 1 may still be on its way)
-#ifdef ATTN_WGMMA
-        if constexpr (WG) fence_async_smem();
-#endif
+        fence_for_tensor_reads<WG>();
         __syncthreads();  // ... for everyone; and everyone is done with tile kt - 1 (and with Q and dY)
         if (kt + 2 < n_kt)  // prefetch tile kt + 2 into the stage of tile kt - 1
             load_kv_tile<THREADS>(S0 + next_stage(next_stage(stage)) * ATTN_BF16_STAGE_BYTES, qkv, k_off, hh.plane,
@@ -832,7 +842,6 @@ k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, cons
     attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add);
 }
 #endif
-
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and key tile, query tiles of 64 ---------------------
 // lse (base 2) and D of this thread's queries col0 + 8 n + 2 t + e of a query tile, from its shared lse and D.
@@ -946,10 +955,8 @@ __device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned L
         if (MASK && qb >= T) continue;  // block-uniform
         float s[4][4], dp[4][4];
         wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(s, kf[0][kc], k_major(Qs + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
-#pragma unroll
-        for (int kc = 0; kc < 4; kc++) wgmma_n32<0>(dp, vf[0][kc], k_major(dYs + 32 * c * ATTN_BF16_ROW_BYTES, kc), kc);
+        wg_scores(s, kf[0], Qs + 32 * c * ATTN_BF16_ROW_BYTES);
+        wg_scores(dp, vf[0], dYs + 32 * c * ATTN_BF16_ROW_BYTES);
         wg_commit();
         float l2[4][2], d[4][2];
         load_stats(l2, d, Ls, Ds, 32 * c, t);  // while the products run
@@ -966,8 +973,8 @@ __device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned L
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
-            wgmma_n64<1>(dv[0], pa[kk], mn_major(dYs, 32 * c + 16 * kk), 1);
-            wgmma_n64<1>(dk[0], da[kk], mn_major(Qs, 32 * c + 16 * kk), 1);
+            wgmma<1>(dv[0], pa[kk], mn_major(dYs, 32 * c + 16 * kk), 1);
+            wgmma<1>(dk[0], da[kk], mn_major(Qs, 32 * c + 16 * kk), 1);
         }
         wg_commit();
         wg_wait();
@@ -1033,9 +1040,7 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     int s = 0;  // tile qt's buffer
     for (int qt = qt0; qt < n_qt; qt++) {
         cp_async_wait<NBUF - 2>();  // tile qt
-#ifdef ATTN_WGMMA
-        if constexpr (WG) fence_async_smem();
-#endif
+        fence_for_tensor_reads<WG>();
         __syncthreads();  // ... for everyone; and everyone is done with tile qt - 1 (and with K and V)
         const int ps = s == 0 ? NBUF - 1 : s - 1;  // the buffer of tile qt - 1 (first: K and V's)
         if (qt + NBUF - 1 < n_qt) load_queries<THREADS>(QY, ST, qkv, dout, lse, delta, hh, qt + NBUF - 1, ps, T, C);

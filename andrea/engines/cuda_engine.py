@@ -40,6 +40,11 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # cuBLAS's recommended workspace on Hopper
 _modules: dict[tuple[str, str, tuple[str, ...], bool], cupy.RawModule] = {}  # (folder, file, options, Hopper build)
 
 
+def _module_ints(module: cupy.RawModule, symbol: str, n: int) -> tuple[int, ...]:
+    """A kernel module's int[n] constant: what the compiler saw, not a copy of the file's #defines."""
+    return tuple(int(x) for x in cupy.ndarray((n,), np.int32, memptr=module.get_global(symbol)).get())
+
+
 def _load_kernels(precision: str) -> dict:
     """Every kernel of one precision's build, compiled once per process (and cached on disk by CuPy,
     keyed by source and options; on Hopper, the files with a build of its own from kernels_build.cached_cubin)."""
@@ -62,12 +67,11 @@ def _load_kernels(precision: str) -> dict:
             names = (*names, *hopper[op])
         functions.update({name: _modules[key].get_function(name) for name in names})
         if op == attn.MMA16_KERNEL_FILE:
-            launch = cupy.ndarray((4,), np.int32, memptr=_modules[key].get_global("attn_bf16_launch")).get()
-            functions["attn_bf16_launch"] = tuple(int(x) for x in launch)
+            functions["attn_bf16_launch"] = _module_ints(_modules[key], "attn_bf16_launch", 4)
             if own_build:  # the dynamic shared memory of Hopper's dK / dV kernel
-                smem = cupy.ndarray((1,), np.int32, memptr=_modules[key].get_global(attn.WG_KV_SMEM_SYMBOL)).get()
-                functions[attn.WG_KV_SMEM_SYMBOL] = int(smem[0])
-                functions[attn.HOPPER_KERNELS[op][2]].max_dynamic_shared_size_bytes = int(smem[0])
+                (smem,) = _module_ints(_modules[key], attn.WG_KV_SMEM_SYMBOL, 1)
+                functions[attn.WG_KV_SMEM_SYMBOL] = smem
+                functions[attn.HOPPER_KERNELS[op][2]].max_dynamic_shared_size_bytes = smem
     # Over 48 KB of dynamic shared memory needs the limit raised per kernel; the largest shared-memory
     # carveout lets 3-4 attention blocks share an SM.
     for name, smem in attn.shared_memory().items():

@@ -291,14 +291,9 @@ def source_text(path: str | None) -> tuple[str, str]:
 def launch_config(source: str, module=None, cp=None) -> dict:
     """The launch configuration: the module's attn_bf16_launch constant where it has one (it is what the compiler
     saw, variants included), else the kernel file's #defines."""
-    if module is not None:
-        try:
-            ptr = module.get_global(LAUNCH_SYMBOL)
-        except Exception:  # noqa: BLE001 (a file without the constant)
-            ptr = None
-        if ptr is not None:
-            v = [int(x) for x in cp.ndarray((4,), dtype=cp.int32, memptr=ptr).get()]
-            return {"threads": v[0], "rows": v[1], "kv_threads": v[2], "kv_rows": v[3]}
+    v = module_ints(cp, module, LAUNCH_SYMBOL, 4) if module is not None else None
+    if v:
+        return {"threads": v[0], "rows": v[1], "kv_threads": v[2], "kv_rows": v[3]}
 
     def define(name):
         m = re.search(rf"#define {name} (\d+)", source)
@@ -314,19 +309,9 @@ def hopper_module(cp, source: str, options: tuple[str, ...]):
     loaded from a file."""
     import tempfile
 
-    from cupy_backends.cuda.libs import nvrtc
+    from andrea.kernels_build import HOPPER_ARCH, compile_source
 
-    from andrea.kernels_build import HOPPER_ARCH, cuda_include_dir
-
-    prog = nvrtc.createProgram(source, "attn_bf16.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, [f"-arch={HOPPER_ARCH}", "-std=c++17", *options, f"-I{cuda_include_dir()}"])
-        except nvrtc.NVRTCError as err:
-            raise RuntimeError(f"{err}\n{nvrtc.getProgramLog(prog)}") from None
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    cubin, _ = compile_source(source, "attn_bf16.cu", (f"-arch={HOPPER_ARCH}", "-std=c++17", *options))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     return cp.RawModule(path=f.name)
