@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -156,7 +157,8 @@ class Model:
         with the targets) the weighted mean sum(w * loss) / sum(w), which refuses weights that count no
         target (ValueError). probs holds the last piece's probabilities: all of them with one loss chunk."""
         self._upload(tokens, targets, weights)
-        self._forward_ops()
+        with self._pass():
+            self._forward_ops()
         return self.engine.mean_loss(self.buf["losses"], None if weights is None else self.buf["loss_weights"])
 
     def forward_backward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
@@ -269,6 +271,11 @@ class Model:
             dp.reduce_async(grads[lay.span("wte", "wpe")])
             dp.wait()
 
+    def _pass(self):
+        """The context of one pass of the ops over this model's buffers: under FP8 products the engine finds each
+        tensor's amax once in it (ops/fp8.py, fp8_pass)."""
+        return self.engine.fp8_pass() if self.engine.traits.fp8_products else contextlib.nullcontext()
+
     @property
     def _scale(self) -> float:
         """The loss scale the backward runs at (1 without one)."""
@@ -292,15 +299,17 @@ class Model:
         scale also keeps each counted target's gradient in the backward as large as in an unweighted step,
         the range the fp16 loss scale is set for (1 / total weight would grow it as a mask counts fewer)."""
         if not self.graphs:
-            self._forward_ops(backward=True, weighted=weighted)
-            self._backward(reduce)
+            with self._pass():
+                self._forward_ops(backward=True, weighted=weighted)
+                self._backward(reduce)
             return
         key = self._loss_grad_scale(), reduce, weighted
         if key not in self._step_graphs:
             if any(k[0] != key[0] for k in self._step_graphs):  # the fp16 loss scale moved: drop stale recordings
                 self._step_graphs.clear()
-            self._step_graphs[key] = self.engine.capture(
-                lambda: (self._forward_ops(backward=True, weighted=weighted), self._backward(reduce)))
+            with self._pass():
+                self._step_graphs[key] = self.engine.capture(
+                    lambda: (self._forward_ops(backward=True, weighted=weighted), self._backward(reduce)))
         self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------

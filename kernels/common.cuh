@@ -119,6 +119,29 @@ __device__ __forceinline__ float to_f32(lowp x) { return lowp_to_f32(x); }
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store(lowp* p, float x) { *p = f32_to_lowp(x); }
 
+// A value as an act_t store leaves it: rounded to the 16-bit type, unchanged in the fp32 build.
+__device__ __forceinline__ float as_stored(float x) {
+#ifdef ACT_LOWP
+    return lowp_to_f32(f32_to_lowp(x));
+#else
+    return x;
+#endif
+}
+
+// amax of the values a producer stored (precision fp8: the casts' scales, andrea/ops/fp8.py), into *amax as
+// float bits (non-negative floats order as their bits; *amax starts at 0). `m` is the thread's max |x| before
+// the store's rounding: rounding to nearest is monotonic and symmetric, so rounding the max gives the max of
+// the rounded values. fmaxf passes NaN over, as the cast's own amax pass does. Every thread of the block
+// calls it.
+__device__ __forceinline__ void block_amax(unsigned* amax, float m) {
+    __shared__ float scratch[32];
+    m = block_max(m, scratch);
+    if (threadIdx.x == 0) {
+        m = as_stored(m);
+        if (m > 0.0f) atomicMax(amax, __float_as_uint(m));
+    }
+}
+
 // 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 lowp). Elementwise kernels move 16
 // bytes per load and store where every pointer they touch is 16-byte aligned (aligned16), else one element.
 #define ACT_VEC (16 / (int)sizeof(act_t))

@@ -35,13 +35,11 @@ __device__ __forceinline__ void row_loop(bool vec, int C, int lane, Group group,
 }
 
 // With `residual` (the residual connection fused in front): inp = a + residual is written first, in act_t,
-// and normalised as written; the lanes read back only what they wrote themselves.
-extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma, const float* beta,
-                long long n_rows, int C, const act_t* a, const act_t* residual, int fused) {
-    const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+// and normalised as written; the lanes read back only what they wrote themselves. Returns the lane's max |out|.
+__device__ __forceinline__ float layernorm_fwd_row(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma,
+                                                   const float* beta, long long row, int C, const act_t* a,
+                                                   const act_t* residual, int fused) {
     const int lane = threadIdx.x % WARP_SIZE;
-    if (row >= n_rows) return;
     act_t* x = inp + row * C;
     act_t* y = out + row * C;
     const act_t* xa = a + row * C;
@@ -79,25 +77,44 @@ k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* g
         sq += d * d;
     });
     const float r = 1.0f / sqrtf(warp_sum(sq) / C + LN_EPS);
+    float top = 0.0f;
     row_loop(vec, C, lane, [&](int c) {
         float v[ACT_VEC], g[ACT_VEC], b[ACT_VEC];
         load_vec(x + c, v);
         load_f32(gamma + c, g);
         load_f32(beta + c, b);
 #pragma unroll
-        for (int k = 0; k < ACT_VEC; k++) v[k] = (v[k] - m) * r * g[k] + b[k];
+        for (int k = 0; k < ACT_VEC; k++) {
+            v[k] = (v[k] - m) * r * g[k] + b[k];
+            top = fmaxf(top, fabsf(v[k]));
+        }
         store_vec(y + c, v);
-    }, [&](int c) { store(y + c, (to_f32(x[c]) - m) * r * gamma[c] + beta[c]); });
+    }, [&](int c) {
+        const float v = (to_f32(x[c]) - m) * r * gamma[c] + beta[c];
+        top = fmaxf(top, fabsf(v));
+        store(y + c, v);
+    });
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
+    return top;
+}
+
+// One warp per row. With `amax` (precision fp8; else null) also out's amax as stored (block_amax).
+extern "C" __global__ void __launch_bounds__(LN_THREADS)
+k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma, const float* beta,
+                long long n_rows, int C, const act_t* a, const act_t* residual, int fused, unsigned* amax) {
+    const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const float top = row < n_rows ? layernorm_fwd_row(out, mean, rstd, inp, gamma, beta, row, C, a, residual, fused) : 0.0f;
+    if (amax != nullptr) block_amax(amax, top);
 }
 
 // The rows that do not fit the cached kernels below (wider than 4 groups a lane, or not 16-byte aligned):
 // elementwise reads, two passes over the row.
 __device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout, const act_t* inp, const float* gamma,
-                                  const float* mean, const float* rstd, long long n_rows, int C, int fused) {
+                                  const float* mean, const float* rstd, long long n_rows, int C, int fused,
+                                  unsigned* amax) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= n_rows) return;
@@ -113,11 +130,18 @@ __device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout
     }
     const float mean_dxhat = warp_sum(sum_dxhat) / C;
     const float mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
+    float top = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
         const float xhat = (to_f32(x[c]) - m) * r;
         const float d = dx[c] + r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
         dx[c] = d;
         if (fused) store(dbranch + row * C + c, d);
+        top = fmaxf(top, fabsf(d));
+    }
+    // this path's rows end early, so a warp's max goes to *amax on its own (the rows wider than the cached kernels')
+    if (fused && amax != nullptr) {
+        top = as_stored(warp_max(top));
+        if (lane == 0 && top > 0.0f) atomicMax(amax, __float_as_uint(top));
     }
 }
 
@@ -169,9 +193,9 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
 // chunks, 32 columns a block. k_layernorm_bwd_sum then adds the chunks in a fixed order.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp, const float* gamma,
-                const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused) {
+                const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused, unsigned* amax) {
     if (blockIdx.x < row_blocks)
-        layernorm_bwd_row(dinp, dbranch, dout, inp, gamma, mean, rstd, n_rows, C, fused);
+        layernorm_bwd_row(dinp, dbranch, dout, inp, gamma, mean, rstd, n_rows, C, fused, amax);
     else
         layernorm_bwd_params(partials, dout, inp, mean, rstd, n_rows, C, blockIdx.x - row_blocks);
 }
@@ -186,7 +210,7 @@ template <int J>
 __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch, float* partials, const float* dout,
                                                      const act_t* inp, const float* gamma, const float* mean,
                                                      const float* rstd, long long n_rows, int C, int rows_per_chunk,
-                                                     int n_chunks, int fused) {
+                                                     int n_chunks, int fused, unsigned* amax) {
     __shared__ float fold[LN_BWD_WARPS / 2][2][J * ACT_VEC * WARP_SIZE];
     // Up to 16 columns a lane, dinp is loaded with the row's other inputs, so a row waits for memory once; wider
     // rows load it after the row's sums, where the registers would otherwise spill.
@@ -194,7 +218,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const long long first = (long long)blockIdx.x * rows_per_chunk;
     const long long end = min(n_rows, first + rows_per_chunk);
-    float dg[J][ACT_VEC], db[J][ACT_VEC];
+    float dg[J][ACT_VEC], db[J][ACT_VEC], top = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++)
 #pragma unroll
@@ -232,8 +256,10 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
             load_f32(gamma + c, g);
             if (!EARLY) load_f32(dinp + row * C + c, d[j]);
 #pragma unroll
-            for (int k = 0; k < ACT_VEC; k++)
+            for (int k = 0; k < ACT_VEC; k++) {
                 d[j][k] += r * (dy[j][k] * g[k] - mean_dxhat - xhat[j][k] * mean_dxhat_xhat);
+                top = fmaxf(top, fabsf(d[j][k]));
+            }
             store_f32(dinp + row * C + c, d[j]);
             if (fused) store_vec(dbranch + row * C + c, d[j]);
         }
@@ -272,15 +298,16 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
             store_f32(partials + (long long)(n_chunks + blockIdx.x) * C + c, db[j]);
         }
     }
+    if (fused && amax != nullptr) block_amax(amax, top);
 }
 
 #define LN_BWD_CACHED(J)                                                                                            \
     extern "C" __global__ void __launch_bounds__(LN_BWD_THREADS, 2)                                              \
     k_layernorm_bwd_cached##J(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp,    \
                               const float* gamma, const float* mean, const float* rstd, long long n_rows, int C,    \
-                              int rows_per_chunk, int n_chunks, int fused) {                                         \
+                              int rows_per_chunk, int n_chunks, int fused, unsigned* amax) {                         \
         layernorm_bwd_cached<J>(dinp, dbranch, partials, dout, inp, gamma, mean, rstd, n_rows, C, rows_per_chunk,    \
-                                n_chunks, fused);                                                                    \
+                                n_chunks, fused, amax);                                                              \
     }
 LN_BWD_CACHED(1)
 LN_BWD_CACHED(2)

@@ -125,7 +125,8 @@ def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
         lt = timed_ms(engine, lambda: engine.blas_lt.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb, epilogue=epi,
                                                           aux=x["pre"]))
         plain = timed_ms(engine, lambda: engine.blas.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb))
-        pass_ms = timed_ms(engine, lambda: engine._launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F)))
+        pass_ms = timed_ms(engine, lambda: engine._launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F),
+                                                             np.uint64(0)))  # no amax
         rows.append({"epilogue": epi, "lt_ms": round(lt, 4), "plain_ms": round(plain, 4), "kernel_ms": round(pass_ms, 4)})
         print(f"mlp {epi:9} cuBLASLt epilogue {lt:.4f} ms; plain product {plain:.4f} + {kernel[epi]} {pass_ms:.4f} "
               f"= {plain + pass_ms:.4f} ms", flush=True)

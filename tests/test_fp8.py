@@ -2,6 +2,8 @@
 and the FP8 products against float64 on the same FP8 operands. The CPU tests check the reference itself; the
 `gpu` ones the kernels and cuBLASLt's FP8 products."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -85,6 +87,77 @@ def test_an_fp8_experiment_is_valid_and_the_numpy_engine_refuses_it(tmp_path):
 
     with pytest.raises(AndreaError, match="fp8"):
         make_engine("numpy", precision="fp8")
+
+
+class _Array:
+    """What the amax book reads of a device array: its pointer and size."""
+
+    def __init__(self, at: int, nbytes: int):
+        self.data = type("Memory", (), {"ptr": at})()
+        self.nbytes = nbytes
+
+
+class _Book(fp8.CudaOps):
+    """fp8.CudaOps's amax book on the host: the slot table a NumPy array, zero() a fill."""
+
+    def __init__(self, slots: int):
+        self.own = {"fp8_amax": np.full(fp8.SLOT_FLOATS * slots, 7.0, dtype=np.float32)}
+        self._fp8_book = None
+
+    def zero(self, buf):  # only the book's own amax words here
+        buf[...] = 0
+
+
+def _kept(book):
+    return sorted(book._fp8_book["kept"])
+
+
+def test_the_amax_book_keeps_a_tensor_until_something_writes_over_it():
+    """In a pass a produced tensor is kept (its slot zeroed for the kernel); a write overlapping it, from any
+    side, drops it; writes beside it do not; outside a pass nothing is kept and producers get no slot."""
+    book = _Book(slots=8)
+    a, b = _Array(0, 256), _Array(256, 256)
+    assert book._fp8_produced(a) is None and book._fp8_book is None
+    with book.fp8_pass():
+        amax_a = book._fp8_produced(a)
+        assert amax_a is not None and amax_a.dtype == np.uint32 and int(amax_a[0]) == 0
+        book._fp8_produced(b)
+        assert _kept(book) == [(0, 256), (256, 256)]
+        book._fp8_wrote(_Array(512, 64))  # beside both
+        assert len(_kept(book)) == 2
+        book._fp8_wrote(_Array(255, 2))  # one byte into each
+        assert _kept(book) == []
+        book._fp8_produced(a)
+        book._fp8_wrote(_Array(100, 8))  # inside a
+        assert _kept(book) == []
+        assert book._fp8_produced(a) is not None and book._fp8_book["slots"][(0, 256)] == 0  # its slot again
+        with pytest.raises(RuntimeError):
+            with book.fp8_pass():
+                pass
+    assert book._fp8_book is None
+
+
+def test_the_amax_book_falls_back_when_its_slots_run_out():
+    """A pass with more tensors than slots keeps what fits; the rest get no slot (their casts run their own
+    amax passes) and a new tensor over an old one still drops the old."""
+    book = _Book(slots=2)
+    with book.fp8_pass():
+        assert book._fp8_produced(_Array(0, 16)) is not None
+        assert book._fp8_produced(_Array(16, 16)) is not None
+        assert book._fp8_produced(_Array(32, 16)) is None
+        assert book._fp8_produced(_Array(8, 16)) is None  # over both kept ones
+        assert _kept(book) == []
+    with book.fp8_pass():  # a new pass starts with every slot free
+        assert book._fp8_produced(_Array(32, 16)) is not None
+
+
+def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
+    """amax_slots covers what a model's pass keeps: 4 a layer (two LayerNorm outputs, the attention output, the
+    GELU output) and the shared buffers."""
+    by_name = {b.name: b for b in fp8.plan_buffers(8, 1024, 768, 12)}
+    assert by_name["fp8_amax"].shape == (fp8.SLOT_FLOATS * fp8.amax_slots(12),)
+    assert by_name["fp8_amax"].role == "engine"
+    assert fp8.amax_slots(12) >= 4 * 12 + 5
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
@@ -211,3 +284,30 @@ def test_fp8_rounding_alone_keeps_tiny_training_with_fp32():
     assert emulated.losses != ref.losses
     assert ref.losses[-1] < 0.6 * ref.losses[0]  # it learned
     assert abs(emulated.losses[-1] - ref.losses[-1]) / ref.losses[-1] <= 0.015, (emulated.losses[-1], ref.losses[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_model, n_head, recompute", [(64, 4, ()), (64, 4, ("layernorm", "gelu")), (1040, 20, ())])
+def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_head, recompute):
+    """Training with the pass's kept amaxes (the LayerNorms' and the GELU gradient's own, the forward's reused by
+    the backward) and with every cast running its own amax pass gives the same bytes, with far fewer passes:
+    each scale is the same function of the same tensor. d_model 1040 takes the LayerNorm backward's wide-row
+    kernel, the recompute options the shared scratch buffers."""
+    from andrea.config import ModelShape
+    from andrea.engines.crosscheck import train_run
+
+    shape = ModelShape(n_layer=2, d_model=d_model, n_head=n_head, vocab_size=512, seq_len=64)
+    launches = []
+    launch = type(engine)._launch
+    monkeypatch.setattr(type(engine), "_launch", lambda self, name, *a: (launches.append(name), launch(self, name, *a))[1])
+
+    def run():
+        launches.clear()
+        r = train_run(engine, shape, micro_batch=4, n_micro=2, steps=3, recompute=recompute, loss_chunks=2)
+        return r, launches.count("k_fp8_amax")
+
+    kept, kept_passes = run()
+    monkeypatch.setattr(type(engine), "fp8_pass", lambda self: contextlib.nullcontext())
+    own, own_passes = run()
+    assert kept.digest == own.digest
+    assert kept_passes < own_passes / 2, (kept_passes, own_passes)

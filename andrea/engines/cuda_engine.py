@@ -118,6 +118,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self._capture_streams: list = []
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
         self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
+        self._fp8_book: dict | None = None  # inside fp8_pass: the tensors whose amax is current (ops/fp8.py)
 
     @property
     def own_bytes(self) -> int:
@@ -202,12 +203,14 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         return cupy.asnumpy(a)
 
     def upload(self, dst, src) -> None:
+        self._fp8_wrote(dst)
         dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
 
     def synchronize(self) -> None:
         cupy.cuda.get_current_stream().synchronize()
 
     def zero(self, buf) -> None:
+        self._fp8_wrote(buf)
         cupy.cuda.runtime.memsetAsync(ptr(buf), 0, buf.nbytes, cupy.cuda.get_current_stream().ptr)
 
     zero_grads = zero

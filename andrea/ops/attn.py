@@ -116,6 +116,7 @@ class CudaOps:
         return (*KERNELS[MMA16_KERNEL_FILE], 0)
 
     def attn_fwd(self, out, att, qkv, n_head):
+        self._fp8_wrote(out, att)
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
@@ -127,6 +128,7 @@ class CudaOps:
                              shared_mem=shared_memory()["k_attn_fwd"])
 
     def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
+        self._fp8_wrote(dqkv, datt)
         add = np.int32(not overwrite)
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:

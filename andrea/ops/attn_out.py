@@ -29,11 +29,13 @@ class CudaOps:
     def attn_out_fwd(self, out, inp, W_O):
         C = inp.shape[-1]
         N = inp.size // C
+        self._fp8_wrote(out)
         self._linear_fwd(out, inp, W_O, N, C, C)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
+        self._fp8_wrote(dinp)
         self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0)
 
 

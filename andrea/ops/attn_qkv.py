@@ -36,6 +36,7 @@ class CudaOps:
     def attn_qkv_fwd(self, qkv, inp, W_QKV):
         C = inp.shape[-1]
         N = inp.size // C
+        self._fp8_wrote(qkv)
         if not (self._fp8_ok(N, C) and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
             self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
@@ -49,6 +50,7 @@ class CudaOps:
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
+        self._fp8_wrote(dinp)
         done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, inp, W_QKV, overwrite, N, C)
                               if self._fp8_ok(N, C) else (False, False))
         if not done_dW:  # the three C x C weight gradients as one batched product

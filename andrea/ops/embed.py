@@ -35,6 +35,7 @@ class CudaOps:
         B, T = tokens.shape
         C = wte.shape[1]
         n_pos = B * T
+        self._fp8_wrote(out)
         self._launch("k_embed_fwd", n_pos, EMBED_FWD_THREADS, out, tokens, wte, wpe, np.int64(n_pos), np.int32(T),
                      np.int32(C))
 

@@ -8,6 +8,12 @@ hand: there is no scale state to carry between steps, and a resume restores noth
 checkpoint. (Delayed scaling, an amax history from earlier steps, would save the amax pass; it would
 also be state, and the first step would need the pass anyway.)
 
+Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
+amax is found once: the LayerNorms and the GELU gradient compute it as they store their outputs (the
+kernels' `amax` argument, `block_amax` in kernels/common.cuh), and a cast's own amax pass is kept for the
+tensor's later casts (the forward's activations, cast again transposed by the backward). The scales, and so
+the bytes, are those of casts that each run their own pass; a test compares them bit for bit.
+
 Hopper's FP8 products take both operands K-major, so each product gets the layout it needs from the
 cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
 transposes written by the same pass that writes the plain layout. The operands live in the engine's
@@ -20,10 +26,12 @@ even, as cvt.rn.satfinite does below the format's largest value, which the scale
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from andrea.memory import BufferSpec
-from andrea.ops.base import blocks, kernel_defines
+from andrea.ops.base import blocks, kernel_defines, ptr
 
 KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
@@ -42,10 +50,19 @@ def engine_buffers() -> tuple:
 
 
 def plan_buffers(B: int, T: int, C: int, L: int) -> tuple:
-    """The buffers a model's plan adds under precision fp8: the engine's operand scratch (sized by the model)
-    and the model's FP8 weight copies (`params_fp8`, derived from params_lp as params_lp is from params)."""
+    """The buffers a model's plan adds under precision fp8: the engine's operand scratch and its pass's amax
+    slots (both sized by the model), and the model's FP8 weight copies (`params_fp8`, derived from params_lp
+    as params_lp is from params)."""
     return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
+            BufferSpec("fp8_amax", (SLOT_FLOATS * amax_slots(L),), "float32", "engine"),
             BufferSpec("params_fp8", (weight_bytes(C, L),), "uint8", "parameters"))
+
+
+def amax_slots(L: int) -> int:
+    """Scale slots of the tensors a pass keeps the amax of: each layer's two LayerNorm outputs, its attention
+    output and its GELU output, then the backward's shared buffers (d_branch, d_mlp_pre, d_qkv, the
+    recomputed LayerNorm), LNf's output and spares. A pass with more falls back to the casts' own passes."""
+    return 4 * L + 8
 
 
 # The layer matrices with FP8 copies. Each is kept as the forward reads it (transposed) and as the input
@@ -144,9 +161,10 @@ class CudaOps:
                 slot = slots[(l * len(WEIGHTS) + j) * SLOT_FLOATS:][:SLOT_FLOATS]
                 if name == "W_QKV":  # forward: each W_i^T; input gradient: [W_0 W_1 W_2] as [C, 3C]
                     C = W.shape[-1]
-                    self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3)
+                    self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3,
+                                   keep=False)
                 else:
-                    self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr)
+                    self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr, keep=False)
                 copies[W.data.ptr] = (W, nat, tr, slot[:1])
         self._fp8_weights = copies
 
@@ -159,7 +177,7 @@ class CudaOps:
             return (tr if layout == "forward" else nat), descale
         into = cast.pop("into")
         key = "qt" if layout == "forward" else "q"
-        return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{key: into}, **cast)
+        return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{key: into}, **cast, keep=False)
 
     def _fp8_operands(self, *sizes: int) -> list:
         """uint8 views of the engine's fp8_operands buffer, one per size, 256-byte aligned, back to back. An
@@ -180,17 +198,76 @@ class CudaOps:
         slot = i if not isinstance(i, int) else self.own["fp8_scales"][SLOT_FLOATS * i:][:SLOT_FLOATS]
         return slot[1:2].view(np.uint32), slot[:1]
 
+    # ---- the pass's amax book ----------------------------------------------------------------
+    # Inside fp8_pass, `kept` maps a tensor (its pointer and bytes) whose amax is current to its slot in the
+    # engine's fp8_amax. The rule that keeps it true: every op that writes a tensor either keeps its amax
+    # (_fp8_produced: the LayerNorms, the GELU passes) or drops it (_fp8_wrote); a cast's amax pass keeps it.
+    @contextlib.contextmanager
+    def fp8_pass(self):
+        """One pass of a model over its own buffers (a micro-batch's forward and backward, or a forward): within
+        it each tensor's amax is found once (module docstring). Outside, every cast runs its own amax pass."""
+        if self._fp8_book is not None:
+            raise RuntimeError("fp8_pass: a pass is already open")
+        self._fp8_book = {"kept": {}, "slots": {}}
+        try:
+            yield
+        finally:
+            self._fp8_book = None
+
+    def _fp8_wrote(self, *bufs) -> None:
+        """An op wrote these without their amax: drop every kept tensor they overlap."""
+        if self._fp8_book is None:
+            return
+        kept = self._fp8_book["kept"]
+        for b in bufs:
+            lo, hi = ptr(b), ptr(b) + b.nbytes
+            for key in [k for k in kept if k[0] < hi and lo < k[0] + k[1]]:
+                del kept[key]
+
+    def _fp8_keep(self, x):
+        """x's slot array in fp8_amax, x now kept (what overlapped it dropped); None outside a pass or when the
+        pass has no slot left (its casts then run their own passes)."""
+        if self._fp8_book is None:
+            return None
+        self._fp8_wrote(x)
+        slots, key = self._fp8_book["slots"], (ptr(x), x.nbytes)
+        table = self.own.get("fp8_amax")
+        if key not in slots:
+            if table is None or len(slots) >= table.size // SLOT_FLOATS:
+                return None
+            slots[key] = len(slots)
+        self._fp8_book["kept"][key] = slots[key]
+        return table[SLOT_FLOATS * slots[key]:][:SLOT_FLOATS]
+
+    def _fp8_produced(self, out):
+        """The amax word (zeroed) into which a producer kernel writes out's amax as it stores out, kept for out's
+        casts; None outside a pass (the kernel then gets a null pointer, `amax_arg`, and computes none)."""
+        slot = self._fp8_keep(out)
+        if slot is None:
+            self._fp8_wrote(out)
+            return None
+        amax, _ = self._fp8_slot(slot)
+        self.zero(amax)
+        return amax
+
     def _fp8_cast(self, x, rows: int, cols: int, fmt: str, slot: int, *, q=None, ldq=None, q_batch=0, qt=None,
-                  ldqt=None, qt_batch=0, batch: int = 1):
+                  ldqt=None, qt_batch=0, batch: int = 1, keep: bool = True):
         """Cast x [batch, rows, cols] to FP8 with its own scale: into q (row-major, leading dimension ldq,
         batch z at z * q_batch) and/or qt (its transpose [cols, rows] per batch, leading dimension ldqt);
-        returns the device descale 1 / s that the product takes."""
-        amax, descale = self._fp8_slot(slot)
-        n = batch * rows * cols
-        threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
-        self.zero(amax)
-        # 8 activations a thread a pass; a few blocks an SM are enough to stream it (the max needs no order)
-        self._launch("k_fp8_amax", min(blocks(n, 8 * threads), AMAX_BLOCKS), threads, amax, x, np.int64(n))
+        returns the device descale 1 / s that the product takes. In a pass the amax comes from x's slot where it
+        is kept, else its amax pass runs into a new one (with `keep`) or into scale slot `slot`."""
+        book = self._fp8_book
+        known = book["kept"].get((ptr(x), x.nbytes)) if book is not None else None
+        if known is not None:
+            amax, descale = self._fp8_slot(self.own["fp8_amax"][SLOT_FLOATS * known:][:SLOT_FLOATS])
+        else:
+            mine = self._fp8_keep(x) if keep else None
+            amax, descale = self._fp8_slot(slot if mine is None else mine)
+            n = batch * rows * cols
+            threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
+            self.zero(amax)
+            # 8 activations a thread a pass; a few blocks an SM are enough to stream it (the max needs no order)
+            self._launch("k_fp8_amax", min(blocks(n, 8 * threads), AMAX_BLOCKS), threads, amax, x, np.int64(n))
         tile = kernel_defines("fp8")["FP8_TILE"]
         grid = (-(-cols // tile), -(-rows // tile), batch)
         null = np.uint64(0)
@@ -237,6 +314,11 @@ class CudaOps:
         on FP8 operands; False where cuBLASLt has no algorithm (nothing ran)."""
         return self.blas_lt.gemm(c, a, b, m, n, k, trans_b=True, a_type=a_fmt, b_type=b_fmt, a_scale=a_scale,
                                  b_scale=b_scale, **kw)
+
+
+def amax_arg(amax):
+    """A kernel's amax argument: the word, or a null pointer for None."""
+    return np.uint64(0) if amax is None else amax
 
 
 def fp8_shapes_ok(*dims: int) -> bool:

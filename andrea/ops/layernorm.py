@@ -8,6 +8,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
+from andrea.ops.fp8 import amax_arg
 from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr
 
 LN_EPS = 1e-5
@@ -67,8 +68,11 @@ class CudaOps:
         C = inp.shape[-1]
         rows = inp.size // C
         threads = kernel_defines("layernorm")["LN_THREADS"]
+        if fused:
+            self._fp8_wrote(inp)
+        amax = amax_arg(self._fp8_produced(out))  # null outside an fp8 pass
         self._launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
-                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
+                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused), amax)
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
         self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0)
@@ -85,6 +89,8 @@ class CudaOps:
             raise AndreaError(f"d_model {C} is wider than the LayerNorm backward's {LN_MAX_C} columns")
         rows = inp.size // C
         partials = self.own["ln_partials"]
+        self._fp8_wrote(dinp)
+        amax = amax_arg(self._fp8_produced(dbranch) if fused else None)  # null outside an fp8 pass
         groups = -(-C // (32 * self.act_vec))
         aligned = all(ptr(a) % 16 == 0 for a in (dinp, dbranch, dout, inp, gamma))
         if groups <= LN_BWD_MAX_GROUPS and C % self.act_vec == 0 and aligned:
@@ -93,13 +99,13 @@ class CudaOps:
             chunks = -(-rows // per_chunk)
             self._launch(f"k_layernorm_bwd_cached{groups}", chunks, k["LN_BWD_WARPS"] * 32,
                          dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                         np.int32(per_chunk), np.int32(chunks), np.int32(fused))
+                         np.int32(per_chunk), np.int32(chunks), np.int32(fused), amax)
         else:
             chunks = k["LN_CHUNKS"]
             row_blocks = blocks(rows, k["LN_THREADS"] // 32)
             self._launch("k_layernorm_bwd", row_blocks + chunks * blocks(C, 32), k["LN_THREADS"],
                          dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                         np.int32(row_blocks), np.int32(fused))
+                         np.int32(row_blocks), np.int32(fused), amax)
         self._launch("k_layernorm_bwd_sum", blocks(C, 32), k["LN_SUM_THREADS"], dgamma, dbeta, partials,
                      np.int32(C), np.int32(chunks))
 

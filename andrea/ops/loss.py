@@ -75,11 +75,13 @@ class CudaOps:
     def loss_fwd(self, losses, probs, inp, wte, targets):
         V, C = wte.shape
         N = inp.size // C
+        self._fp8_wrote(probs)
         self.blas.gemm(probs, inp, wte, N, V, C, trans_b=True)
         self._launch("k_loss_fwd", N, kernel_defines("loss")["LOSS_THREADS"], losses, probs, targets, np.int64(N),
                      np.int32(V))
 
     def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
+        self._fp8_wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
         V, C = wte.shape
         N = inp.size // C
         if weights is not None:  # a block a row: a row whose weight is not 1 changes whole
