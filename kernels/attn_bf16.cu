@@ -10,8 +10,9 @@
 //
 // Layouts (row-major): qkv and dqkv are [3, B, T, C] (Q, K, V planes), out (Y) and dout (dY) [B, T, C], head h the
 // columns [64 h, 64 h + 64) of C (so C = 64 H); lse and D are fp32 [B, H, T]. T is any length >= 1: rows past T read
-// as zero and are never written. No atomics: every sum runs in an order fixed by the launch shape, so repeated runs
-// give identical bits. The backward is two kernels, as in attn.cu: k_attn_bwd_dq_bf16, one block per query tile,
+// as zero and are never written. No atomics in the sums: every sum runs in an order fixed by the launch shape, so
+// repeated runs give identical bits. With `amax` (precision fp8; else null) each kernel also takes the amax of what it
+// stores (Y; dQ, and dK with dV, into one word for dqkv), an order-free max (warp_amax, kernels/common.cuh). The backward is two kernels, as in attn.cu: k_attn_bwd_dq_bf16, one block per query tile,
 // writes D and loops over key tiles to add dQ; then k_attn_bwd_bf16, one block per key tile, reads D and loops over
 // query tiles to add dK and dV.
 //
@@ -354,10 +355,10 @@ __device__ __forceinline__ float hi_f32(unsigned x) { return __uint_as_float(x &
 #endif
 
 // dst[row, 8n + 2t .. +1] (+)= scale * acc for the thread's two rows (row0, row0 + 8) below T: the old bf16 value
-// (when ADD) plus the fp32 result, rounded once.
+// (when ADD) plus the fp32 result, rounded once. `top` takes the max |value| stored (before the rounding: warp_amax).
 template <bool ADD>
 __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
-                                           int row0, int T, int C, int t) {
+                                           int row0, int T, int C, int t, float& top) {
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int row = row0 + 8 * half;
@@ -371,6 +372,7 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
                 x += lo_f32(old);
                 y += hi_f32(old);
             }
+            top = fmaxf(top, fmaxf(fabsf(x), fabsf(y)));
             d[4 * n] = pack_lowp2(x, y);
         }
     }
@@ -378,9 +380,9 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
 
 // The backward's gradients: added into dqkv, or (add = 0) written over whatever it held, unzeroed.
 __device__ __forceinline__ void store_grad_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
-                                                int row0, int T, int C, int t, int add) {
-    if (add) store_rows<true>(dst, acc, scale, row0, T, C, t);
-    else store_rows<false>(dst, acc, scale, row0, T, C, t);
+                                                int row0, int T, int C, int t, int add, float& top) {
+    if (add) store_rows<true>(dst, acc, scale, row0, T, C, t, top);
+    else store_rows<false>(dst, acc, scale, row0, T, C, t, top);
 }
 
 // blockIdx.x, read so that the compiler cannot reuse an earlier read (nor values derived from it).
@@ -546,7 +548,7 @@ __device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsi
 // the mma (k_attn_fwd_bf16).
 template <bool WG>
 __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H,
-                                         float scale) {
+                                         float scale, unsigned* amax) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_FWD_SMEM / 2];  // 1024: the swizzle's period
@@ -613,6 +615,7 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     // The head's offsets again, from a fresh read of the block index: recomputing them is cheaper than keeping them
     // in registers through the loop.
     const Head hs = head_of(block_x(), B, T, H);
+    float top = 0.0f;
 #pragma unroll
     for (int i = 0; i < WT; i++) {
         const int row0 = R + 16 * i + g;
@@ -624,18 +627,19 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
             const int row = row0 + 8 * h;
             if (t == 0 && row < T) lse[hs.stat + row] = (m[i][h] + log2f(sum)) * LN2;
         }
-        store_rows<false>(at64(out, hs.seq), o[i], inv, row0, T, C, t);
+        store_rows<false>(at64(out, hs.seq), o[i], inv, row0, T, C, t, top);
     }
+    if (amax != nullptr) warp_amax(amax, top);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
-k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale) {
-    attn_fwd<false>(out, lse, qkv, B, T, C, H, scale);
+k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax) {
+    attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, amax);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
-k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale) {
-    attn_fwd<true>(out, lse, qkv, B, T, C, H, scale);
+k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax) {
+    attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, amax);
 }
 #endif
 
@@ -756,7 +760,7 @@ __device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsig
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16* dout, const bf16* y,
                                             const bf16* qkv, const float* lse, int B, int T, int C, int H,
-                                            float scale, int add) {
+                                            float scale, int add, unsigned* amax) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
@@ -826,20 +830,22 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     }
     const float sc[2] = {scale, scale};
     const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
+    float top = 0.0f;
 #pragma unroll
-    for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t, add);
+    for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t, add, top);
+    if (amax != nullptr) warp_amax(amax, top);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                   int B, int T, int C, int H, float scale, int add) {
-    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add);
+                   int B, int T, int C, int H, float scale, int add, unsigned* amax) {
+    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                 int B, int T, int C, int H, float scale, int add) {
-    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add);
+                 int B, int T, int C, int H, float scale, int add, unsigned* amax) {
+    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax);
 }
 #endif
 
@@ -989,7 +995,8 @@ __device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned L
 // where a tile is then requested two tiles ahead. K and V arrive first, in the last buffer, beside the first tiles.
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv,
-                                            const float* lse, int B, int T, int C, int H, float scale, int add) {
+                                            const float* lse, int B, int T, int C, int H, float scale, int add,
+                                            unsigned* amax) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
     constexpr int NBUF = WG ? 3 : 2;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 keys");
@@ -1068,18 +1075,20 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
     const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
+    float top = 0.0f;
 #pragma unroll
     for (int i = 0; i < WT; i++) {
-        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, C, t, add);
-        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t, add);
+        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, C, t, add, top);
+        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t, add, top);
     }
+    if (amax != nullptr) warp_amax(amax, top);
 }
 
 // Runs after k_attn_bwd_dq_bf16, whose D it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                int B, int T, int C, int H, float scale, int add) {
-    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add);
+                int B, int T, int C, int H, float scale, int add, unsigned* amax) {
+    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax);
 }
 #ifdef ATTN_WGMMA
 // Runs after k_attn_bwd_dq_wg, whose D it reads; with ATTN_BF16_WG_KV_SMEM bytes of dynamic shared memory (the
@@ -1087,7 +1096,7 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
 extern "C" __constant__ int attn_wg_kv_smem = ATTN_BF16_WG_KV_SMEM;
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                 int B, int T, int C, int H, float scale, int add) {
-    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add);
+                 int B, int T, int C, int H, float scale, int add, unsigned* amax) {
+    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax);
 }
 #endif

@@ -141,6 +141,11 @@ __device__ __forceinline__ void block_amax(unsigned* amax, float m) {
         if (m > 0.0f) atomicMax(amax, __float_as_uint(m));
     }
 }
+// The same from one warp (every lane calls it): for kernels whose warps end apart, or that keep their shared memory.
+__device__ __forceinline__ void warp_amax(unsigned* amax, float m) {
+    m = as_stored(warp_max(m));
+    if (threadIdx.x % WARP_SIZE == 0 && m > 0.0f) atomicMax(amax, __float_as_uint(m));
+}
 
 // 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 lowp). Elementwise kernels move 16
 // bytes per load and store where every pointer they touch is 16-byte aligned (aligned16), else one element.

@@ -139,10 +139,7 @@ __device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout
         top = fmaxf(top, fabsf(d));
     }
     // this path's rows end early, so a warp's max goes to *amax on its own (the rows wider than the cached kernels')
-    if (fused && amax != nullptr) {
-        top = as_stored(warp_max(top));
-        if (lane == 0 && top > 0.0f) atomicMax(amax, __float_as_uint(top));
-    }
+    if (fused && amax != nullptr) warp_amax(amax, top);
 }
 
 // Column cx's (dgamma, dbeta) sums over a block's LANES row lanes into part[.][0][cx], in a fixed tree; every

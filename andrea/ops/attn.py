@@ -16,6 +16,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
+from andrea.ops.fp8 import amax_arg
 
 KERNELS = {"attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
            "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")}
@@ -121,7 +122,8 @@ class CudaOps:
         if bf16:
             heads, T, dims = bf16
             threads, rows, _, _ = self.k["attn_bf16_launch"]
-            self.k[self._bf16_kernels()[0]]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims))
+            amax = amax_arg(self._fp8_produced(out))  # null outside an fp8 pass
+            self.k[self._bf16_kernels()[0]]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims, amax))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (kernel_defines("attn")["ATTN_THREADS"],), (out, att, qkv, *dims),
@@ -135,8 +137,9 @@ class CudaOps:
             heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
             _, dq, kv, kv_smem = self._bf16_kernels()
-            self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add))
-            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add),
+            amax = amax_arg(self._fp8_produced(dqkv))  # both kernels' stores, one word; null outside an fp8 pass
+            self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add, amax))
+            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add, amax),
                        shared_mem=kv_smem)
             return
         grid, dims = self._attn_shape(qkv, n_head)

@@ -66,6 +66,9 @@ KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")  # fwd, d
 HOPPER_KERNELS = ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd_kv_wg")  # the same in the sm_90a build
 ROLES = ("fwd", "dq", "kv")
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
+# The kernels' trailing amax word (precision fp8): none here. Kernels of a file without the argument (older
+# variants) ignore a parameter past their own.
+NO_AMAX = np.uint64(0)
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
 WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"  # int: dynamic shared memory of k_attn_bwd_kv_wg, in the sm_90a build
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
@@ -355,19 +358,20 @@ class Attn:
         C = H * HD
         grid = (B * H, -(-T // cfg["rows"]))
         self.k["fwd"](grid, (cfg["threads"],),
-                                  (out, lse, qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD))))
+                                  (out, lse, qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD)), NO_AMAX))
 
     def bwd_dq(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
-                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD))
+                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
-                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD), shared_mem=self.kv_smem)
+                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX),
+                     shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
         self.bwd_dq(dqkv, delta, dout, y, qkv, lse, B, T, H)
