@@ -62,21 +62,6 @@ class NumpyOps:
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(losses, weights)
 
-    def _loss_bwd_fp8(self, dinp, dwte, probs, inp, wte, targets, scale, overwrite, weights, N, C, V) -> bool:
-        """dwte += scale d_logits^T x and dinp = scale d_logits wte (+ dinp) on FP8 operands: d_logits cast from
-        probs (still the probabilities), x^T, wte^T (ops/fp8.py). False where cuBLASLt has no FP8 algorithm for
-        these shapes: nothing was written."""
-        wt, sw = self._fp8_classifier_weight(wte, 2, N)
-        q, qt, xt = self._fp8_operands(*self._fp8_classifier_sizes(V, C, N))
-        if not (self._fp8_gemm_ok(dwte, qt, "e5m2", xt, "e4m3", V, C, N)
-                and self._fp8_gemm_ok(dinp, q, "e5m2", wt, "e4m3", N, C, V)):
-            return False
-        sd = self._fp8_dlogits(probs, targets, weights, N, V, q, qt)
-        sx = self._fp8_cast(inp, N, C, "e4m3", 1, qt=xt)
-        self._fp8_gemm(dwte, qt, sd, "e5m2", xt, sx, "e4m3", V, C, N, alpha=scale, beta=1.0)
-        self._fp8_gemm(dinp, q, sd, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
-        return True
-
 
 def mean_loss(losses: np.ndarray, weights: np.ndarray | None = None) -> float:
     """The mean of the per-position losses, or sum(w * losses) / sum(w), in float64 (NumPy's pairwise sums:
@@ -128,6 +113,21 @@ class CudaOps:
 
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(self.to_host(losses), None if weights is None else self.to_host(weights))
+
+    def _loss_bwd_fp8(self, dinp, dwte, probs, inp, wte, targets, scale, overwrite, weights, N, C, V) -> bool:
+        """dwte += scale d_logits^T x and dinp = scale d_logits wte (+ dinp) on FP8 operands: d_logits cast from
+        probs (still the probabilities), x^T, wte^T (ops/fp8.py). False where cuBLASLt has no FP8 algorithm for
+        these shapes: nothing was written."""
+        wt, sw = self._fp8_classifier_weight(wte, 2, N)
+        q, qt, xt = self._fp8_operands(*self._fp8_classifier_sizes(V, C, N))
+        if not (self._fp8_gemm_ok(dwte, qt, "e5m2", xt, "e4m3", V, C, N)
+                and self._fp8_gemm_ok(dinp, q, "e5m2", wt, "e4m3", N, C, V)):
+            return False
+        sd = self._fp8_dlogits(probs, targets, weights, N, V, q, qt)
+        sx = self._fp8_cast(inp, N, C, "e4m3", 1, qt=xt)
+        self._fp8_gemm(dwte, qt, sd, "e5m2", xt, sx, "e4m3", V, C, N, alpha=scale, beta=1.0)
+        self._fp8_gemm(dinp, q, sd, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
+        return True
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
