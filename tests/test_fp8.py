@@ -312,7 +312,7 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     kept, kept_passes = run()
     monkeypatch.setattr(type(engine), "fp8_pass", lambda self: contextlib.nullcontext())
     own, own_passes = run()
-    assert kept.digest == own.digest
+    assert kept.digest == own.digest, (kept.losses, own.losses)
     assert kept_passes < own_passes / 2, (kept_passes, own_passes)
 
 
@@ -345,7 +345,7 @@ def test_the_classifier_backward_runs_on_fp8_operands(engine, weighted):
         return fp8.dequantize(*fp8.quantize(a, "e4m3"), "e4m3")
 
     scale = 1.0 / N
-    dwte0 = rng.standard_normal((V, C)).astype(np.float32)
+    dwte0 = (rng.standard_normal((V, C)) * 1e-3).astype(np.float32)  # under the update: float32 keeps its bits
     dev_probs = cupy.asarray(probs.astype("bfloat16"))
     dwte, dinp = cupy.asarray(dwte0), cupy.full((B, T, C), np.nan, dtype=np.float32)
     engine.loss_bwd(dinp, dwte, dev_probs, cupy.asarray(x.astype("bfloat16")), cupy.asarray(wte.astype("bfloat16")),
@@ -354,6 +354,7 @@ def test_the_classifier_backward_runs_on_fp8_operands(engine, weighted):
     exact = {"dwte": scale * d.T.astype(np.float64) @ x.reshape(N, C), "dinp": scale * d.astype(np.float64) @ wte}
     got = {"dwte": cupy.asnumpy(dwte).astype(np.float64) - dwte0, "dinp": cupy.asnumpy(dinp).reshape(N, C)}
     for k in ref:
-        assert np.linalg.norm(got[k] - ref[k]) / np.linalg.norm(ref[k]) <= 1e-4, k
+        rel = np.linalg.norm(got[k] - ref[k]) / np.linalg.norm(ref[k])
+        assert rel <= 1e-4, (k, rel)
         assert np.linalg.norm(got[k] - exact[k]) / np.linalg.norm(exact[k]) > 5e-3, k
     assert np.array_equal(cupy.asnumpy(dev_probs).astype(np.float32).reshape(N, V), _bf16(d))
