@@ -102,9 +102,8 @@ class Model:
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
-        piece_rows = -(-micro_batch // loss_chunks) * shape.seq_len if training else 0  # a classifier piece's backward
-        fp8_buffers = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size,
-                                        piece_rows) if engine.traits.fp8_products else ())
+        fp8_buffers = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer)
+                       if engine.traits.fp8_products else ())
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
                                recompute=tuple(recompute), loss_chunks=loss_chunks,
@@ -409,7 +408,7 @@ class Model:
         e = self.engine
 
         def prepare():
-            e.prepare_fp8_weights(self.buf["params_fp8"], self.W["layers"], self.W["wte"])
+            e.prepare_fp8_weights(self.buf["params_fp8"], self.W["layers"])
         if not self.graphs:
             prepare()
             return

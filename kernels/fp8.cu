@@ -62,27 +62,13 @@ __device__ __forceinline__ unsigned short fp8x2(float lo, float hi, int e5m2) {
     return r;
 }
 
-// The bound of the classifier's d_logits = w (probs - onehot(target)) (kernels/loss.cu) as amax: every |d| <= w,
-// so max(w) over the rows (1 without weights) keeps each value under the format's largest. One block.
-extern "C" __global__ void __launch_bounds__(1024) k_fp8_bound(unsigned int* amax, const float* weights, long long n) {
-    __shared__ float scratch[32];
-    float m = weights == nullptr ? 1.0f : 0.0f;
-    if (weights != nullptr)
-        for (long long i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, weights[i]);
-    m = block_max(m, scratch);
-    if (threadIdx.x == 0) *amax = __float_as_uint(m);
-}
-
 // Cast x [batch, rows, cols] (row-major) to FP8 with the scale of *amax: q[z] (row-major, leading
 // dimension ldq, batch z at q + z * q_batch) and/or its transpose qt[z] ([cols, rows], leading dimension
 // ldqt, at qt + z * qt_batch); a null q or qt is not written. The block at (0, 0, 0) writes 1 / s to
 // *descale. Grid: (ceil(cols / 64), ceil(rows / 64), batch).
-// With `targets` (x the classifier's probabilities, rows its positions): cast d_logits instead, row r's
-// (x - onehot(targets[r])) times weights[r] where there are weights, as the loss backward makes them in bf16.
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
-           float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2,
-           const int* targets, const float* weights) {
+           float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
     __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];  // [row][col]; 8 bytes of pad a row
     const int e = fp8_scale_exponent(*amax, e5m2 ? 15 : 8);
     const float s = __int_as_float((e + 127) << 23);
@@ -108,15 +94,6 @@ k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt
 #endif
         {
             for (int j = 0; j < 8; ++j) v[j] = (r < rows && c0 + cv + j < cols) ? to_f32(row[c0 + cv + j]) : 0.0f;
-        }
-        if (targets != nullptr && r < rows) {
-            const int t = targets[r] - (c0 + cv);
-            const float w = weights != nullptr ? weights[r] : 1.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {  // unrolled: no indexing of v by t (which would put v in local memory)
-                if (j == t) v[j] -= 1.0f;
-                if (weights != nullptr) v[j] = w == 0.0f ? 0.0f : w * v[j];
-            }
         }
         unsigned lo4 = 0, hi4 = 0;  // the 8 bytes, the lower column first
         for (int j = 0; j < 2; ++j) {

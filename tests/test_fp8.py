@@ -61,14 +61,12 @@ def test_fake_quantize_gives_the_cast_s_values_in_array_arithmetic(fmt):
 
 
 def test_the_scratch_holds_every_op_s_operands():
-    """operand_bytes is mlp_bwd's need or the classifier backward's; attn_qkv_bwd's and the forward products'
-    are smaller at any shape."""
-    for B, T, C, V, chunks in ((1, 16, 16, 64, 1), (8, 1024, 768, 50304, 2), (32, 512, 384, 4096, 1), (4, 64, 64, 512, 2)):
-        N, F, rows = B * T, 4 * C, B * T // chunks
+    """operand_bytes is mlp_bwd's need; attn_qkv_bwd's and the forward products' are smaller at any shape."""
+    for B, T, C in ((1, 16, 16), (8, 1024, 768), (32, 512, 384), (4, 64, 64)):
+        N, F = B * T, 4 * C
         need = {"attn_qkv_bwd": 7 * N * C + 3 * C * C, "mlp_bwd": N * C + 2 * N * F + C * F,
-                "mlp_fwd": N * F + F * C, "attn_out_bwd": 3 * N * C + C * C, "loss_bwd": 2 * rows * V + rows * C}
-        assert max(need.values()) <= fp8.operand_bytes(B, T, C, V, rows)
-        assert need["mlp_bwd"] <= fp8.operand_bytes(B, T, C, V, 0) < need["loss_bwd"] + need["mlp_bwd"]
+                "mlp_fwd": N * F + F * C, "attn_out_bwd": 3 * N * C + C * C}
+        assert max(need.values()) <= fp8.operand_bytes(B, T, C)
 
 
 def test_an_fp8_experiment_is_valid_and_the_numpy_engine_refuses_it(tmp_path):
@@ -156,7 +154,7 @@ def test_the_amax_book_falls_back_when_its_slots_run_out():
 def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
     """amax_slots covers what a model's pass keeps: 4 a layer (two LayerNorm outputs, the attention output, the
     GELU output) and the shared buffers."""
-    by_name = {b.name: b for b in fp8.plan_buffers(8, 1024, 768, 12, 50304, 4096)}
+    by_name = {b.name: b for b in fp8.plan_buffers(8, 1024, 768, 12)}
     assert by_name["fp8_amax"].shape == (fp8.SLOT_FLOATS * fp8.amax_slots(12),)
     assert by_name["fp8_amax"].role == "engine"
     assert fp8.amax_slots(12) >= 4 * 12 + 5
@@ -267,8 +265,7 @@ def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     prepared = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
     assert engine._fp8_weights  # the copies were in use
-    monkeypatch.setattr(type(engine), "prepare_fp8_weights",
-                        lambda self, buf, layers, wte: setattr(self, "_fp8_weights", {}))
+    monkeypatch.setattr(type(engine), "prepare_fp8_weights", lambda self, buf, layers: setattr(self, "_fp8_weights", {}))
     per_call = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
     assert prepared.digest == per_call.digest
 
@@ -328,47 +325,3 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     own, own_passes = run()
     assert kept.digest == own.digest, (kept.losses, own.losses)
     assert kept_passes < own_passes / 2, (kept_passes, own_passes)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("weighted", [False, True])
-def test_the_classifier_backward_runs_on_fp8_operands(engine, weighted):
-    """loss_bwd in fp8: dwte and dinp against float64 products of the reference's FP8 operands (d_logits scaled
-    for its bound max(w), x and wte for their amax), to the FP8 products' accumulation; against the exact ones they
-    are a few per cent off. probs ends as d_logits in bf16, as in every precision."""
-    import cupy
-
-    rng = np.random.default_rng()
-    B, T, C, V = 2, 128, 128, 512
-    N = B * T
-    x = _bf16(rng.standard_normal((B, T, C)))
-    wte = _bf16(rng.standard_normal((V, C)) * 0.3)
-    logits = x.reshape(N, C).astype(np.float64) @ wte.T.astype(np.float64)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    probs = _bf16(p / p.sum(-1, keepdims=True)).reshape(B, T, V)
-    targets = rng.integers(0, V, (B, T)).astype(np.int32)
-    w = np.where(rng.random((B, T)) < 0.3, 0.0, rng.uniform(0.5, 3.0, (B, T))).astype(np.float32) if weighted else None
-    d = probs.reshape(N, V).copy()
-    d[np.arange(N), targets.reshape(-1)] -= 1.0
-    if weighted:
-        d *= w.reshape(N, 1)
-    bound = float(w.max()) if weighted else 1.0
-    dq = fp8.fake_quantize(np, d, "e5m2", amax=bound).astype(np.float64)
-
-    def deq(a):
-        return fp8.dequantize(*fp8.quantize(a, "e4m3"), "e4m3")
-
-    scale = 1.0 / N
-    dwte0 = (rng.standard_normal((V, C)) * 1e-3).astype(np.float32)  # under the update: float32 keeps its bits
-    dev_probs = cupy.asarray(probs.astype("bfloat16"))
-    dwte, dinp = cupy.asarray(dwte0), cupy.full((B, T, C), np.nan, dtype=np.float32)
-    engine.loss_bwd(dinp, dwte, dev_probs, cupy.asarray(x.astype("bfloat16")), cupy.asarray(wte.astype("bfloat16")),
-                    cupy.asarray(targets), scale, overwrite=True, weights=None if w is None else cupy.asarray(w))
-    ref = {"dwte": scale * dq.T @ deq(x.reshape(N, C)), "dinp": scale * dq @ deq(wte)}
-    exact = {"dwte": scale * d.T.astype(np.float64) @ x.reshape(N, C), "dinp": scale * d.astype(np.float64) @ wte}
-    got = {"dwte": cupy.asnumpy(dwte).astype(np.float64) - dwte0, "dinp": cupy.asnumpy(dinp).reshape(N, C)}
-    for k in ref:
-        rel = np.linalg.norm(got[k] - ref[k]) / np.linalg.norm(ref[k])
-        assert rel <= 1e-3, (k, rel)  # the FP8 tensor cores' accumulation is not quite float32's (measured 2e-4)
-        assert np.linalg.norm(got[k] - exact[k]) / np.linalg.norm(exact[k]) > 5e-3, k
-    assert np.array_equal(cupy.asnumpy(dev_probs).astype(np.float32).reshape(N, V), _bf16(d))

@@ -226,9 +226,9 @@ class CublasLt:
         return key, self._plans[key]
 
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
-             a_type=None, b_type=None, a_scale=None, b_scale=None, alpha: float = 1.0, beta: float = 0.0, algo: int = 0,
-             batch: int = 1, stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
-        """Row-major C[m, n] = epilogue(alpha op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
+             a_type=None, b_type=None, a_scale=None, b_scale=None, beta: float = 0.0, algo: int = 0, batch: int = 1,
+             stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
+        """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
         epilogues (GELU's input: written by gelu_aux, read by dgelu). FP8 operands: a_type/b_type ("e4m3",
         "e5m2") and a_scale/b_scale (FP32 device scalars). `algo` takes the heuristic's algo-th choice
         (0: its first). `batch` products with the operands' strides in elements (0: the same matrix for each),
@@ -244,7 +244,7 @@ class CublasLt:
         if a_scale is not None:
             self._set_scales(desc, a_scale, b_scale)
         Cublas._check("cublasLtMatmul", self.lib.cublasLtMatmul(
-            self.handle, desc, self._scalar(alpha), b.data.ptr, lay_b, a.data.ptr, lay_a, self._scalar(beta),
+            self.handle, desc, self._scalar(1.0), b.data.ptr, lay_b, a.data.ptr, lay_a, self._scalar(beta),
             c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(result), self.workspace.data.ptr,
             self.workspace.nbytes, cupy.cuda.get_current_stream().ptr))
         return True

@@ -34,9 +34,8 @@ class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.Nu
         self.mm = self.products.matmul
 
     @staticmethod
-    def fp8_operand(a, fmt: str, bound: float | None = None):
-        """What a product of attn_qkv, attn_out, mlp or the classifier's backward reads of `a`: `a` itself (the
-        fp8 emulation rounds it, scaled for its amax or for a `bound` on it)."""
+    def fp8_operand(a, fmt: str):
+        """What a product of attn_qkv, attn_out or mlp reads of `a`: `a` itself (the fp8 emulation rounds it)."""
         return a
 
     def allocate(self, plan, share=None):

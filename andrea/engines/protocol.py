@@ -47,7 +47,7 @@ class Engine(Protocol):
     def cast(self, dst, src) -> None: ...
     def capture(self, fn): ...  # only where traits.graphs
     def replay(self, graph) -> None: ...  # only where traits.graphs
-    def prepare_fp8_weights(self, params_fp8, layers, wte) -> None: ...  # only where traits.fp8_products
+    def prepare_fp8_weights(self, params_fp8, layers) -> None: ...  # only where traits.fp8_products
     def fp8_pass(self): ...  # only where traits.fp8_products: a context around one pass of a model's ops
 
     def embed_fwd(self, out, tokens, wte, wpe) -> None: ...

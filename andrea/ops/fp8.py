@@ -18,13 +18,7 @@ Hopper's FP8 products take both operands K-major, so each product gets the layou
 cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
 transposes written by the same pass that writes the plain layout. The operands live in the engine's
 `fp8_operands` buffer, one op at a time (the plan sizes it: `operand_bytes`); the scales in
-`fp8_scales`.
-
-The classifier's backward products (loss_bwd: dwte += d_logits^T x, dinp = d_logits wte) run on FP8 too:
-d_logits = w (probs - onehot) is cast straight from the probabilities (k_fp8_cast with the targets) in E5M2,
-both layouts, with the scale of its bound max(w) (1 unweighted: every |probs - onehot| <= 1) instead of an
-amax pass over [rows, V]; wte has a prepared transposed copy. The classifier's forward, attention,
-LayerNorm and the optimizer stay as in bf16: the loss itself is bf16's.
+`fp8_scales`. The classifier, attention, LayerNorm and the optimizer stay as in bf16.
 
 `quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
 even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).
@@ -39,7 +33,7 @@ import numpy as np
 from andrea.memory import BufferSpec
 from andrea.ops.base import blocks, kernel_defines, ptr
 
-KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_bound")}
+KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
 GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
@@ -55,14 +49,13 @@ def engine_buffers() -> tuple:
     return (BufferSpec("fp8_scales", (SLOT_FLOATS * SCALE_SLOTS,), "float32", "engine"),)
 
 
-def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int = 0) -> tuple:
+def plan_buffers(B: int, T: int, C: int, L: int) -> tuple:
     """The buffers a model's plan adds under precision fp8: the engine's operand scratch and its pass's amax
-    slots (both sized by the model; `loss_rows`, the positions of a classifier piece whose backward runs, 0 for
-    a model that only infers), and the model's FP8 weight copies (`params_fp8`, derived from params_lp as
-    params_lp is from params)."""
-    return (BufferSpec("fp8_operands", (operand_bytes(B, T, C, V, loss_rows),), "uint8", "engine"),
+    slots (both sized by the model), and the model's FP8 weight copies (`params_fp8`, derived from params_lp
+    as params_lp is from params)."""
+    return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
             BufferSpec("fp8_amax", (SLOT_FLOATS * amax_slots(L),), "float32", "engine"),
-            BufferSpec("params_fp8", (weight_bytes(C, L, V),), "uint8", "parameters"))
+            BufferSpec("params_fp8", (weight_bytes(C, L),), "uint8", "parameters"))
 
 
 def amax_slots(L: int) -> int:
@@ -77,24 +70,18 @@ def amax_slots(L: int) -> int:
 WEIGHTS = (("W_QKV", 3), ("W_O", 1), ("W_1", 4), ("W_2", 4))  # name, elements in C^2
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def weight_bytes(C: int, L: int, V: int) -> int:
+def weight_bytes(C: int, L: int) -> int:
     """Each layer matrix twice (as the forward reads it, transposed, and as the input gradient reads it),
-    256-byte aligned, then wte^T [C, V] (the classifier's input gradient), then a scale slot per matrix."""
-    per_layer = sum(2 * _aligned(n * C * C) for _, n in WEIGHTS)
-    return L * per_layer + _aligned(V * C) + (L * len(WEIGHTS) + 1) * SLOT_FLOATS * 4
+    256-byte aligned, then a scale slot per matrix."""
+    per_layer = sum(2 * -(-n * C * C // ALIGN) * ALIGN for _, n in WEIGHTS)
+    return L * per_layer + L * len(WEIGHTS) * SLOT_FLOATS * 4
 
 
-def operand_bytes(B: int, T: int, C: int, V: int = 0, loss_rows: int = 0) -> int:
-    """The FP8 operands of the largest op, each 256-byte aligned: mlp_bwd's weight-gradient half (X^T [C, N],
-    dpre and dpre^T [N, 4C], W_1 [C, 4C]; attn_qkv_bwd needs 7 N C + 3 C^2, less), or the classifier backward's
-    (d_logits and d_logits^T [loss_rows, V], x^T [C, loss_rows])."""
+def operand_bytes(B: int, T: int, C: int) -> int:
+    """The FP8 operands of the largest op, mlp_bwd's weight-gradient half: X^T [C, N], dpre and dpre^T
+    [N, 4C], W_1 [C, 4C], each 256-byte aligned (attn_qkv_bwd needs 7 N C + 3 C^2, less)."""
     N, F = B * T, 4 * C
-    mlp = sum(_aligned(n) for n in (N * C, N * F, N * F, C * F))
-    return max(mlp, sum(_aligned(n) for n in CudaOps._fp8_classifier_sizes(V, C, loss_rows)))
+    return sum(-(-n // ALIGN) * ALIGN for n in (N * C, N * F, N * F, C * F))
 
 
 # ---- the reference -----------------------------------------------------------------------------
@@ -126,14 +113,14 @@ def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
     return q.view(np.uint8), 2.0**-e
 
 
-def fake_quantize(xp, x, fmt: str, amax: float | None = None):
+def fake_quantize(xp, x, fmt: str):
     """dequantize(*quantize(x)) as float32 in array arithmetic of the array module xp (NumPy or CuPy): the
     cast's values without FP8 types, so that they can feed products of other precisions on any device (the
     CPU emulation, engines/fp8_emulation.py; dev/cuda/fp8_check.py's cuda-fq8). The values have at most 4
     significant bits: exact in bf16."""
     mantissa, min_exp = GRID[fmt]
     x = xp.asarray(x, dtype=xp.float32)
-    e = scale_exponent((float(xp.abs(x).max()) if x.size else 0.0) if amax is None else amax, fmt)
+    e = scale_exponent(float(xp.abs(x).max()) if x.size else 0.0, fmt)
     a = xp.abs(x) * xp.float32(2.0**e)
     _, ex = xp.frexp(a)  # a in [2^(ex-1), 2^ex); below the smallest normal the spacing stays that of min_exp
     step = xp.ldexp(xp.ones_like(a), xp.maximum(ex - 1, min_exp) - mantissa)
@@ -157,14 +144,14 @@ class CudaOps:
         (the tokens and the widths, multiples of 16)."""
         return self.fp8 and fp8_shapes_ok(*dims)
 
-    def prepare_fp8_weights(self, params_fp8, layers, wte) -> None:
+    def prepare_fp8_weights(self, params_fp8, layers) -> None:
         """Cast every layer matrix of `layers` (the model's params_lp views) into params_fp8, both layouts in
-        one pass, and wte transposed: the products of the ops then read these instead of casting their weights
-        per call. The model calls this whenever it writes params_lp (its load, every AdamW step). The engine
-        keeps the last model's views (so that their memory, while in use here, goes to no other array): that
-        model's buffers live until another model prepares its own or the engine goes."""
+        one pass: the products of the ops then read these instead of casting their weights per call. The
+        model calls this whenever it writes params_lp (its load, every AdamW step). The engine keeps the
+        last model's views (so that their memory, while in use here, goes to no other array): that model's
+        buffers live until another model prepares its own or the engine goes."""
         at, copies = 0, {}
-        slots = params_fp8[params_fp8.nbytes - (len(layers) * len(WEIGHTS) + 1) * SLOT_FLOATS * 4:].view(np.float32)
+        slots = params_fp8[params_fp8.nbytes - len(layers) * len(WEIGHTS) * SLOT_FLOATS * 4:].view(np.float32)
         for l, w in enumerate(layers):
             for j, (name, _) in enumerate(WEIGHTS):
                 W = w[name]
@@ -179,10 +166,6 @@ class CudaOps:
                 else:
                     self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr, keep=False)
                 copies[W.data.ptr] = (W, nat, tr, slot[:1])
-        V, C = wte.shape
-        tr, slot = params_fp8[at:at + V * C], slots[len(layers) * len(WEIGHTS) * SLOT_FLOATS:][:SLOT_FLOATS]
-        self._fp8_cast(wte, V, C, "e4m3", slot, qt=tr, keep=False)
-        copies[wte.data.ptr] = (wte, None, tr, slot[:1])  # the classifier's input gradient reads wte^T [C, V]
         self._fp8_weights = copies
 
     def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, **cast):
@@ -195,21 +178,6 @@ class CudaOps:
         into = cast.pop("into")
         key = "qt" if layout == "forward" else "q"
         return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{key: into}, **cast, keep=False)
-
-    def _fp8_classifier_weight(self, wte, slot: int, rows: int):
-        """(wte^T [C, V] in E4M3, descale): the prepared copy, or cast here into the operand scratch after the
-        classifier's other operands for `rows` positions (an op run outside a model)."""
-        copy = self._fp8_weights.get(wte.data.ptr)
-        if copy is not None and copy[0].shape == wte.shape:
-            return copy[2], copy[3]
-        V, C = wte.shape
-        into = self._fp8_operands(*self._fp8_classifier_sizes(V, C, rows), V * C)[-1]
-        return into, self._fp8_cast(wte, V, C, "e4m3", slot, qt=into, keep=False)
-
-    @staticmethod
-    def _fp8_classifier_sizes(V: int, C: int, rows: int) -> tuple:
-        """The classifier backward's FP8 operands: d_logits, d_logits^T, x^T (operand_bytes counts them)."""
-        return rows * V, rows * V, C * rows
 
     def _fp8_operands(self, *sizes: int) -> list:
         """uint8 views of the engine's fp8_operands buffer, one per size, 256-byte aligned, back to back. An
@@ -306,20 +274,7 @@ class CudaOps:
         self.k["k_fp8_cast"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
             null if q is None else q, np.int64(ldq or cols), np.int64(q_batch),
             null if qt is None else qt, np.int64(ldqt or rows), np.int64(qt_batch),
-            descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2"), null, null))
-        return descale
-
-    def _fp8_dlogits(self, probs, targets, weights, rows: int, V: int, q, qt):
-        """The classifier's d_logits = w (probs - onehot(targets)) [rows, V] in E5M2 into q and its transpose
-        into qt, straight from the probabilities, with the scale of the bound max(w) (1 without weights);
-        returns the device descale."""
-        amax, descale = self._fp8_slot(0)
-        null = np.uint64(0)
-        self._launch("k_fp8_bound", 1, 1024, amax, null if weights is None else weights, np.int64(rows))
-        tile = kernel_defines("fp8")["FP8_TILE"]
-        self.k["k_fp8_cast"]((-(-V // tile), -(-rows // tile), 1), (kernel_defines("fp8")["FP8_THREADS"],), (
-            q, np.int64(V), np.int64(0), qt, np.int64(rows), np.int64(0), descale, amax, probs, np.int32(rows),
-            np.int32(V), np.int32(1), targets, null if weights is None else weights))
+            descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2")))
         return descale
 
     def _linear_fwd(self, out, inp, W, N, K, M) -> None:
@@ -353,12 +308,6 @@ class CudaOps:
         w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
         return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),
                 self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta))
-
-    def _fp8_gemm_ok(self, c, a, a_fmt, b, b_fmt, m, n, k) -> bool:
-        """Whether cuBLASLt has an FP8 algorithm for _fp8_gemm of these operands (nothing runs)."""
-        scale = self.own["fp8_scales"][:1]  # any device scalar: the plan is per shape, the pointers set per call
-        return self.blas_lt._plan_for(c, a, b, m, n, k, trans_b=True, a_type=a_fmt, b_type=b_fmt, a_scale=scale,
-                                      b_scale=scale)[1] is not None
 
     def _fp8_gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, **kw) -> bool:
         """Row-major C[m, n] = (a_scale * A[m, k]) @ (b_scale * B[n, k])^T (+ beta * C, an epilogue, a batch)

@@ -7,10 +7,7 @@ separate `dlogits`; the scale enters the products as alpha.
 Loss weights (a loss mask over the targets, or any non-negative per-position weights): loss_bwd given
 `weights` [B, T] makes the gradient of scale * sum(weights * losses), each row of d_logits times its
 weight; loss_fwd is the same either way (per-position losses), and mean_loss takes the weighted mean on
-the host.
-
-Under precision fp8 the backward's two products read FP8 operands (ops/fp8.py: d_logits cast from the
-probabilities in E5M2); probs still becomes d_logits in bf16, as in every precision."""
+the host."""
 
 from __future__ import annotations
 
@@ -53,11 +50,8 @@ class NumpyOps:
         C = inp.shape[-1]
         V = wte.shape[0]
         t = self.dtype.type(scale)
-        # the fp8 emulation's operands (ops/fp8.py): d_logits scaled for its bound max(w), 1 unweighted
-        d = self.fp8_operand(dlogits, "e5m2", bound=1.0 if weights is None else float(np.max(weights, initial=0.0)))
-        x, w = self.fp8_operand(inp, "e4m3"), self.fp8_operand(wte, "e4m3")
-        dwte += t * self.mm(d.reshape(-1, V).T, x.reshape(-1, C))
-        dinp += t * self.mm(d, w)
+        dwte += t * self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C))
+        dinp += t * self.mm(dlogits, wte)
 
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(losses, weights)
@@ -90,8 +84,6 @@ class CudaOps:
         self._fp8_wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
         V, C = wte.shape
         N = inp.size // C
-        fp8 = dlogits is None and self._fp8_ok(N, C, V) and self._loss_bwd_fp8(dinp, dwte, probs, inp, wte, targets,
-                                                                              scale, overwrite, weights, N, C, V)
         if weights is not None:  # a block a row: a row whose weight is not 1 changes whole
             threads = kernel_defines("loss")["LOSS_WEIGHTED_THREADS"]
             if dlogits is None:
@@ -106,28 +98,11 @@ class CudaOps:
         else:
             self._launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
                          np.int64(N), np.int32(V))
-        if fp8:  # the products ran on FP8 operands; probs became d_logits all the same (the op's contract)
-            return
         self.blas.gemm(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
         self.blas.gemm(dinp, dlogits, wte, N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
 
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(self.to_host(losses), None if weights is None else self.to_host(weights))
-
-    def _loss_bwd_fp8(self, dinp, dwte, probs, inp, wte, targets, scale, overwrite, weights, N, C, V) -> bool:
-        """dwte += scale d_logits^T x and dinp = scale d_logits wte (+ dinp) on FP8 operands: d_logits cast from
-        probs (still the probabilities), x^T, wte^T (ops/fp8.py). False where cuBLASLt has no FP8 algorithm for
-        these shapes: nothing was written."""
-        wt, sw = self._fp8_classifier_weight(wte, 2, N)
-        q, qt, xt = self._fp8_operands(*self._fp8_classifier_sizes(V, C, N))
-        if not (self._fp8_gemm_ok(dwte, qt, "e5m2", xt, "e4m3", V, C, N)
-                and self._fp8_gemm_ok(dinp, q, "e5m2", wt, "e4m3", N, C, V)):
-            return False
-        sd = self._fp8_dlogits(probs, targets, weights, N, V, q, qt)
-        sx = self._fp8_cast(inp, N, C, "e4m3", 1, qt=xt)
-        self._fp8_gemm(dwte, qt, sd, "e5m2", xt, sx, "e4m3", V, C, N, alpha=scale, beta=1.0)
-        self._fp8_gemm(dinp, q, sd, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
-        return True
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
