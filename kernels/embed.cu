@@ -3,13 +3,19 @@
 //   backward: dwte[v, :] += sum of dout[n, :] over the positions n whose token is v
 //             dwpe[t, :] += sum over b of dout[b, t, :]
 // The backward sums run in a fixed order with no atomics, so repeated tokens give the same bits on
-// every run: the block of position n owns token v = tokens[n] only where n is v's first occurrence,
-// and the owner gathers all of v's occurrences in ascending position order.
+// every run: one block owns each token that occurs and adds its occurrences' rows in ascending position
+// order, from 0, then adds that sum into dwte. The owners come from a sort: k_embed_sort orders the keys
+// token << 16 | position (one block, in shared memory), and in k_embed_bwd_sorted the block of sorted
+// entry i owns its token where i starts the token's run. Where the sort does not apply (over
+// EMBED_SORT_MAX positions, or tokens or positions from 2^16 on), k_embed_bwd finds the owners by scanning:
+// the block of position n owns token v = tokens[n] where n is v's first occurrence. Both give the same bits.
 #include "common.cuh"
 
 // Columns one thread accumulates in the backward pass: C <= EMBED_BWD_THREADS * EMBED_BWD_COLS.
 #define EMBED_BWD_THREADS 256
 #define EMBED_BWD_COLS 16
+#define EMBED_SORT_THREADS 1024
+#define EMBED_SORT_MAX 32768  // positions the sort takes: their keys fill 128 KB of shared memory
 
 // One block per position n (grid-stride over positions), its threads along the row: 16 bytes of out a store
 // where C is a whole number of ACT_VEC groups and the rows are aligned, else one element.
@@ -34,18 +40,98 @@ extern "C" __global__ void k_embed_fwd(act_t* out, const int* tokens, const floa
     }
 }
 
+// dwpe[t] += the sum over b of dout[b, t], b ascending.
+__device__ __forceinline__ void embed_bwd_wpe(float* dwpe, const float* dout, long long n_pos, int T, int C, int t) {
+    const long long B = n_pos / T;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (long long b = 0; b < B; b++) sum += dout[(b * T + t) * C + c];
+        dwpe[(long long)t * C + c] += sum;
+    }
+}
+
+// The keys token << 16 | position of n_pos positions, ascending, into sorted: a bitonic sort of `padded` keys (a
+// power of two >= n_pos; the pad keys sort last) in dynamic shared memory. The keys are distinct, so the order
+// is the one ascending order whatever the sort. One block of EMBED_SORT_THREADS.
+extern "C" __global__ void __launch_bounds__(EMBED_SORT_THREADS)
+k_embed_sort(unsigned* sorted, const int* tokens, int n_pos, int padded) {
+    extern __shared__ unsigned keys[];
+    for (int i = threadIdx.x; i < padded; i += blockDim.x)
+        keys[i] = i < n_pos ? (static_cast<unsigned>(tokens[i]) << 16) | static_cast<unsigned>(i) : 0xffffffffu;
+    __syncthreads();
+    for (int size = 2; size <= padded; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int p = threadIdx.x; p < padded / 2; p += blockDim.x) {
+                const int lo = 2 * p - (p & (stride - 1)), hi = lo + stride;  // the pair at distance `stride`
+                const unsigned a = keys[lo], b = keys[hi];
+                if ((a > b) == ((lo & size) == 0)) {  // ascending where bit `size` of lo is clear
+                    keys[lo] = b;
+                    keys[hi] = a;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < n_pos; i += blockDim.x) sorted[i] = keys[i];
+}
+
+// Blocks [0, n_pos) take the sorted keys of k_embed_sort: the block of entry i owns its token where i starts
+// the token's run, and adds the run's rows (ascending positions), EMBED_BWD_THREADS keys at a time through
+// shared memory and EMBED_GATHER rows' loads in flight before their adds (in the same order). Blocks
+// [n_pos, n_pos + T) own rows of dwpe.
+#define EMBED_GATHER 4
+extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)
+k_embed_bwd_sorted(float* dwte, float* dwpe, const float* dout, const unsigned* sorted, long long n_pos, int T, int C) {
+    if (blockIdx.x >= n_pos) {
+        embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos));
+        return;
+    }
+    const long long i = blockIdx.x;
+    const unsigned token = sorted[i] >> 16;
+    if (i > 0 && (sorted[i - 1] >> 16) == token) return;  // an earlier block owns this token (uniform: no barrier yet)
+    __shared__ unsigned run[EMBED_BWD_THREADS];
+    const int tid = threadIdx.x;
+    float acc[EMBED_BWD_COLS];
+#pragma unroll
+    for (int k = 0; k < EMBED_BWD_COLS; k++) acc[k] = 0.0f;
+    for (long long j0 = i; j0 < n_pos; j0 += EMBED_BWD_THREADS) {
+        const long long j = j0 + tid;
+        const bool mine = j < n_pos && (sorted[j] >> 16) == token;
+        run[tid] = mine ? sorted[j] & 0xffffu : 0u;
+        const int len = __syncthreads_count(mine);  // the run continues from the chunk's start (the keys are sorted)
+        for (int h = 0; h < len; h += EMBED_GATHER) {
+            float v[EMBED_GATHER][EMBED_BWD_COLS];
+#pragma unroll
+            for (int u = 0; u < EMBED_GATHER; u++) {
+                const float* row = dout + static_cast<long long>(run[h + u < len ? h + u : h]) * C;
+#pragma unroll
+                for (int k = 0; k < EMBED_BWD_COLS; k++) {
+                    const int c = tid + k * EMBED_BWD_THREADS;
+                    v[u][k] = c < C ? row[c] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < EMBED_GATHER; u++)
+                if (h + u < len)
+#pragma unroll
+                    for (int k = 0; k < EMBED_BWD_COLS; k++) acc[k] += v[u][k];
+        }
+        __syncthreads();  // run is rewritten by the next chunk
+        if (len < EMBED_BWD_THREADS) break;  // the run ended in this chunk
+    }
+#pragma unroll
+    for (int k = 0; k < EMBED_BWD_COLS; k++) {
+        const int c = tid + k * EMBED_BWD_THREADS;
+        if (c < C) dwte[(long long)token * C + c] += acc[k];
+    }
+}
+
 // Blocks [0, n_pos) own token rows of dwte; blocks [n_pos, n_pos + T) own rows of dwpe.
 extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)
 k_embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C) {
     const int tid = threadIdx.x;
     if (blockIdx.x >= n_pos) {
-        const int t = (int)(blockIdx.x - n_pos);
-        const long long B = n_pos / T;
-        for (int c = tid; c < C; c += blockDim.x) {
-            float sum = 0.0f;
-            for (long long b = 0; b < B; b++) sum += dout[(b * T + t) * C + c];
-            dwpe[(long long)t * C + c] += sum;
-        }
+        embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos));
         return;
     }
     const long long n = blockIdx.x;

@@ -5,13 +5,20 @@ from __future__ import annotations
 import numpy as np
 
 from andrea.errors import AndreaError
+from andrea.memory import BufferSpec
 from andrea.ops.base import Draw, OpCase, kernel_defines
 
-KERNELS = {"embed": ("k_embed_fwd", "k_embed_bwd")}
+KERNELS = {"embed": ("k_embed_fwd", "k_embed_bwd", "k_embed_sort", "k_embed_bwd_sorted")}
 
 
 def engine_buffers() -> tuple:
-    return ()
+    """The backward's sorted keys (k_embed_sort): one int a position, up to EMBED_SORT_MAX."""
+    return (BufferSpec("embed_sorted", (kernel_defines("embed")["EMBED_SORT_MAX"],), "int32", "engine"),)
+
+
+def shared_memory() -> dict[str, int]:
+    """Dynamic shared memory of the kernels that take over 48 KB: the sort's keys at the most positions."""
+    return {"k_embed_sort": 4 * kernel_defines("embed")["EMBED_SORT_MAX"]}
 
 
 # a block per position: 128 x 16 bytes covers a bf16 row of C <= 1024 in one sweep (the kernel loops wider rows)
@@ -46,7 +53,16 @@ class CudaOps:
         threads, cols = k["EMBED_BWD_THREADS"], k["EMBED_BWD_COLS"]
         if C > threads * cols:
             raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * cols} columns")
-        self._launch("k_embed_bwd", B * T + T, threads, dwte, dwpe, dout, tokens, np.int64(B * T), np.int32(T),
+        n_pos = B * T
+        if n_pos <= k["EMBED_SORT_MAX"] and dwte.shape[0] <= 2**16:  # the sort's keys: token << 16 | position
+            padded = 1 << max(0, (n_pos - 1).bit_length())
+            sorted_keys = self.own["embed_sorted"]
+            self.k["k_embed_sort"]((1,), (k["EMBED_SORT_THREADS"],), (sorted_keys, tokens, np.int32(n_pos), np.int32(padded)),
+                                   shared_mem=4 * padded)
+            self._launch("k_embed_bwd_sorted", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
+                         np.int32(T), np.int32(C))
+            return
+        self._launch("k_embed_bwd", n_pos + T, threads, dwte, dwpe, dout, tokens, np.int64(n_pos), np.int32(T),
                      np.int32(C))
 
 
