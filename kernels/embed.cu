@@ -4,9 +4,9 @@
 //             dwpe[t, :] += sum over b of dout[b, t, :]
 // The backward sums run in a fixed order with no atomics, so repeated tokens give the same bits on
 // every run: one block owns each token that occurs and adds its occurrences' rows in ascending position
-// order, from 0, then adds that sum into dwte. The owners come from a sort: k_embed_sort orders the keys
-// token << 16 | position (one block, in shared memory), and in k_embed_bwd_sorted the block of sorted
-// entry i owns its token where i starts the token's run. Where the sort does not apply (over
+// order, from 0, then adds that sum into dwte. The owners come from a sort of the keys token << 16 |
+// position (k_embed_sort, k_embed_merge), and in k_embed_bwd_sorted the block of sorted entry i owns its
+// token where i starts the token's run. Where the sort does not apply (over
 // EMBED_SORT_MAX positions, or tokens or positions from 2^16 on), k_embed_bwd finds the owners by scanning:
 // the block of position n owns token v = tokens[n] where n is v's first occurrence. Both give the same bits.
 #include "common.cuh"
@@ -15,7 +15,8 @@
 #define EMBED_BWD_THREADS 256
 #define EMBED_BWD_COLS 16
 #define EMBED_SORT_THREADS 1024
-#define EMBED_SORT_MAX 32768  // positions the sort takes: their keys fill 128 KB of shared memory
+#define EMBED_SORT_CHUNK 2048  // keys a block of k_embed_sort sorts in shared memory
+#define EMBED_SORT_MAX 32768   // positions the sort takes (the engine's embed_sorted holds twice as many keys)
 
 // One block per position n (grid-stride over positions), its threads along the row: 16 bytes of out a store
 // where C is a whole number of ACT_VEC groups and the rows are aligned, else one element.
@@ -50,18 +51,22 @@ __device__ __forceinline__ void embed_bwd_wpe(float* dwpe, const float* dout, lo
     }
 }
 
-// The keys token << 16 | position of n_pos positions, ascending, into sorted: a bitonic sort of `padded` keys (a
-// power of two >= n_pos; the pad keys sort last) in dynamic shared memory. The keys are distinct, so the order
-// is the one ascending order whatever the sort. One block of EMBED_SORT_THREADS.
+// Sorting the keys token << 16 | position of n_pos positions, ascending, in two launches. The keys are
+// distinct, so each has one place in the order whatever the sort: the same bits every run.
+// k_embed_sort: block b sorts the keys of positions [b EMBED_SORT_CHUNK, (b + 1) EMBED_SORT_CHUNK) in shared
+// memory (bitonic; pad keys sort last) into chunks.
 extern "C" __global__ void __launch_bounds__(EMBED_SORT_THREADS)
-k_embed_sort(unsigned* sorted, const int* tokens, int n_pos, int padded) {
-    extern __shared__ unsigned keys[];
-    for (int i = threadIdx.x; i < padded; i += blockDim.x)
-        keys[i] = i < n_pos ? (static_cast<unsigned>(tokens[i]) << 16) | static_cast<unsigned>(i) : 0xffffffffu;
+k_embed_sort(unsigned* chunks, const int* tokens, int n_pos) {
+    __shared__ unsigned keys[EMBED_SORT_CHUNK];
+    const int first = blockIdx.x * EMBED_SORT_CHUNK;
+    for (int i = threadIdx.x; i < EMBED_SORT_CHUNK; i += blockDim.x) {
+        const int n = first + i;
+        keys[i] = n < n_pos ? (static_cast<unsigned>(tokens[n]) << 16) | static_cast<unsigned>(n) : 0xffffffffu;
+    }
     __syncthreads();
-    for (int size = 2; size <= padded; size <<= 1) {
+    for (int size = 2; size <= EMBED_SORT_CHUNK; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int p = threadIdx.x; p < padded / 2; p += blockDim.x) {
+            for (int p = threadIdx.x; p < EMBED_SORT_CHUNK / 2; p += blockDim.x) {
                 const int lo = 2 * p - (p & (stride - 1)), hi = lo + stride;  // the pair at distance `stride`
                 const unsigned a = keys[lo], b = keys[hi];
                 if ((a > b) == ((lo & size) == 0)) {  // ascending where bit `size` of lo is clear
@@ -72,10 +77,32 @@ k_embed_sort(unsigned* sorted, const int* tokens, int n_pos, int padded) {
             __syncthreads();
         }
     }
-    for (int i = threadIdx.x; i < n_pos; i += blockDim.x) sorted[i] = keys[i];
+    for (int i = threadIdx.x; i < EMBED_SORT_CHUNK && first + i < n_pos; i += blockDim.x) chunks[first + i] = keys[i];
 }
 
-// Blocks [0, n_pos) take the sorted keys of k_embed_sort: the block of entry i owns its token where i starts
+// k_embed_merge: each key's place in the whole order is its place in its chunk plus, in every other chunk, the
+// number of keys below it (a binary search); one thread a key.
+extern "C" __global__ void k_embed_merge(unsigned* sorted, const unsigned* chunks, int n_pos) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= n_pos) return;
+    const unsigned key = chunks[n];
+    const int own = n / EMBED_SORT_CHUNK, n_chunks = (n_pos + EMBED_SORT_CHUNK - 1) / EMBED_SORT_CHUNK;
+    int place = n - own * EMBED_SORT_CHUNK;
+    for (int c = 0; c < n_chunks; c++) {
+        if (c == own) continue;
+        const unsigned* chunk = chunks + c * EMBED_SORT_CHUNK;
+        int lo = 0, hi = min(EMBED_SORT_CHUNK, n_pos - c * EMBED_SORT_CHUNK);  // keys below `key`: [0, lo)
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (chunk[mid] < key) lo = mid + 1;
+            else hi = mid;
+        }
+        place += lo;
+    }
+    sorted[place] = key;
+}
+
+// Blocks [0, n_pos) take the sorted keys of k_embed_merge: the block of entry i owns its token where i starts
 // the token's run, and adds the run's rows (ascending positions), EMBED_BWD_THREADS keys at a time through
 // shared memory and EMBED_GATHER rows' loads in flight before their adds (in the same order). Blocks
 // [n_pos, n_pos + T) own rows of dwpe.

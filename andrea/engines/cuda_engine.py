@@ -77,8 +77,6 @@ def _load_kernels(precision: str) -> dict:
     for name, smem in attn.shared_memory().items():
         functions[name].max_dynamic_shared_size_bytes = smem
         functions[name].preferred_shared_memory_carveout = 100
-    for name, smem in embed.shared_memory().items():
-        functions[name].max_dynamic_shared_size_bytes = smem
     for name in (*attn.KERNELS[attn.MMA16_KERNEL_FILE], *attn.HOPPER_KERNELS[attn.MMA16_KERNEL_FILE]):
         if name in functions:
             functions[name].preferred_shared_memory_carveout = 100

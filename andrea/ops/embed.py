@@ -8,17 +8,13 @@ from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
 from andrea.ops.base import Draw, OpCase, kernel_defines
 
-KERNELS = {"embed": ("k_embed_fwd", "k_embed_bwd", "k_embed_sort", "k_embed_bwd_sorted")}
+KERNELS = {"embed": ("k_embed_fwd", "k_embed_bwd", "k_embed_sort", "k_embed_merge", "k_embed_bwd_sorted")}
 
 
 def engine_buffers() -> tuple:
-    """The backward's sorted keys (k_embed_sort): one int a position, up to EMBED_SORT_MAX."""
-    return (BufferSpec("embed_sorted", (kernel_defines("embed")["EMBED_SORT_MAX"],), "int32", "engine"),)
-
-
-def shared_memory() -> dict[str, int]:
-    """Dynamic shared memory of the kernels that take over 48 KB: the sort's keys at the most positions."""
-    return {"k_embed_sort": 4 * kernel_defines("embed")["EMBED_SORT_MAX"]}
+    """The backward's keys: sorted in chunks (k_embed_sort), then in whole (k_embed_merge); an int a position
+    each, up to EMBED_SORT_MAX positions."""
+    return (BufferSpec("embed_sorted", (2 * kernel_defines("embed")["EMBED_SORT_MAX"],), "int32", "engine"),)
 
 
 # a block per position: 128 x 16 bytes covers a bf16 row of C <= 1024 in one sweep (the kernel loops wider rows)
@@ -54,11 +50,13 @@ class CudaOps:
         if C > threads * cols:
             raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * cols} columns")
         n_pos = B * T
-        if n_pos <= k["EMBED_SORT_MAX"] and dwte.shape[0] <= 2**16:  # the sort's keys: token << 16 | position
-            padded = 1 << max(0, (n_pos - 1).bit_length())
-            sorted_keys = self.own["embed_sorted"]
-            self.k["k_embed_sort"]((1,), (k["EMBED_SORT_THREADS"],), (sorted_keys, tokens, np.int32(n_pos), np.int32(padded)),
-                                   shared_mem=4 * padded)
+        most = k["EMBED_SORT_MAX"]
+        if n_pos <= most and dwte.shape[0] <= 2**16:  # the sort's keys: token << 16 | position
+            keys = self.own["embed_sorted"]
+            chunks, sorted_keys = keys[:most], keys[most:]
+            self._launch("k_embed_sort", -(-n_pos // k["EMBED_SORT_CHUNK"]), k["EMBED_SORT_THREADS"], chunks, tokens,
+                         np.int32(n_pos))
+            self._launch("k_embed_merge", -(-n_pos // threads), threads, sorted_keys, chunks, np.int32(n_pos))
             self._launch("k_embed_bwd_sorted", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
                          np.int32(T), np.int32(C))
             return
