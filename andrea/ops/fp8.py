@@ -9,9 +9,10 @@ checkpoint. (Delayed scaling, an amax history from earlier steps, would save the
 also be state, and the first step would need the pass anyway.)
 
 Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
-amax is found once: the LayerNorms and the GELU gradient compute it as they store their outputs (the
-kernels' `amax` argument, `block_amax` in kernels/common.cuh), and a cast's own amax pass is kept for the
-tensor's later casts (the forward's activations, cast again transposed by the backward). The scales, and so
+amax is found once: the LayerNorms, the GELU passes and the bf16 attention kernels compute it as they store
+their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
+own amax pass is kept for the tensor's later casts (the GELU epilogue's act, cast again transposed by the
+backward). The scales, and so
 the bytes, are those of casts that each run their own pass; a test compares them bit for bit.
 
 Hopper's FP8 products take both operands K-major, so each product gets the layout it needs from the
@@ -201,7 +202,8 @@ class CudaOps:
     # ---- the pass's amax book ----------------------------------------------------------------
     # Inside fp8_pass, `kept` maps a tensor (its pointer and bytes) whose amax is current to its slot in the
     # engine's fp8_amax. The rule that keeps it true: every op that writes a tensor either keeps its amax
-    # (_fp8_produced: the LayerNorms, the GELU passes) or drops it (_fp8_wrote); a cast's amax pass keeps it.
+    # (_fp8_produced: the LayerNorms, the GELU passes, the bf16 attention) or drops it (_fp8_wrote); a cast's amax
+    # pass keeps it.
     @contextlib.contextmanager
     def fp8_pass(self):
         """One pass of a model over its own buffers (a micro-batch's forward and backward, or a forward): within
