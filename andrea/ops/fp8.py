@@ -239,14 +239,17 @@ class CudaOps:
                 return None
             slots[key] = len(slots)
         self._fp8_book["kept"][key] = slots[key]
-        return table[SLOT_FLOATS * slots[key]:][:SLOT_FLOATS]
+        return self._fp8_amax_slot(slots[key])
+
+    def _fp8_amax_slot(self, i: int):
+        """Slot i of the pass's table fp8_amax (laid out as fp8_scales' slots: _fp8_slot reads either)."""
+        return self.own["fp8_amax"][SLOT_FLOATS * i:][:SLOT_FLOATS]
 
     def _fp8_produced(self, out):
         """The amax word (zeroed) into which a producer kernel writes out's amax as it stores out, kept for out's
         casts; None outside a pass (the kernel then gets a null pointer, `amax_arg`, and computes none)."""
-        slot = self._fp8_keep(out)
+        slot = self._fp8_keep(out)  # drops what out overlapped, kept or not
         if slot is None:
-            self._fp8_wrote(out)
             return None
         amax, _ = self._fp8_slot(slot)
         self.zero(amax)
@@ -261,7 +264,7 @@ class CudaOps:
         book = self._fp8_book
         known = book["kept"].get((ptr(x), x.nbytes)) if book is not None else None
         if known is not None:
-            amax, descale = self._fp8_slot(self.own["fp8_amax"][SLOT_FLOATS * known:][:SLOT_FLOATS])
+            amax, descale = self._fp8_slot(self._fp8_amax_slot(known))
         else:
             mine = self._fp8_keep(x) if keep else None
             amax, descale = self._fp8_slot(slot if mine is None else mine)
