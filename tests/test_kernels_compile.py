@@ -2,18 +2,46 @@
 needed), and every kernel the CUDA engine launches is in the compiled code under its seed name; the files
 with a Hopper build compile for sm_90a too, with Hopper's own kernels in it."""
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from andrea.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, hopper_build_wanted,
                                   kernel_dir, kernel_source)
 from andrea.ops import hopper_kernel_files, kernel_files
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+BUILDS = [(op, arch, p) for op in KERNEL_FILES for arch in ARCHS for p in PRECISIONS] + \
+         [(op, HOPPER_ARCH, p) for op in sorted(hopper_kernel_files()) for p in ("bf16", "fp16")]
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every build of the tests below, compiled side by side (NVRTC releases the GIL: one build a core); a
+    build's error is kept and raised by its own test."""
+    def build(key):
+        try:
+            return compile_kernel(key[0], key[1], precision=key[2])
+        except Exception as err:  # noqa: BLE001 - re-raised in the test of that build
+            return err
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(BUILDS, pool.map(build, BUILDS)))
+
+
+def build_of(compiled, op, arch, precision):
+    result = compiled[(op, arch, precision)]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("op", KERNEL_FILES)
-def test_kernel_compiles(op, arch, precision):
-    compiled = compile_kernel(op, arch, precision=precision)
+def test_kernel_compiles(compiled, op, arch, precision):
+    compiled = build_of(compiled, op, arch, precision)
     for name in kernel_files()[op]:
         assert name.encode() in compiled.cubin, f"{name} missing from kernels/{op}.cu ({arch})"
 
@@ -39,17 +67,17 @@ def test_header_is_spliced_into_the_source():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
-def test_hopper_build_compiles(op, precision):
+def test_hopper_build_compiles(compiled, op, precision):
     """The sm_90a build holds the file's kernels and Hopper's own beside them."""
-    compiled = compile_kernel(op, HOPPER_ARCH, precision=precision)
+    compiled = build_of(compiled, op, HOPPER_ARCH, precision)
     for name in (*kernel_files()[op], *hopper_kernel_files()[op]):
         assert name.encode() in compiled.cubin, f"{name} missing from the {HOPPER_ARCH} build of kernels/{op}.cu"
 
 
 @pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
-def test_hopper_kernels_are_only_in_the_hopper_build(op):
+def test_hopper_kernels_are_only_in_the_hopper_build(compiled, op):
     """The warpgroup products need sm_90a: a plain sm_90 build (what runs on other GPUs' code paths) has none."""
-    compiled = compile_kernel(op, "sm_90", precision="bf16")
+    compiled = build_of(compiled, op, "sm_90", "bf16")
     for name in hopper_kernel_files()[op]:
         assert name.encode() not in compiled.cubin
 
