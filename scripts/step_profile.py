@@ -7,7 +7,7 @@ pass the step's pass book would have spared it. Here the step runs eagerly, as t
 (`graphs=False`, the same Python path the graph captures), and every engine op call is bracketed by CUDA
 events. Before each call the stream runs a spin kernel of SPIN_US microseconds, so the host has enqueued the
 op's kernels by the time the device reaches them: the time between the events is the op's own device time,
-without host launch gaps. The table gives each op's calls a step, total ms and share; their sum is set
+without host launch gaps. Timed beside the ops: `zero`, `zero_grads` and `prepare_fp8_weights`. The table gives each op's calls a step, total ms and share; their sum is set
 against the same step replayed as CUDA graphs (scripts/bench.py's per_step_ms). Run on a CUDA machine.
 """
 
@@ -28,6 +28,8 @@ from bench import BENCH, EXPERIMENTS, options, per_step_ms  # noqa: E402
 from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.timing import RECORDED  # noqa: E402
 
+# the ops, and the step's engine calls beside them: the weight gradients' zeroing, the FP8 weight copies
+TIMED = frozenset((*RECORDED, "zero", "zero_grads", "prepare_fp8_weights"))
 SPIN_US = 300  # longer than the host takes to launch any one op's kernels (a few to a dozen, ~5 us each)
 SPIN = r"""extern "C" __global__ void k_spin(long long cycles) {
     long long t0 = clock64();
@@ -36,7 +38,7 @@ SPIN = r"""extern "C" __global__ void k_spin(long long cycles) {
 
 
 class OpTimer:
-    """An engine that passes every call on and brackets the op calls with CUDA events, after a spin."""
+    """An engine that passes every call on and brackets the TIMED calls with CUDA events, after a spin."""
 
     def __init__(self, engine, spin_cycles: int):
         import cupy
@@ -51,7 +53,7 @@ class OpTimer:
         import cupy
 
         target = getattr(self._engine, name)
-        if name not in RECORDED:
+        if name not in TIMED:
             return target
 
         def timed(*args, **kwargs):

@@ -81,9 +81,9 @@ def test_cjk_text_trains_in_bounded_memory(tmp_path):
     train = megachat(tmp_path / "train.parquet", texts)
     code = (f"from andrea.data.train_tokenizer import train_tokenizer; "
             f"train_tokenizer({str(train)!r}, 4096, {str(tmp_path / 'tokenizer.json')!r})")
-    # the child's own peak, printed as it exits: RUSAGE_CHILDREN here would also count any earlier test's
-    # child that happens to be reaped meanwhile
-    code += "; import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    # The child's own peak, printed as it exits: VmHWM is its address space's. ru_maxrss (of the child or of
+    # RUSAGE_CHILDREN) keeps the high-water mark from before its exec, i.e. this test process's own size.
+    code += "; print(next(ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')))"
     run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=600)
     peak_mb = int(run.stdout.split()[-1]) / 1024
     assert peak_mb < 350, f"peak RSS {peak_mb:.0f} MB"
