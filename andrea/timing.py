@@ -39,25 +39,37 @@ def graph_ms(engine, fn, reps: int = 5, inner: int = 10) -> float:
     return median_ms(lambda: engine.replay(graph), reps) / inner
 
 
-class OpRecorder:
-    """An engine that passes every call on to `engine` and records the op calls among them, with their
-    arguments, so that the ops of a real training step can be timed one by one on the step's own
-    buffers (no second copy of the model's wiring). Build the Model on the recorder, run one step."""
+class EngineCalls:
+    """An engine that passes every call on to `engine` and routes the calls named in NAMES through `_call`:
+    what a subclass does around them (record them, time them)."""
+
+    NAMES: frozenset | tuple = RECORDED
 
     def __init__(self, engine):
         self._engine = engine
-        self.calls: list[tuple[str, tuple, dict]] = []
 
     def __getattr__(self, name):
         target = getattr(self._engine, name)
-        if name not in RECORDED:
+        if name not in self.NAMES:
             return target
+        return lambda *args, **kwargs: self._call(name, target, args, kwargs)
 
-        def record(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
-            return target(*args, **kwargs)
+    def _call(self, name, target, args, kwargs):
+        return target(*args, **kwargs)
 
-        return record
+
+class OpRecorder(EngineCalls):
+    """Records the op calls with their arguments, so that the ops of a real training step can be timed one
+    by one on the step's own buffers (no second copy of the model's wiring). Build the Model on the
+    recorder, run one step."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def _call(self, name, target, args, kwargs):
+        self.calls.append((name, args, kwargs))
+        return target(*args, **kwargs)
 
     def per_step(self) -> Counter:
         return Counter(name for name, _, _ in self.calls)

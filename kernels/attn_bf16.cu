@@ -12,9 +12,10 @@
 // columns [64 h, 64 h + 64) of C (so C = 64 H); lse and D are fp32 [B, H, T]. T is any length >= 1: rows past T read
 // as zero and are never written. No atomics in the sums: every sum runs in an order fixed by the launch shape, so
 // repeated runs give identical bits. With `amax` (precision fp8; else null) each kernel also takes the amax of what it
-// stores (Y; dQ, and dK with dV, into one word for dqkv), an order-free max (warp_amax, kernels/common.cuh). The backward is two kernels, as in attn.cu: k_attn_bwd_dq_bf16, one block per query tile,
-// writes D and loops over key tiles to add dQ; then k_attn_bwd_bf16, one block per key tile, reads D and loops over
-// query tiles to add dK and dV.
+// stores (Y; dQ, and dK with dV, into one word for dqkv), an order-free max (warp_amax, kernels/common.cuh).
+// The backward is two kernels, as in attn.cu: k_attn_bwd_dq_bf16, one block per query tile, writes D and loops over
+// key tiles to add dQ; then k_attn_bwd_bf16, one block per key tile, reads D and loops over query tiles to add dK
+// and dV.
 //
 // Launch configuration (the host reads it from the module's int[4] constant attn_bf16_launch = {THREADS, ROWS,
 // KV_THREADS, KV_ROWS}, not from a copy of these #defines), in launch order:

@@ -10,12 +10,11 @@
 #define FP8_THREADS 256  // 8 threads a tile row of 64 activations (8 each), 32 rows a pass, 2 passes
 #define FP8_AMAX_THREADS 256
 
-// amax of n activations into *amax as float bits (non-negative floats order as their bits); *amax starts
-// at 0 (the launcher clears it). NaN is passed over here and shows in the cast's output. 16-byte loads
-// where x is 16-byte aligned (the tail, and any other x, one element at a time).
+// amax of n activations into *amax (block_amax, kernels/common.cuh; the launcher clears it). NaN is passed
+// over here and shows in the cast's output. 16-byte loads where x is 16-byte aligned (the tail, and any other
+// x, one element at a time).
 extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsigned int* amax, const act_t* __restrict__ x,
                                                                           long long n) {
-    __shared__ float scratch[32];
     constexpr int per = 16 / sizeof(act_t);
     float m = 0.0f;
     long long head = 0;
@@ -38,8 +37,7 @@ extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsign
     }
     for (long long i = head + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         m = fmaxf(m, fabsf(to_f32(x[i])));
-    m = block_max(m, scratch);
-    if (threadIdx.x == 0 && m > 0.0f) atomicMax(amax, __float_as_uint(m));
+    block_amax(amax, m);  // the values are stored ones already: as_stored leaves them as they are
 }
 
 // The scale's exponent e (s = 2^e) for amax bits `a`: amax = 1.f * 2^k, the format's max 1.75 * 2^emax,

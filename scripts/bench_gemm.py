@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from andrea.config import ModelShape  # noqa: E402
+from andrea.ops.fp8 import amax_arg  # noqa: E402
 from andrea.timing import graph_ms  # noqa: E402
 
 REPEATS = 20
@@ -126,7 +127,7 @@ def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
                                                           aux=x["pre"]))
         plain = timed_ms(engine, lambda: engine.blas.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb))
         pass_ms = timed_ms(engine, lambda: engine._launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F),
-                                                             np.uint64(0)))  # no amax
+                                                             amax_arg(None)))
         rows.append({"epilogue": epi, "lt_ms": round(lt, 4), "plain_ms": round(plain, 4), "kernel_ms": round(pass_ms, 4)})
         print(f"mlp {epi:9} cuBLASLt epilogue {lt:.4f} ms; plain product {plain:.4f} + {kernel[epi]} {pass_ms:.4f} "
               f"= {plain + pass_ms:.4f} ms", flush=True)

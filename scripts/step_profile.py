@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +27,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench import BENCH, EXPERIMENTS, options, per_step_ms  # noqa: E402
 
 from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
-from andrea.timing import RECORDED  # noqa: E402
+from andrea.timing import RECORDED, EngineCalls  # noqa: E402
 
 # the ops, and the step's engine calls beside them: the weight gradients' zeroing, the FP8 weight copies
 TIMED = frozenset((*RECORDED, "zero", "zero_grads", "prepare_fp8_weights"))
@@ -37,38 +38,33 @@ SPIN = r"""extern "C" __global__ void k_spin(long long cycles) {
 }"""
 
 
-class OpTimer:
-    """An engine that passes every call on and brackets the TIMED calls with CUDA events, after a spin."""
+class OpTimer(EngineCalls):
+    """Brackets the TIMED calls with CUDA events, after a spin (while `on`)."""
+
+    NAMES = TIMED
 
     def __init__(self, engine, spin_cycles: int):
         import cupy
 
-        self._engine = engine
+        super().__init__(engine)
         self._spin = cupy.RawKernel(SPIN, "k_spin")
         self._cycles = spin_cycles
         self.events: list[tuple[str, object, object]] = []
         self.on = False
 
-    def __getattr__(self, name):
+    def _call(self, name, target, args, kwargs):
         import cupy
 
-        target = getattr(self._engine, name)
-        if name not in TIMED:
-            return target
-
-        def timed(*args, **kwargs):
-            if not self.on:
-                return target(*args, **kwargs)
-            stream = cupy.cuda.get_current_stream()
-            self._spin((1,), (1,), (cupy.int64(self._cycles),), stream=stream)
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            out = target(*args, **kwargs)
-            end.record(stream)
-            self.events.append((name, start, end))
-            return out
-
-        return timed
+        if not self.on:
+            return target(*args, **kwargs)
+        stream = cupy.cuda.get_current_stream()
+        self._spin((1,), (1,), (cupy.int64(self._cycles),), stream=stream)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        out = target(*args, **kwargs)
+        end.record(stream)
+        self.events.append((name, start, end))
+        return out
 
     def per_op(self) -> dict[str, dict]:
         import cupy
@@ -110,8 +106,7 @@ def profile(name: str, precision: str, steps: int) -> dict:
     # the median over the timed steps, op by op
     ops = {}
     for op in per_step[0]:
-        times = sorted(s[op]["ms"] for s in per_step)
-        ops[op] = {"calls": per_step[0][op]["calls"], "ms": times[len(times) // 2]}
+        ops[op] = {"calls": per_step[0][op]["calls"], "ms": statistics.median(s[op]["ms"] for s in per_step)}
     return {"graph_step_ms": round(graph_ms, 3), "ops_sum_ms": round(sum(v["ms"] for v in ops.values()), 3),
             "ops": ops}
 

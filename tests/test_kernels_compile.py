@@ -43,9 +43,9 @@ def build_of(compiled, op, arch, precision):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("op", KERNEL_FILES)
 def test_kernel_compiles(compiled, op, arch, precision):
-    compiled = build_of(compiled, op, arch, precision)
+    built = build_of(compiled, op, arch, precision)
     for name in kernel_files()[op]:
-        assert name.encode() in compiled.cubin, f"{name} missing from kernels/{op}.cu ({arch})"
+        assert name.encode() in built.cubin, f"{name} missing from kernels/{op}.cu ({arch})"
 
 
 def test_every_kernel_file_is_built():
@@ -71,17 +71,17 @@ def test_header_is_spliced_into_the_source():
 @pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
 def test_hopper_build_compiles(compiled, op, precision):
     """The sm_90a build holds the file's kernels and Hopper's own beside them."""
-    compiled = build_of(compiled, op, HOPPER_ARCH, precision)
+    built = build_of(compiled, op, HOPPER_ARCH, precision)
     for name in (*kernel_files()[op], *hopper_kernel_files()[op]):
-        assert name.encode() in compiled.cubin, f"{name} missing from the {HOPPER_ARCH} build of kernels/{op}.cu"
+        assert name.encode() in built.cubin, f"{name} missing from the {HOPPER_ARCH} build of kernels/{op}.cu"
 
 
 @pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
 def test_hopper_kernels_are_only_in_the_hopper_build(compiled, op):
     """The warpgroup products need sm_90a: a plain sm_90 build (what runs on other GPUs' code paths) has none."""
-    compiled = build_of(compiled, op, "sm_90", "bf16")
+    built = build_of(compiled, op, "sm_90", "bf16")
     for name in hopper_kernel_files()[op]:
-        assert name.encode() not in compiled.cubin
+        assert name.encode() not in built.cubin
 
 
 def test_hopper_build_is_wanted_on_compute_capability_90_only(monkeypatch):

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
+from andrea.ops.fp8 import amax_arg  # noqa: E402
 from andrea.timing import median_ms  # noqa: E402
 
 HD = 64
@@ -68,7 +69,7 @@ ROLES = ("fwd", "dq", "kv")
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 # The kernels' trailing amax word (precision fp8): none here. Kernels of a file without the argument (older
 # variants) ignore a parameter past their own.
-NO_AMAX = np.uint64(0)
+NO_AMAX = amax_arg(None)
 LAUNCH_SYMBOL = "attn_bf16_launch"  # int[4] {THREADS, ROWS, KV_THREADS, KV_ROWS}, where a kernel file exports it
 WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"  # int: dynamic shared memory of k_attn_bwd_kv_wg, in the sm_90a build
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
