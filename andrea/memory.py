@@ -217,7 +217,8 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
         for name in ("d_residual", "d_ln"):
             stat(name, (B, T, C), "scratch")
         add("d_branch", (B, T, C), "scratch")
-        add("d_qkv", (3, B, T, C), "scratch")
+        # dQ, dK, dV of a token side by side: attn_qkv_bwd's input gradient is then one product over 3C
+        add("d_qkv", (B, T, 3, C), "scratch")
         add("d_atty", (B, T, C), "scratch")
         if attention == "lse":
             stat("d_att", scores, "scratch")

@@ -16,7 +16,7 @@ import numpy as np
 from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
 from andrea.memory import RECOMPUTED, plan_model
-from andrea.ops import fp8
+from andrea.ops import attn_qkv, fp8
 
 INIT_STD = 0.02
 
@@ -95,19 +95,21 @@ class Model:
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and engine.traits.graphs
         self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted) -> recorded micro-batch
-        self._prepare_graph = None  # the FP8 weight casts, recorded (_weights_changed)
+        self._prepare_graph = None  # the weight copies' launches, recorded (_weights_changed)
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.source_loss_sums: np.ndarray | None = None  # the last train_step's per-source losses (its `sources`)
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
-        fp8_buffers = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer)
-                       if engine.traits.fp8_products else ())
+        copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer)
+                  if engine.traits.fp8_products else ())
+        if training and engine.traits.qkv_weight_rows:
+            copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
                                recompute=tuple(recompute), loss_chunks=loss_chunks,
-                               engine_buffers=engine.traits.own_buffers + fp8_buffers)
+                               engine_buffers=engine.traits.own_buffers + copies)
         self.recompute = tuple(recompute) if training else ()
         # `share`: a model of the same shape on this engine whose weights this one reads and in whose transient
         # buffers it runs between that one's steps (memory.py); ValueError when they do not fit
@@ -141,7 +143,7 @@ class Model:
         e.upload(self.buf["params"], params)
         if "params_lp" in self.buf:
             e.cast(self.buf["params_lp"], self.buf["params"])
-            self._weights_changed()
+        self._weights_changed()
         if self.training:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
@@ -240,6 +242,7 @@ class Model:
         e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
                                  b["lnf_mean"], b["lnf_rstd"])
         dp, grads, lay = self.data_parallel if reduce else None, b["grads"], self.layout
+        d_qkv = b["d_qkv"].transpose(2, 0, 1, 3)  # [3, B, T, C] over its rows [B, T, 3, C] (memory.py)
         if dp:
             dp.reduce_async(grads[lay.span("LNf.gamma", "LNf.beta")])
         for l in reversed(range(self.shape.n_layer)):
@@ -255,10 +258,10 @@ class Model:
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
             e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True)
-            e.attn_bwd(b["d_qkv"], b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
+            e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
-            e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], b["d_qkv"], self.saved("ln1", l), w["W_QKV"], overwrite=True)
+            e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], d_qkv, self.saved("ln1", l), w["W_QKV"], overwrite=True)
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])
             if l > 0:  # the previous layer's MLP branch joined the stream here
                 e.layernorm_residual_bwd(dres, d_branch, *ln1)
@@ -401,18 +404,23 @@ class Model:
         return loss, norm
 
     def _weights_changed(self) -> None:
-        """After params_lp is written: the FP8 weight copies follow it (precision fp8), before any op reads them;
-        a recorded graph where the engine records them (4 casts of 3 launches a layer)."""
-        if "params_fp8" not in self.buf:
-            return
-        e = self.engine
+        """After W is written (its load, every AdamW step): the engine's copies of the layer matrices follow it
+        before any op reads them (the FP8 copies under precision fp8, 4 casts of 3 launches a layer; else the
+        training model's [C, 3C] W_QKV), as a recorded graph where the engine records them."""
+        b, e = self.buf, self.engine
 
         def prepare():
-            e.prepare_fp8_weights(self.buf["params_fp8"], self.W["layers"])
+            if "params_fp8" in b:
+                e.prepare_fp8_weights(b["params_fp8"], self.W["layers"])
+            if "w_qkv_rows" in b:
+                e.prepare_qkv_rows(b["w_qkv_rows"], self.W["layers"])
+        if "params_fp8" not in b and "w_qkv_rows" not in b:
+            return
         if not self.graphs:
             prepare()
             return
         if self._prepare_graph is None:
+            prepare()  # once outside the recording: kernels that compile or load on first use do so here
             self._prepare_graph = e.capture(prepare)
         e.replay(self._prepare_graph)
 

@@ -10,6 +10,8 @@
 // The backward is two kernels, neither with atomics: k_attn_bwd_dq, one block per query tile, writes D
 // and loops over key tiles to add dQ; then k_attn_bwd, one block per key tile, loops over query tiles
 // to add dK and dV.
+// qkv is [3, B, T, C] (Q, K, V planes); dqkv's rows are dld elements apart and its planes dplane: dld C, dplane
+// B T C for [3, B, T, C], or dld 3 C, dplane C for the rows [B, T, 3, C] (as in attn_bf16.cu).
 #include "common.cuh"
 
 #define ATTN_THREADS 128  // 4 warps; warp w owns rows 16w .. 16w + 15 of the block's 64-row tile
@@ -216,6 +218,12 @@ __device__ __forceinline__ Head head_of(int bh, int B, int T, int C, int H) {
     return {(long long)b * T * C + (long long)h * (C / H), (long long)bh * T, (long long)B * T * C};
 }
 
+// The same (b, h) in dqkv, whose rows are dld and planes dplane elements apart.
+__device__ __forceinline__ Head grad_head_of(int bh, int T, int C, int H, int dld, int dplane) {
+    const int b = bh / H, h = bh % H;
+    return {(long long)b * T * dld + (long long)h * (C / H), (long long)bh * T, (long long)dplane};
+}
+
 // ---- forward: one block per (b, h) and 64-query tile ---------------------------------------------------
 template <bool SPLIT>
 __device__ __forceinline__ void attn_fwd(act_t* out, float* lse, const act_t* qkv, int B, int T, int C, int H,
@@ -294,7 +302,7 @@ k_attn_fwd(act_t* out, float* lse, const act_t* qkv, int B, int T, int C, int H,
 template <bool SPLIT>
 __device__ __forceinline__ void attn_bwd_q(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv,
                                            const float* lse, int B, int T, int C, int H, float scale, float* smem,
-                                           int add) {
+                                           int add, int dld, int dplane) {
     float* Qs = smem;
     float* dYs = Qs + ATTN_TILE_FLOATS;
     float* Ks = dYs + ATTN_TILE_FLOATS;
@@ -355,14 +363,15 @@ __device__ __forceinline__ void attn_bwd_q(act_t* dqkv, float* delta, const act_
         mma_pb<SPLIT>(dq, ds, Ks, g, t);
     }
     const float sc[2] = {scale, scale};
-    store_grad_rows(dqkv + hh.seq, dq, sc, row0, T, C, hd, t, add);
+    const Head gh = grad_head_of(blockIdx.x, T, C, H, dld, dplane);
+    store_grad_rows(dqkv + gh.seq, dq, sc, row0, T, dld, hd, t, add);
 }
 
 // ---- backward, second kernel: dK and dV, one block per (b, h) and 64-key tile -----------------------------------
 template <bool SPLIT>
 __device__ __forceinline__ void attn_bwd_kv(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv,
                                             const float* lse, int B, int T, int C, int H, float scale, float* smem,
-                                            int add) {
+                                            int add, int dld, int dplane) {
     float* Ks = smem;
     float* Vs = Ks + ATTN_TILE_FLOATS;
     float* Qs = Vs + ATTN_TILE_FLOATS;
@@ -412,25 +421,26 @@ __device__ __forceinline__ void attn_bwd_kv(act_t* dqkv, const float* delta, con
         mma_pb<SPLIT>(dk, ds, Qs, g, t);
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
-    store_grad_rows(dqkv + hh.plane + hh.seq, dk, sc, key0, T, C, hd, t, add);
-    store_grad_rows(dqkv + 2 * hh.plane + hh.seq, dv, one, key0, T, C, hd, t, add);
+    const Head gh = grad_head_of(blockIdx.x, T, C, H, dld, dplane);
+    store_grad_rows(dqkv + gh.plane + gh.seq, dk, sc, key0, T, dld, hd, t, add);
+    store_grad_rows(dqkv + 2 * gh.plane + gh.seq, dv, one, key0, T, dld, hd, t, add);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
 k_attn_bwd_dq(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv, const float* lse,
-              int B, int T, int C, int H, float scale, int split, int add) {
+              int B, int T, int C, int H, float scale, int split, int add, int dld, int dplane) {
     extern __shared__ float4 smem_dq[];
     float* smem = reinterpret_cast<float*>(smem_dq);
-    if (split) attn_bwd_q<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add);
-    else attn_bwd_q<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add);
+    if (split) attn_bwd_q<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add, dld, dplane);
+    else attn_bwd_q<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add, dld, dplane);
 }
 
 // Runs after k_attn_bwd_dq, whose delta it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
 k_attn_bwd(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv, const float* lse,
-           int B, int T, int C, int H, float scale, int split, int add) {
+           int B, int T, int C, int H, float scale, int split, int add, int dld, int dplane) {
     extern __shared__ float4 smem_dkv[];
     float* smem = reinterpret_cast<float*>(smem_dkv);
-    if (split) attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add);
-    else attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add);
+    if (split) attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add, dld, dplane);
+    else attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add, dld, dplane);
 }

@@ -8,8 +8,10 @@
 // (the backward adds into dqkv: old bf16 value + fp32 result, one rounding; or, with add = 0, writes over it).
 // The fp16 build (ACT_FP16) is the same kernels on IEEE half operands (the f16 mma): its activations are fp16.
 //
-// Layouts (row-major): qkv and dqkv are [3, B, T, C] (Q, K, V planes), out (Y) and dout (dY) [B, T, C], head h the
-// columns [64 h, 64 h + 64) of C (so C = 64 H); lse and D are fp32 [B, H, T]. T is any length >= 1: rows past T read
+// Layouts (row-major): qkv is [3, B, T, C] (Q, K, V planes), out (Y) and dout (dY) [B, T, C], head h the columns
+// [64 h, 64 h + 64) of C (so C = 64 H); lse and D are fp32 [B, H, T]. dqkv's rows are dld elements apart and its dQ,
+// dK, dV planes dplane apart: dld C, dplane B T C for [3, B, T, C]; dld 3 C, dplane C for the rows [B, T, 3, C] that
+// attn_qkv_bwd reads as one [B T, 3 C] matrix. T is any length >= 1: rows past T read
 // as zero and are never written. No atomics in the sums: every sum runs in an order fixed by the launch shape, so
 // repeated runs give identical bits. With `amax` (precision fp8; else null) each kernel also takes the amax of what it
 // stores (Y; dQ, and dK with dV, into one word for dqkv), an order-free max (warp_amax, kernels/common.cuh).
@@ -407,6 +409,12 @@ __device__ __forceinline__ Head head_of(int bh, int B, int T, int H) {
     return {b * T * H + h, (unsigned)B * T * H, (unsigned)bh * T};
 }
 
+// The same (b, h) in dqkv, whose rows are dld and planes dplane elements apart (both multiples of 64).
+__device__ __forceinline__ Head grad_head_of(int bh, int T, int H, int dld, int dplane) {
+    const unsigned b = bh / H, h = bh % H;
+    return {b * T * (unsigned)(dld / 64) + h, (unsigned)dplane / 64, (unsigned)bh * T};
+}
+
 __device__ __forceinline__ int next_stage(int s) { return s == 2 ? 0 : s + 1; }
 
 // ---- forward: one block per (b, h) and query tile, key tiles of 64 -----------------------------------------------
@@ -761,7 +769,7 @@ __device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsig
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16* dout, const bf16* y,
                                             const bf16* qkv, const float* lse, int B, int T, int C, int H,
-                                            float scale, int add, unsigned* amax) {
+                                            float scale, int add, unsigned* amax, int dld, int dplane) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
@@ -830,23 +838,23 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
         stage = next_stage(stage);
     }
     const float sc[2] = {scale, scale};
-    const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
+    const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
 #pragma unroll
-    for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, C, t, add, top);
+    for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, dld, t, add, top);
     if (amax != nullptr) warp_amax(amax, top);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                   int B, int T, int C, int H, float scale, int add, unsigned* amax) {
-    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax);
+                   int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
+    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                 int B, int T, int C, int H, float scale, int add, unsigned* amax) {
-    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax);
+                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
+    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #endif
 
@@ -997,7 +1005,7 @@ __device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned L
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv,
                                             const float* lse, int B, int T, int C, int H, float scale, int add,
-                                            unsigned* amax) {
+                                            unsigned* amax, int dld, int dplane) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
     constexpr int NBUF = WG ? 3 : 2;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 keys");
@@ -1075,12 +1083,12 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
         s = s == NBUF - 1 ? 0 : s + 1;
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
-    const Head hs = head_of(block_x(), B, T, H);  // offsets recomputed, as in the forward
+    const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
 #pragma unroll
     for (int i = 0; i < WT; i++) {
-        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, C, t, add, top);
-        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, C, t, add, top);
+        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, dld, t, add, top);
+        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, dld, t, add, top);
     }
     if (amax != nullptr) warp_amax(amax, top);
 }
@@ -1088,8 +1096,8 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
 // Runs after k_attn_bwd_dq_bf16, whose D it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                int B, int T, int C, int H, float scale, int add, unsigned* amax) {
-    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax);
+                int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
+    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #ifdef ATTN_WGMMA
 // Runs after k_attn_bwd_dq_wg, whose D it reads; with ATTN_BF16_WG_KV_SMEM bytes of dynamic shared memory (the
@@ -1097,7 +1105,7 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
 extern "C" __constant__ int attn_wg_kv_smem = ATTN_BF16_WG_KV_SMEM;
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                 int B, int T, int C, int H, float scale, int add, unsigned* amax) {
-    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax);
+                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
+    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #endif

@@ -7,7 +7,8 @@ pass the step's pass book would have spared it. Here the step runs eagerly, as t
 (`graphs=False`, the same Python path the graph captures), and every engine op call is bracketed by CUDA
 events. Before each call the stream runs a spin kernel of SPIN_US microseconds, so the host has enqueued the
 op's kernels by the time the device reaches them: the time between the events is the op's own device time,
-without host launch gaps. Timed beside the ops: `zero`, `zero_grads` and `prepare_fp8_weights`. The table gives each op's calls a step, total ms and share; their sum is set
+without host launch gaps. Timed beside the ops: `zero`, `zero_grads` and the weight copies (`prepare_fp8_weights`,
+`prepare_qkv_rows`). The table gives each op's calls a step, total ms and share; their sum is set
 against the same step replayed as CUDA graphs (scripts/bench.py's per_step_ms). Run on a CUDA machine.
 """
 
@@ -29,8 +30,8 @@ from bench import BENCH, EXPERIMENTS, options, per_step_ms  # noqa: E402
 from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.timing import RECORDED, EngineCalls  # noqa: E402
 
-# the ops, and the step's engine calls beside them: the weight gradients' zeroing, the FP8 weight copies
-TIMED = frozenset((*RECORDED, "zero", "zero_grads", "prepare_fp8_weights"))
+# the ops, and the step's engine calls beside them: the weight gradients' zeroing, the weight copies
+TIMED = frozenset((*RECORDED, "zero", "zero_grads", "prepare_fp8_weights", "prepare_qkv_rows"))
 SPIN_US = 300  # longer than the host takes to launch any one op's kernels (a few to a dozen, ~5 us each)
 SPIN = r"""extern "C" __global__ void k_spin(long long cycles) {
     long long t0 = clock64();

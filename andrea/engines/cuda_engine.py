@@ -109,7 +109,8 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())
         self.own = {b.name: cupy.zeros(b.shape, dtype=b.dtype) for b in own}
         self.traits = EngineTraits(attention="lse", act_dtype=p.act_dtype, loss_scaling=p.loss_scaling, graphs=True,
-                                   own_buffers=own, fp8_products=p.fp8_products)
+                                   own_buffers=own, fp8_products=p.fp8_products,
+                                   qkv_weight_rows=not p.fp8_products)  # fp8 keeps its own [C, 3C] copy
         self._decay_ranges: tuple = ()
         self.blas = Cublas(p.tf32_products, self.own["cublas_workspace"])
         # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace);
@@ -118,6 +119,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self._capture_streams: list = []
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
         self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
+        self._qkv_rows: dict = {}  # W_QKV's pointer -> its [C, 3C] copy (ops/attn_qkv.py, prepare_qkv_rows)
         self._fp8_book: dict | None = None  # inside fp8_pass: the tensors whose amax is current (ops/fp8.py)
 
     @property

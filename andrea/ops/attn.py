@@ -132,22 +132,38 @@ class CudaOps:
     def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
         self._fp8_wrote(dqkv, datt)
         add = np.int32(not overwrite)
+        ld, plane = (np.int32(n) for n in grad_rows(dqkv))
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
             _, dq, kv, kv_smem = self._bf16_kernels()
             amax = amax_arg(self._fp8_produced(dqkv))  # both kernels' stores, one word; null outside an fp8 pass
-            self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add, amax))
-            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,), (dqkv, datt, dout, qkv, att, *dims, add, amax),
-                       shared_mem=kv_smem)
+            self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane))
+            self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,),
+                       (dqkv, datt, dout, qkv, att, *dims, add, amax, ld, plane), shared_mem=kv_smem)
             return
         grid, dims = self._attn_shape(qkv, n_head)
         threads, smem = (kernel_defines("attn")["ATTN_THREADS"],), shared_memory()
         # The first writes D = rowsum(dY * Y) into datt and adds dQ; the second reads D and adds dK, dV.
-        self.k["k_attn_bwd_dq"](grid, threads, (dqkv, datt, dout, out, qkv, att, *dims, add),
+        self.k["k_attn_bwd_dq"](grid, threads, (dqkv, datt, dout, out, qkv, att, *dims, add, ld, plane),
                                 shared_mem=smem["k_attn_bwd_dq"])
-        self.k["k_attn_bwd"](grid, threads, (dqkv, datt, dout, qkv, att, *dims, add), shared_mem=smem["k_attn_bwd"])
+        self.k["k_attn_bwd"](grid, threads, (dqkv, datt, dout, qkv, att, *dims, add, ld, plane),
+                             shared_mem=smem["k_attn_bwd"])
+
+
+def grad_rows(dqkv) -> tuple[int, int]:
+    """(row stride, plane stride) of a [3, B, T, C] gradient in elements: (C, B T C) when it is contiguous, (3 C, C)
+    when it is a view of rows [B, T, 3, C] (the model's d_qkv, which attn_qkv_bwd reads as one [B T, 3 C] matrix).
+    B and T may be one axis of B T rows."""
+    C, N = dqkv.shape[-1], dqkv[0].size // dqkv.shape[-1]
+    st = [s // dqkv.itemsize for s in dqkv.strides]
+    plane, t = st[0], st[-2]
+    rows = st[-1] == 1 and all(st[i] == st[i + 1] * dqkv.shape[i + 1] for i in range(1, dqkv.ndim - 2))
+    if not rows or (t, plane) not in ((C, N * C), (3 * C, C)):
+        raise AndreaError(f"dqkv {dqkv.shape} with strides {dqkv.strides}: attn_bwd takes [3, B, T, C] contiguous "
+                          f"or as a view of rows [B, T, 3, C]")
+    return t, plane
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
@@ -169,18 +185,22 @@ def attention_lse(qkv, n_head: int) -> np.ndarray:
     return (top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True)))[..., 0]
 
 
-CASES = ("attn",)
-OVERWRITE_CASES = ("attn",)
+CASES = ("attn", "attn_rows")
+OVERWRITE_CASES = CASES
 
 
 def case(name: str, s, draw: Draw) -> OpCase:
+    """attn_rows: dqkv as the model lays it out, a view of rows [B, T, 3, C] (grad_rows)."""
     B, T, C, H = s.B, s.T, s.C, s.H
+    rows = name == "attn_rows"
     a = {"qkv": draw.randn(3, B, T, C), "out": draw.nan(B, T, C), "att": draw.nan(B, H, T, T),
-         "dqkv": draw.grad_in(3, B, T, C), "datt": draw.nan(B, H, T, T), "dout": draw.randn(B, T, C)}
+         "dqkv": draw.grad_in(B, T, 3, C) if rows else draw.grad_in(3, B, T, C), "datt": draw.nan(B, H, T, T),
+         "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.attn_fwd(x["out"], x["att"], x["qkv"], H)
-        E.attn_bwd(x["dqkv"], x["datt"], x["dout"], x["qkv"], x["out"], x["att"], H, overwrite=draw.overwrite)
+        dqkv = x["dqkv"].transpose(2, 0, 1, 3) if rows else x["dqkv"]
+        E.attn_bwd(dqkv, x["datt"], x["dout"], x["qkv"], x["out"], x["att"], H, overwrite=draw.overwrite)
 
     # datt is scratch: its contents are the engine's
     return OpCase(a, run, ("out", "att", "dqkv"), lse_arrays={"att": draw.nan(B, H, T), "datt": draw.nan(B, H, T)},

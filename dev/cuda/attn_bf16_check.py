@@ -75,6 +75,11 @@ WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"  # int: dynamic shared memory of k_attn_bw
 CARVEOUT = 100  # percent of the unified cache given to shared memory: what the engine sets for these kernels
 
 
+def planes(B, T, C):
+    """The backward kernels' last arguments, dqkv's row and plane strides, for [3, B, T, C] (the variants take none)."""
+    return np.int32(C), np.int32(B * T * C)
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -365,13 +370,14 @@ class Attn:
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
-                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX))
+                     (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX,
+                      *planes(B, T, C)))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
-                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX),
+                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX, *planes(B, T, C)),
                      shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
