@@ -316,9 +316,10 @@ class Model:
         self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------
-    def grad_norm(self) -> float:
+    def grad_norm(self, scale: float = 1.0) -> float:
+        """The global norm of the gradient times `scale` (the gradient itself unchanged)."""
         e, b = self.engine, self.buf
-        e.grad_norm_partial(b["grad_norm_partials"], b["grads"])
+        e.grad_norm_partial(b["grad_norm_partials"], b["grads"], scale=scale)
         e.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])
         return float(e.to_host(b["grad_norm"])[0])
 
@@ -378,9 +379,8 @@ class Model:
         if per_source is not None:
             self.source_loss_sums = per_source if self.data_parallel is None else \
                 self.data_parallel.sum_vector(per_source.reshape(-1)).reshape(per_source.shape)
-        if unscale != 1.0:
-            e.grad_scale(b["grads"], unscale)
-        norm = self.grad_norm()
+        # The step's gradient is unscale x grads: the norm and AdamW read it so, and grads are never rewritten.
+        norm = self.grad_norm(unscale)
         if self.loss_scale is not None and math.isfinite(loss):
             self.loss_scale.update(overflow=not math.isfinite(norm))
             if not math.isfinite(norm):
@@ -393,12 +393,12 @@ class Model:
             raise NonFiniteStep(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
                                 f"(loss {loss}, grad norm {norm}; non-finite gradients in: {', '.join(bad) or 'none'})")
         clip = optimizer["grad_clip"]
-        if clip > 0 and norm > clip:
-            e.grad_scale(b["grads"], clip / (norm + 1e-6))
+        clip_scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
         beta1, beta2 = optimizer["betas"]
         e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
                      eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
-                     decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"))
+                     decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"),
+                     grad_scales=(unscale, clip_scale))
         self._weights_changed()
         e.zero_grads(b["grads"])
         return loss, norm

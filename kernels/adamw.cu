@@ -4,6 +4,8 @@
 //   p -= lr * update;   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step (host-computed, step 1-based)
 // Decay applies inside the sorted, disjoint ranges [ranges[2k], ranges[2k + 1]) (the matrices; never
 // LayerNorm gamma/beta), found by binary search, so the whole update is one launch.
+// The gradient is read as (g scale0) scale1 (the step's mean over micro-batches or a loss scale's undoing, then the
+// clipping), each product rounded to float32 on its own: the values scaling passes over g would have stored.
 // Under mixed precision the same pass writes params_lp, the act_t copy the matrix products read (a pure
 // function of the fp32 weights, so a resumed run rebuilds it exactly); k_cast_params builds it at load.
 #include "common.cuh"
@@ -28,11 +30,16 @@ __device__ __forceinline__ float adamw_update(float p, float g, float& m, float&
     return p - lr * update;
 }
 
+__device__ __forceinline__ float scaled(float g, float scale0, float scale1) {
+    return __fmul_rn(__fmul_rn(g, scale0), scale1);  // never contracted into the moments' sums
+}
+
 // Four elements a thread (16-byte loads) where every buffer is aligned, one otherwise; the same arithmetic.
 extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, float* v, long long n,
                                    const long long* decay_ranges, int n_ranges, float lr, float beta1,
                                    float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-                                   float weight_decay, float bc1, float bc2, act_t* params_lp, int write_lp) {
+                                   float weight_decay, float bc1, float bc2, act_t* params_lp, int write_lp,
+                                   float scale0, float scale1) {
     const bool vec = aligned16(params, grads, m) && aligned16(v) && (!write_lp || sizeof(act_t) == 4 ||
                                                                      (reinterpret_cast<unsigned long long>(params_lp) & 7) == 0);
     const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
@@ -49,8 +56,9 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
             float* vv = &vi.x;
 #pragma unroll
             for (int k = 0; k < 4; k++)
-                pp[k] = adamw_update(pp[k], gg[k], mm[k], vv[k], decays(i + k, decay_ranges, n_ranges), lr, beta1,
-                                     one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bc1, bc2);
+                pp[k] = adamw_update(pp[k], scaled(gg[k], scale0, scale1), mm[k], vv[k],
+                                     decays(i + k, decay_ranges, n_ranges), lr, beta1, one_minus_beta1, beta2,
+                                     one_minus_beta2, eps, weight_decay, bc1, bc2);
             *reinterpret_cast<float4*>(params + i) = p;
             *reinterpret_cast<float4*>(m + i) = mi;
             *reinterpret_cast<float4*>(v + i) = vi;
@@ -62,8 +70,9 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
     }
     for (long long i = done + start; i < n; i += stride) {
         float mi = m[i], vi = v[i];
-        const float p = adamw_update(params[i], grads[i], mi, vi, decays(i, decay_ranges, n_ranges), lr, beta1,
-                                     one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bc1, bc2);
+        const float p = adamw_update(params[i], scaled(grads[i], scale0, scale1), mi, vi,
+                                     decays(i, decay_ranges, n_ranges), lr, beta1, one_minus_beta1, beta2,
+                                     one_minus_beta2, eps, weight_decay, bc1, bc2);
         m[i] = mi;
         v[i] = vi;
         params[i] = p;

@@ -11,7 +11,8 @@ extern "C" __global__ void k_qkv_rows(act_t* __restrict__ rows, const act_t* __r
     const int lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const bool vec = aligned16(rows, W) && C % ACT_VEC == 0 && layer % ACT_VEC == 0;
     const long long n = 3LL * L * C;
-    for (long long r = (long long)blockIdx.x * warps + threadIdx.x / WARP_SIZE; r < n; r += (long long)gridDim.x * warps) {
+    const long long first = (long long)blockIdx.x * warps + threadIdx.x / WARP_SIZE, step = (long long)gridDim.x * warps;
+    for (long long r = first; r < n; r += step) {
         const long long l = r / (3 * C), ic = r % (3 * C), i = ic / C, c = ic % C;
         const act_t* src = W + l * layer + ic * C;
         act_t* dst = rows + (l * C + c) * 3 * C + i * C;

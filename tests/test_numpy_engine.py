@@ -300,18 +300,18 @@ def test_weighted_mean_loss_leaves_out_positions_of_weight_zero():
         E.mean_loss(losses, np.zeros_like(w))
 
 
-def test_grad_norm_and_scale():
+def test_grad_norm_and_its_scale():
     rng = np.random.default_rng(1)
     g = rng.standard_normal(10_001)
     partials, norm = np.zeros(64), np.zeros(1)
     E.grad_norm_partial(partials, g)
     E.grad_norm_final(norm, partials)
     assert norm[0] == pytest.approx(np.linalg.norm(g), rel=1e-12)
-    before = norm[0]
-    E.grad_scale(g, 0.5)
-    E.grad_norm_partial(partials, g)
+    before, kept = norm[0], g.copy()
+    E.grad_norm_partial(partials, g, scale=0.5)
     E.grad_norm_final(norm, partials)
     assert norm[0] == pytest.approx(0.5 * before, rel=1e-12)
+    assert np.array_equal(g, kept)  # the gradient is read, not rewritten
 
 
 def test_adamw_matches_textbook_formula():

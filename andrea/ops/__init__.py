@@ -23,7 +23,7 @@ CALLS = {
     "mlp_fwd": mlp, "mlp_bwd": mlp,
     "residual_add": residual_add, "residual_add_bwd": residual_add,
     "loss_fwd": loss, "loss_bwd": loss,
-    "grad_norm_partial": grad_norm, "grad_norm_final": grad_norm, "grad_scale": grad_norm,
+    "grad_norm_partial": grad_norm, "grad_norm_final": grad_norm,
     "adamw_step": adamw, "cast": adamw,
 }
 

@@ -25,10 +25,14 @@ class NumpyOps:
         dst[...] = src
 
     def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
-                   params_lp=None):
+                   params_lp=None, grad_scales=(1.0, 1.0)):
         """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges.
-        `params_lp`, when given, receives the updated weights in its own dtype."""
+        `params_lp`, when given, receives the updated weights in its own dtype. The gradient is read as
+        grads x grad_scales[0] x grad_scales[1] (the step's mean, then the clipping), each product rounded."""
         t = self.dtype.type
+        for scale in grad_scales:
+            if scale != 1.0:
+                grads = grads * t(scale)
         m *= t(beta1)
         m += t(1 - beta1) * grads
         v *= t(beta2)
@@ -50,9 +54,11 @@ class CudaOps:
                      dst, src, np.int64(dst.size))
 
     def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
-                   params_lp=None):
+                   params_lp=None, grad_scales=(1.0, 1.0)):
         """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges.
-        `params_lp`, when given, receives the updated weights in its own dtype in the same pass."""
+        `params_lp`, when given, receives the updated weights in its own dtype in the same pass. The gradient
+        is read as grads x grad_scales[0] x grad_scales[1], each product rounded: the bits of scaling passes
+        over grads before the update, without them."""
         table = self.own["decay_ranges"]
         ranges = tuple((int(s), int(e)) for s, e in decay_ranges)
         if ranges != self._decay_ranges:
@@ -66,25 +72,29 @@ class CudaOps:
                      params, grads, m, v, np.int64(params.size), table, np.int32(len(ranges)),
                      f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
                      f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),
-                     params if params_lp is None else params_lp, np.int32(params_lp is not None))
+                     params if params_lp is None else params_lp, np.int32(params_lp is not None),
+                     *(f32(x) for x in grad_scales))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
-    return {"adamw_step": (16 * n_params, 4 * 7 * n_params + (f if f < 4 else 0) * n_params),
+    return {"adamw_step": (18 * n_params, 4 * 7 * n_params + (f if f < 4 else 0) * n_params),
             "cast": (n_params, (4 + f) * n_params)}[call]
 
 
-CASES = ("adamw",)
+CASES = ("adamw", "adamw_scaled")
 OVERWRITE_CASES = ()
 
 
 def case(name: str, s, draw: Draw) -> OpCase:
+    """adamw_scaled: the gradient read through the step's mean and a clipping's scale."""
     n = s.n_params
     a = {"params": draw.randn(n, scale=0.02), "grads": draw.randn(n, scale=1e-3),
          "m": draw.randn(n, scale=1e-4), "v": np.abs(draw.randn(n, scale=1e-6)), "params_lp": draw.nan(n)}
+    scales = (0.5, 0.37) if name == "adamw_scaled" else (1.0, 1.0)
 
     def run(E, x):
         E.adamw_step(x["params"], x["grads"], x["m"], x["v"], lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                     weight_decay=0.1, step=7, decay_ranges=list(s.decay_ranges), params_lp=x["params_lp"])
+                     weight_decay=0.1, step=7, decay_ranges=list(s.decay_ranges), params_lp=x["params_lp"],
+                     grad_scales=scales)
 
-    return OpCase(a, run, ("params", "m", "v", "params_lp"), act=("params_lp",))
+    return OpCase(a, run, ("params", "m", "v", "params_lp", "grads"), act=("params_lp",))

@@ -139,7 +139,8 @@ class CudaOps:
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
             _, dq, kv, kv_smem = self._bf16_kernels()
             amax = amax_arg(self._fp8_produced(dqkv))  # both kernels' stores, one word; null outside an fp8 pass
-            self.k[dq]((heads, -(-T // rows)), (threads,), (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane))
+            self.k[dq]((heads, -(-T // rows)), (threads,),
+                       (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane))
             self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,),
                        (dqkv, datt, dout, qkv, att, *dims, add, amax, ld, plane), shared_mem=kv_smem)
             return
