@@ -77,3 +77,20 @@ def test_train_run_held_out_loss_falls_with_training_on_a_learnable_shard():
     assert runs[0].held_out == pytest.approx(np.log(64), rel=0.05)  # untrained: about uniform
     assert runs[1].held_out < 0.8 * runs[0].held_out
     assert train_run(NumpyEngine(), shape, 4, 1, 1).held_out is None
+
+
+def test_grad_rows_reads_both_layouts_of_dqkv_and_refuses_others():
+    """The attention backward and attn_qkv_bwd take dqkv contiguous or as a view of rows [B, T, 3, C] (the model's);
+    a layout whose strides the kernels cannot follow is one clear error, not wrong gradients."""
+    from andrea.errors import AndreaError
+    from andrea.ops.attn import grad_rows
+
+    B, T, C = 2, 5, 8
+    assert grad_rows(np.zeros((3, B, T, C), np.float32)) == (C, B * T * C)
+    assert grad_rows(np.zeros((B, T, 3, C), np.float32).transpose(2, 0, 1, 3)) == (3 * C, C)
+    assert grad_rows(np.zeros((3, B * T, C))) == (C, B * T * C)  # B and T as one axis of rows
+    for bad in (np.zeros((3, T, B, C)).transpose(0, 2, 1, 3),  # T before B in memory
+                np.zeros((B, 3, T, C)).transpose(1, 0, 2, 3),  # the planes inside a batch row
+                np.zeros((3, B, T, 2 * C))[..., :C]):  # rows wider than C: not one of the two layouts
+        with pytest.raises(AndreaError, match="dqkv"):
+            grad_rows(bad)
