@@ -18,8 +18,8 @@ from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
 from andrea.precision import PRECISIONS
 
-# The op pairs with kernels of their own. One made only of matrix products has no file: cuBLAS runs
-# attn_qkv (the Q, K, V projections) and attn_out (W_O) whole, from andrea/ops/attn_qkv.py and attn_out.py.
+# The op pairs with kernels of their own. One made only of matrix products has no file: cuBLAS runs attn_out (W_O)
+# whole, from andrea/ops/attn_out.py; attn_qkv's file holds only the copy of W_QKV its backward reads.
 KERNEL_FILES = ("embed", "layernorm", "attn_qkv", "attn", "attn_bf16", "mlp", "residual_add", "loss", "grad_norm", "adamw",
                 "fp8")
 COMMON_HEADER = "common.cuh"

@@ -408,19 +408,18 @@ class Model:
         before any op reads them (the FP8 copies under precision fp8, 4 casts of 3 launches a layer; else the
         training model's [C, 3C] W_QKV), as a recorded graph where the engine records them."""
         b, e = self.buf, self.engine
+        if "params_fp8" not in b and "w_qkv_rows" not in b:
+            return
 
         def prepare():
             if "params_fp8" in b:
                 e.prepare_fp8_weights(b["params_fp8"], self.W["layers"])
             if "w_qkv_rows" in b:
                 e.prepare_qkv_rows(b["w_qkv_rows"], self.W["layers"])
-        if "params_fp8" not in b and "w_qkv_rows" not in b:
-            return
         if not self.graphs:
             prepare()
             return
         if self._prepare_graph is None:
-            prepare()  # once outside the recording: kernels that compile or load on first use do so here
             self._prepare_graph = e.capture(prepare)
         e.replay(self._prepare_graph)
 

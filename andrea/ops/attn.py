@@ -162,8 +162,8 @@ def grad_rows(dqkv) -> tuple[int, int]:
     plane, t = st[0], st[-2]
     rows = st[-1] == 1 and all(st[i] == st[i + 1] * dqkv.shape[i + 1] for i in range(1, dqkv.ndim - 2))
     if not rows or (t, plane) not in ((C, N * C), (3 * C, C)):
-        raise AndreaError(f"dqkv {dqkv.shape} with strides {dqkv.strides}: attn_bwd takes [3, B, T, C] contiguous "
-                          f"or as a view of rows [B, T, 3, C]")
+        raise AndreaError(f"dqkv {dqkv.shape} with strides {dqkv.strides}: attn_bwd and attn_qkv_bwd take [3, B, T, C] "
+                          f"contiguous or as a view of rows [B, T, 3, C]")
     return t, plane
 
 

@@ -58,15 +58,12 @@ class CudaOps:
         """Copy each layer's W_QKV of `layers` (the model's weight views) into w_qkv_rows [L, C, 3C] as W_Q, W_K, W_V
         side by side (kernels/attn_qkv.cu): attn_qkv_bwd's input gradient over rows of dqkv is then one product
         over 3C. The model calls this whenever it writes its weights (load, every AdamW step); the engine keeps the
-        last model's views. One launch where the layers' W_QKV lie evenly apart (the parameter layout's)."""
+        last model's views. One launch: the parameter layout puts the layers' W_QKV evenly apart."""
         Ws = [w["W_QKV"] for w in layers]
-        C = Ws[0].shape[-1]
-        apart = {b.data.ptr - a.data.ptr for a, b in zip(Ws, Ws[1:])}
-        runs = [(0, len(Ws))] if len(apart) <= 1 else [(l, 1) for l in range(len(Ws))]
-        layer = apart.pop() // Ws[0].itemsize if len(apart) == 1 else 0
-        for first, n in runs:
-            self._launch("k_qkv_rows", blocks(3 * n * C, QKV_ROWS_THREADS // 32), QKV_ROWS_THREADS, w_qkv_rows[first],
-                         Ws[first], np.int64(layer), np.int32(n), np.int32(C))
+        L, C = len(Ws), Ws[0].shape[-1]
+        layer = (Ws[1].data.ptr - Ws[0].data.ptr) // Ws[0].itemsize if L > 1 else 0
+        self._launch("k_qkv_rows", blocks(3 * L * C, QKV_ROWS_THREADS // 32), QKV_ROWS_THREADS, w_qkv_rows, Ws[0],
+                     np.int64(layer), np.int32(L), np.int32(C))
         self._qkv_rows = {W.data.ptr: (W, w_qkv_rows[l]) for l, W in enumerate(Ws)}
 
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
