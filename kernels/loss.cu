@@ -11,6 +11,7 @@
 // row's max and sum are block reductions in a fixed order.
 #include "common.cuh"
 
+// The most threads of a row's block: andrea/ops/loss.py (softmax_threads) launches fewer for short rows.
 #define LOSS_THREADS 1024
 // Threads of a weighted backward's block (one row): most rows of a loss mask weigh 1, where the block has only
 // the target to fix, or 0, where it writes the row; small blocks let many rows share an SM.

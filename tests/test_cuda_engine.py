@@ -167,6 +167,26 @@ def test_deterministic(engines, precision):
     assert first.digest == second.digest
 
 
+@pytest.mark.parametrize("N, C", [(37, 40), (300, 128), (16384, 384)])  # odd, wide, 12M's MLP (which recomputes)
+def test_the_recompute_s_gelu_product_gives_the_forward_s_bits(engines, N, C):
+    """The backward rebuilds act with cuBLASLt's GELU epilogue alone, on the algorithm GELU_AUX ran in the
+    forward: act gets the forward's bits and pre is left as it was."""
+    e, rng = engines["bf16"], np.random.default_rng(np.random.SeedSequence().entropy)
+    F = 4 * C
+    inp, W_1 = (e.xp.asarray(x.astype("bfloat16")) for x in (rng.standard_normal((N, C)),
+                                                             rng.standard_normal((C, F)) / C**0.5))
+    pre, act, again = (e.xp.zeros((N, F), dtype="bfloat16") for _ in range(3))
+    e.mlp_fwd(e.xp.zeros((N, C), dtype="bfloat16"), pre, act, inp, W_1, e.xp.zeros((F, C), dtype="bfloat16"))
+    saved = e.to_host(pre).view(np.uint16).copy()
+    assert e.blas_lt.gemm(again, inp, W_1, N, F, C, epilogue="gelu", aux=pre)  # the epilogue alone runs here
+    assert np.array_equal(e.to_host(again).view(np.uint16), e.to_host(act).view(np.uint16))
+    again.fill(0)
+    e._gelu_again(pre, again, inp, W_1)
+    assert np.array_equal(e.to_host(again).view(np.uint16), e.to_host(act).view(np.uint16))
+    assert np.array_equal(e.to_host(pre).view(np.uint16), saved)
+    assert np.isfinite(e.to_host(act).astype(np.float32)).all() and e.to_host(act).astype(np.float32).any()
+
+
 def test_gelu_epilogue_products_take_unaligned_buffers(engines):
     """Buffers 2 bytes past an aligned address (a plan's views can be): cuBLASLt is asked for algorithms that
     take that alignment (or the engine falls back to product + kernel); the MLP still matches float64."""

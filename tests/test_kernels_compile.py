@@ -125,3 +125,17 @@ def test_cached_cubin_works_without_a_writable_cache(tmp_path):
         assert blocked not in path.parents
     finally:
         path.unlink()
+
+
+@pytest.mark.parametrize("act_vec", [4, 8])  # fp32, 16-bit activations
+def test_softmax_block_leaves_each_thread_a_few_groups_of_the_row(act_vec):
+    from andrea.ops.base import kernel_defines
+    from andrea.ops.loss import LOSS_GROUPS_PER_THREAD, softmax_threads
+
+    most = kernel_defines("loss")["LOSS_THREADS"]
+    for V in (1, 64, 301, 4096, 50304, 10**6):
+        threads = softmax_threads(V, act_vec)
+        assert 32 <= threads <= most and threads & (threads - 1) == 0, (V, threads)
+        # as large as it can be while every thread keeps LOSS_GROUPS_PER_THREAD groups of the row
+        assert threads == 32 or threads * act_vec * LOSS_GROUPS_PER_THREAD <= V, (V, threads)
+        assert threads == most or 2 * threads * act_vec * LOSS_GROUPS_PER_THREAD > V, (V, threads)

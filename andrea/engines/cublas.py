@@ -114,7 +114,9 @@ class CublasLt:
     bits); `gemm` returns False where cuBLASLt offers no algorithm, and the caller runs the plain product
     and the GELU kernel instead."""
 
-    EPILOGUES = {"none": 1, "gelu_aux": 32 | 128, "dgelu": 64 | 128}  # CUBLASLT_EPILOGUE_{DEFAULT,GELU_AUX,DGELU}
+    # CUBLASLT_EPILOGUE_{DEFAULT,GELU,GELU_AUX,DGELU}; "gelu" runs with gelu_aux's algorithm (_plan)
+    EPILOGUES = {"none": 1, "gelu": 32, "gelu_aux": 32 | 128, "dgelu": 64 | 128}
+    AUX_EPILOGUES = ("gelu_aux", "dgelu")  # the epilogues that write or read `aux`
     TYPES = {**Cublas.TYPES, "e4m3": 28, "e5m2": 29}  # CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
     DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_AUX_POINTER, DESC_AUX_LD = 3, 4, 7, 11, 12
     DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18
@@ -143,6 +145,7 @@ class CublasLt:
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, ctypes.POINTER(self._Heuristic),
                                                        ctypes.POINTER(i)]
         lib.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(self._Heuristic), p, sz, p]
+        lib.cublasLtMatmulAlgoCheck.argtypes = [p, p, p, p, p, p, p, ctypes.POINTER(self._Heuristic)]
         self.lib = lib
         self.workspace = workspace
         handle = p()
@@ -176,7 +179,7 @@ class CublasLt:
         self._set(desc, self.DESC_TRANSA, ctypes.c_int(Cublas.OP_T if trans_b else Cublas.OP_N))
         self._set(desc, self.DESC_TRANSB, ctypes.c_int(Cublas.OP_T if trans_a else Cublas.OP_N))
         self._set(desc, self.DESC_EPILOGUE, ctypes.c_int(self.EPILOGUES[epilogue]))
-        if aux is not None:
+        if aux is not None and epilogue in self.AUX_EPILOGUES:
             self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
             self._set(desc, self.DESC_AUX_LD, ctypes.c_int64(n))
         if scales is not None:
@@ -195,6 +198,17 @@ class CublasLt:
             value = ctypes.c_uint32(align)
             Cublas._check("cublasLtMatmulPreferenceSetAttribute", lib.cublasLtMatmulPreferenceSetAttribute(
                 pref, attr, ctypes.byref(value), ctypes.sizeof(value)))
+        if epilogue == "gelu":
+            # GELU(A @ B) alone (a recompute whose pre is saved), by the algorithm gelu_aux runs on the same operands
+            # and aux, so act gets the same bits as that product wrote; none where that algorithm cannot do it
+            like = (*key[:8], "gelu_aux", *key[9:])
+            base = self._plans[like] if like in self._plans else self._plan(like, aux, scales)
+            checked = self._Heuristic()
+            ok = base is not None and lib.cublasLtMatmulAlgoCheck(
+                self.handle, desc, lay_b, lay_a, lay_c, lay_c, ctypes.addressof(base[4]), ctypes.byref(checked)) == 0
+            plan = (desc, lay_b, lay_a, lay_c, base[4]) if ok else None
+            self._plans[key] = plan
+            return plan
         wanted = max(1, algo_index + 1)
         results, found = (self._Heuristic * wanted)(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, wanted,
@@ -229,7 +243,8 @@ class CublasLt:
              a_type=None, b_type=None, a_scale=None, b_scale=None, beta: float = 0.0, algo: int = 0, batch: int = 1,
              stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
         """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
-        epilogues (GELU's input: written by gelu_aux, read by dgelu). FP8 operands: a_type/b_type ("e4m3",
+        epilogues (GELU's input: written by gelu_aux, read by dgelu; "gelu" leaves it as it is, and gives C the
+        bits gelu_aux gives it with that aux). FP8 operands: a_type/b_type ("e4m3",
         "e5m2") and a_scale/b_scale (FP32 device scalars). `algo` takes the heuristic's algo-th choice
         (0: its first). `batch` products with the operands' strides in elements (0: the same matrix for each),
         as Cublas.gemm. False (nothing run) where cuBLASLt has no algorithm for it."""
@@ -239,7 +254,7 @@ class CublasLt:
         if plan is None:
             return False
         desc, lay_b, lay_a, lay_c, result = plan
-        if aux is not None:
+        if aux is not None and epilogue in self.AUX_EPILOGUES:
             self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
         if a_scale is not None:
             self._set_scales(desc, a_scale, b_scale)

@@ -80,6 +80,19 @@ class CudaOps:
             return self._linear_fwd_fp8(act, inp, W_1, N, C, F, epilogue="gelu_aux", aux=pre)
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)
 
+    def _gelu_again(self, pre, act, inp, W_1):
+        """act = GELU(inp @ W_1) rebuilt with the forward's bits, pre saved: where the forward's product wrote both,
+        the same product writing act alone (cuBLASLt's GELU epilogue on GELU_AUX's algorithm: half the bytes),
+        else that product again; where the forward ran the GELU kernel, the kernel from pre."""
+        C, F = W_1.shape
+        N = inp.size // C
+        if self.blas_lt is not None and not self._fp8_ok(N, C):
+            self._fp8_wrote(act)
+            if self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu", aux=pre):
+                return
+        if not self._gelu_epilogue(pre, act, inp, W_1):
+            self._gelu(act, pre)
+
     def _gelu(self, act, pre):
         self._gelu_pass("k_mlp_fwd", act, pre)
 
@@ -97,13 +110,13 @@ class CudaOps:
         self._launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
-        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre, or, where
-        the GELU is the product's epilogue, by the forward's own product again (the same bits in act and pre)."""
+        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt with the forward's
+        bits (_gelu_again)."""
         C, F = W_1.shape
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
-        if recompute and not self._gelu_epilogue(pre, act, inp, W_1):
-            self._gelu(act, pre)
+        if recompute:
+            self._gelu_again(pre, act, inp, W_1)
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
         # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
         done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0)
