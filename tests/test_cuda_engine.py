@@ -180,7 +180,7 @@ def test_the_recompute_s_gelu_product_gives_the_forward_s_bits(engines, N, C):
     saved = e.to_host(pre).view(np.uint16).copy()
     assert e.blas_lt.gemm(again, inp, W_1, N, F, C, epilogue="gelu", aux=pre)  # the epilogue alone runs here
     assert np.array_equal(e.to_host(again).view(np.uint16), e.to_host(act).view(np.uint16))
-    again.fill(0)
+    e.zero(again)
     e._gelu_again(pre, again, inp, W_1)
     assert np.array_equal(e.to_host(again).view(np.uint16), e.to_host(act).view(np.uint16))
     assert np.array_equal(e.to_host(pre).view(np.uint16), saved)
