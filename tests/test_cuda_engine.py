@@ -173,8 +173,9 @@ def test_the_recompute_s_gelu_product_gives_the_forward_s_bits(engines, N, C):
     forward: act gets the forward's bits and pre is left as it was."""
     e, rng = engines["bf16"], np.random.default_rng(np.random.SeedSequence().entropy)
     F = 4 * C
-    inp, W_1 = (e.xp.asarray(x.astype("bfloat16")) for x in (rng.standard_normal((N, C)),
-                                                             rng.standard_normal((C, F)) / C**0.5))
+    inp, W_1 = e.xp.zeros((N, C), dtype="bfloat16"), e.xp.zeros((C, F), dtype="bfloat16")
+    e.upload(inp, rng.standard_normal((N, C)))
+    e.upload(W_1, rng.standard_normal((C, F)) / C**0.5)
     pre, act, again = (e.xp.zeros((N, F), dtype="bfloat16") for _ in range(3))
     e.mlp_fwd(e.xp.zeros((N, C), dtype="bfloat16"), pre, act, inp, W_1, e.xp.zeros((F, C), dtype="bfloat16"))
     saved = e.to_host(pre).view(np.uint16).copy()
