@@ -82,6 +82,16 @@ class OpRecorder(EngineCalls):
         return first
 
 
+def fastest_peer(runs: list[dict]) -> dict:
+    """The PyTorch peer's report over several processes of one variant: the fastest run's (the reading most
+    favourable to the peer, whose step time moves between processes far more than within one), with every
+    run's ms/step beside it as `runs_ms`, in the order they ran."""
+    if not runs:
+        raise ValueError("no peer run to choose from")
+    best = min(runs, key=lambda r: r["ms_per_step"])
+    return {**best, "runs_ms": [r["ms_per_step"] for r in runs]}
+
+
 def peer_pairs(bench: dict):
     """Each engine variant of a benchmark report's `bench` section beside the PyTorch variants it is
     compared with: the same precision, and for bf16 also bf16 + torch.compile (the peer that counts).

@@ -1,7 +1,8 @@
 """The op recorder the benchmark times the real schedule with: it sees every op call of a step and changes
-nothing of it."""
+nothing of it; and which of the PyTorch peer's runs the benchmark counts."""
 
 import numpy as np
+import pytest
 
 from andrea.config import load_experiment
 from andrea.engines.crosscheck import OPTIMIZER, synthetic_micro_batches
@@ -33,3 +34,15 @@ def test_the_recorder_sees_each_op_of_a_step_and_changes_no_bit():
     first_args, _ = engine.first_calls()["attn_qkv_fwd"]
     assert first_args[2].shape == (3, shape.d_model, shape.d_model)  # W_QKV, as the op takes it
     assert np.shares_memory(first_args[0], model.buf["qkv"])
+
+
+def test_the_peer_counts_its_fastest_process_and_keeps_every_run():
+    from andrea.timing import fastest_peer
+
+    runs = [{"ms_per_step": ms, "tokens_per_s": round(16384 / ms * 1e3), "run": i} for i, ms in enumerate((9.9, 7.8, 8.4))]
+    best = fastest_peer(runs)
+    assert best["run"] == 1 and best["ms_per_step"] == 7.8 and best["tokens_per_s"] == runs[1]["tokens_per_s"]
+    assert best["runs_ms"] == [9.9, 7.8, 8.4]
+    assert "runs_ms" not in runs[1]  # the runs themselves are left as they were
+    with pytest.raises(ValueError):
+        fastest_peer([])
