@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,14 +93,14 @@ def main(argv=None) -> int:
     results = {}
     for label, engine in (("fp32", NumpyEngine()), ("fp8 (classifier in float)", Fp8EmulationEngine()),
                           ("fp8 with the classifier in FP8", Fp8Classifier())):
+        t0 = time.time()
         r = train_run(engine, **run)
-        results[label] = (r.losses[-1], r.held_out)
-    ref_train, ref_held = results["fp32"]
-    for label, (loss, held) in results.items():
+        results[label] = loss, held = r.losses[-1], r.held_out
+        ref_train, ref_held = results["fp32"]
         line = f"{label:32} training loss {loss:.5f} ({(loss - ref_train) / ref_train:+.3%})"
         if held is not None:
             line += f", held-out {held:.5f} ({(held - ref_held) / ref_held:+.3%})"
-        print(line, flush=True)
+        print(f"{line}  [{time.time() - t0:.0f} s]", flush=True)
     loss, held = results["fp8 with the classifier in FP8"]
     worst = abs(held - ref_held) / ref_held if held is not None else abs(loss - ref_train) / ref_train
     return 0 if worst <= LIMIT else 1
