@@ -23,7 +23,9 @@ GRAD_NORM_PARTIALS = 1024
 ATTENTION_SAVES = ("probs", "lse")
 # Per-layer activations the backward can recompute: name -> (the `recompute` option that drops it, the
 # one-layer buffer that replaces it). ln1 and ln2 share one: only one LayerNorm output is in use at a time.
-RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_act": ("gelu", "mlp_act")}
+# pre and act share the option: the backward rebuilds both with the forward's product.
+RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_pre": ("gelu", "mlp_pre"),
+              "mlp_act": ("gelu", "mlp_act")}
 RECOMPUTABLE = tuple(sorted({option for option, _ in RECOMPUTED.values()}))
 # Element sizes by dtype name; bfloat16 has no NumPy dtype without ml_dtypes (CuPy brings it on GPU hosts).
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
@@ -144,8 +146,8 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     parameters, gradients and optimizer state stay in `dtype`.
 
     `recompute` names activations kept for one layer only, which the backward recomputes: "gelu" makes
-    `mlp_act` one layer's GELU(pre) (and the backward's d_mlp_pre too: the MLP backward is done reading
-    act when it writes d_mlp_pre), "layernorm" replaces `ln1` and `ln2` by `ln`, the one LayerNorm output
+    `mlp_pre` and `mlp_act` one layer's (both rebuilt from the layer's LN2 output; the backward's d_mlp_pre
+    shares act's buffer: the MLP backward is done reading act when it writes d_mlp_pre), "layernorm" replaces `ln1` and `ln2` by `ln`, the one LayerNorm output
     in use at a time (recomputed in the backward from the layer's input and its saved mean and rstd).
 
     The classifier has no gradient buffer of its own: `loss_bwd` turns `probs` into d_logits in place.
@@ -205,7 +207,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     saved("ln2", (B, T, C))
     stat("ln2_mean", (L, B, T))
     stat("ln2_rstd", (L, B, T))
-    add("mlp_pre", (L, B, T, 4 * C), "activations")
+    saved("mlp_pre", (B, T, 4 * C))
     saved("mlp_act", (B, T, 4 * C))
     add("lnf", (B, T, C), "activations")
     stat("lnf_mean", (B, T))

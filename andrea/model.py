@@ -190,7 +190,8 @@ class Model:
             e.attn_out_fwd(b["branch"], b["atty"][l], w["W_O"])
             e.residual_layernorm_fwd(b["residual_mid"][l], self.saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
                                      res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"])
-            e.mlp_fwd(b["branch"], b["mlp_pre"][l], self.saved("mlp_act", l), self.saved("ln2", l), w["W_1"], w["W_2"])
+            e.mlp_fwd(b["branch"], self.saved("mlp_pre", l), self.saved("mlp_act", l), self.saved("ln2", l), w["W_1"],
+                      w["W_2"], recompute="gelu" in self.recompute)
             if l + 1 < L:
                 q = P["layers"][l + 1]
                 e.residual_layernorm_fwd(res[l + 1], self.saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
@@ -250,10 +251,10 @@ class Model:
             # x_out = x_mid + mlp(LN2(x_mid))
             if "layernorm" in self.recompute:
                 e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
-            gelu = "gelu" in self.recompute  # act is rebuilt inside mlp_bwd, and d_mlp_pre shares its buffer
+            gelu = "gelu" in self.recompute  # pre and act are rebuilt inside mlp_bwd, and d_mlp_pre shares act's buffer
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], d_branch,
-                      self.saved("ln2", l), b["mlp_pre"][l], self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=gelu,
-                      overwrite=True)
+                      self.saved("ln2", l), self.saved("mlp_pre", l), self.saved("mlp_act", l), w["W_1"], w["W_2"],
+                      recompute=gelu, overwrite=True)
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))

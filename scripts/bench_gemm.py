@@ -123,14 +123,18 @@ def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
     cases = {"gelu_aux": ("inp", "W_1", False), "dgelu": ("inp", "W_2", True)}  # dgelu: dout [N, C] @ W_2^T
     rows = []
     for epi, (a, b, tb) in cases.items():
-        lt = timed_ms(engine, lambda: engine.blas_lt.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb, epilogue=epi,
-                                                          aux=x["pre"]))
+        kw = dict(trans_b=tb, epilogue=epi, aux=x["pre"])
+        lt = timed_ms(engine, lambda: engine.blas_lt.gemm(x["out"], x[a], x[b], N, F, C, **kw))
+        # every algorithm the heuristic offers for the epilogue product, in its order (the engine runs the first)
+        algos = [round(timed_ms(engine, lambda i=i: engine.blas_lt.gemm(x["out"], x[a], x[b], N, F, C, algo=i, **kw)), 4)
+                 for i in range(engine.blas_lt.algorithms(x["out"], x[a], x[b], N, F, C, **kw))]
         plain = timed_ms(engine, lambda: engine.blas.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb))
         pass_ms = timed_ms(engine, lambda: engine._launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F),
                                                              amax_arg(None)))
-        rows.append({"epilogue": epi, "lt_ms": round(lt, 4), "plain_ms": round(plain, 4), "kernel_ms": round(pass_ms, 4)})
-        print(f"mlp {epi:9} cuBLASLt epilogue {lt:.4f} ms; plain product {plain:.4f} + {kernel[epi]} {pass_ms:.4f} "
-              f"= {plain + pass_ms:.4f} ms", flush=True)
+        rows.append({"epilogue": epi, "lt_ms": round(lt, 4), "lt_algos_ms": algos, "plain_ms": round(plain, 4),
+                     "kernel_ms": round(pass_ms, 4)})
+        print(f"mlp {epi:9} cuBLASLt epilogue {lt:.4f} ms (its algorithms {' '.join(f'{t:.4f}' for t in algos)}); "
+              f"plain product {plain:.4f} + {kernel[epi]} {pass_ms:.4f} = {plain + pass_ms:.4f} ms", flush=True)
     return rows
 
 

@@ -142,11 +142,13 @@ def test_training_steps_match_numpy(engines, shape):
         np.testing.assert_allclose(run.norms, ref.norms, rtol=10 * limit, err_msg=precision)
 
 
+@pytest.mark.parametrize("recompute", [("gelu",), ("gelu", "layernorm")])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_recompute_changes_no_bit(engines, precision):
-    """Keeping one layer's GELU and LayerNorm outputs and recomputing them in the backward gives the same steps."""
+def test_recompute_changes_no_bit(engines, precision, recompute):
+    """Keeping one layer's MLP activations (and LayerNorm outputs) and recomputing them in the backward gives the
+    same steps."""
     plain = train_run(engines[precision], WIDE, micro_batch=2, n_micro=2, steps=3)
-    again = train_run(engines[precision], WIDE, micro_batch=2, n_micro=2, steps=3, recompute=("gelu", "layernorm"))
+    again = train_run(engines[precision], WIDE, micro_batch=2, n_micro=2, steps=3, recompute=recompute)
     assert plain.digest == again.digest
 
 
@@ -168,23 +170,27 @@ def test_deterministic(engines, precision):
 
 
 @pytest.mark.parametrize("N, C", [(37, 40), (300, 128), (16384, 384)])  # odd, wide, 12M's MLP (which recomputes)
-def test_the_recompute_s_gelu_product_gives_the_forward_s_bits(engines, N, C):
-    """The backward rebuilds act with cuBLASLt's GELU epilogue alone, on the algorithm GELU_AUX ran in the
-    forward: act gets the forward's bits and pre is left as it was."""
+def test_the_recompute_s_forward_writes_act_alone_with_the_full_product_s_bits(engines, N, C):
+    """Under `recompute: gelu` the forward writes act alone (cuBLASLt's GELU epilogue on the algorithm GELU_AUX
+    runs) and the backward rebuilds pre and act with GELU_AUX: act of both has the same bits, and the forward
+    leaves pre as it was."""
     e, rng = engines["bf16"], np.random.default_rng(np.random.SeedSequence().entropy)
     F = 4 * C
-    inp, W_1 = e.xp.zeros((N, C), dtype="bfloat16"), e.xp.zeros((C, F), dtype="bfloat16")
+    inp, W_1, W_2 = (e.xp.zeros(shape, dtype="bfloat16") for shape in ((N, C), (C, F), (F, C)))
     e.upload(inp, rng.standard_normal((N, C)))
     e.upload(W_1, rng.standard_normal((C, F)) / C**0.5)
-    pre, act, again = (e.xp.zeros((N, F), dtype="bfloat16") for _ in range(3))
-    e.mlp_fwd(e.xp.zeros((N, C), dtype="bfloat16"), pre, act, inp, W_1, e.xp.zeros((F, C), dtype="bfloat16"))
-    saved = e.to_host(pre).view(np.uint16).copy()
-    assert e.blas_lt.gemm(again, inp, W_1, N, F, C, epilogue="gelu", aux=pre)  # the epilogue alone runs here
-    assert np.array_equal(e.to_host(again).view(np.uint16), e.to_host(act).view(np.uint16))
-    e.zero(again)
-    e._gelu_again(pre, again, inp, W_1)
-    assert np.array_equal(e.to_host(again).view(np.uint16), e.to_host(act).view(np.uint16))
-    assert np.array_equal(e.to_host(pre).view(np.uint16), saved)
+    e.upload(W_2, rng.standard_normal((F, C)) / F**0.5)
+    out, alone_out = (e.xp.zeros((N, C), dtype="bfloat16") for _ in range(2))
+    pre, act, alone_pre, alone_act = (e.xp.zeros((N, F), dtype="bfloat16") for _ in range(4))
+    e.mlp_fwd(out, pre, act, inp, W_1, W_2)
+    assert e.blas_lt.gemm(alone_act, inp, W_1, N, F, C, epilogue="gelu", aux=alone_pre)  # the epilogue alone runs
+    e.zero(alone_act)
+    e.mlp_fwd(alone_out, alone_pre, alone_act, inp, W_1, W_2, recompute=True)
+    bits = lambda a: e.to_host(a).view(np.uint16)
+    assert np.array_equal(bits(alone_act), bits(act)) and np.array_equal(bits(alone_out), bits(out))
+    assert not bits(alone_pre).any()  # not written
+    e._mlp_up(alone_pre, alone_act, inp, W_1)  # the backward's rebuild
+    assert np.array_equal(bits(alone_pre), bits(pre)) and np.array_equal(bits(alone_act), bits(act))
     assert np.isfinite(e.to_host(act).astype(np.float32)).all() and e.to_host(act).astype(np.float32).any()
 
 

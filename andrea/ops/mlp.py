@@ -32,19 +32,24 @@ def _gelu_grad(x):
 class NumpyOps:
     """`fp8_operand`: as in attn_qkv (E4M3 activations and weights, E5M2 gradients)."""
 
-    def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
+    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False):
+        """With `recompute`, pre need not be kept (the backward rebuilds it); here it is written anyway."""
+        q = self.fp8_operand
+        self._mlp_up(pre, act, inp, W_1)
+        self.mm(q(act, "e4m3"), q(W_2, "e4m3"), out=out)
+
+    def _mlp_up(self, pre, act, inp, W_1):
         q = self.fp8_operand
         self.mm(q(inp, "e4m3"), q(W_1, "e4m3"), out=pre)
         act[...] = _gelu(pre)
-        self.mm(q(act, "e4m3"), q(W_2, "e4m3"), out=out)
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
-        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt from pre."""
+        """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt from inp."""
         start_grad(dinp, overwrite)
         C, F = W_1.shape
         q = self.fp8_operand
         if recompute:
-            act[...] = _gelu(pre)
+            self._mlp_up(pre, act, inp, W_1)
         d = q(dout, "e5m2")
         dW_2 += self.mm(q(act, "e4m3").reshape(-1, F).T, d.reshape(-1, C))
         self.mm(d, q(W_2, "e4m3").T, out=dpre)
@@ -55,10 +60,12 @@ class NumpyOps:
 
 
 class CudaOps:
-    def mlp_fwd(self, out, pre, act, inp, W_1, W_2):
+    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False):
+        """With `recompute` (the backward rebuilds pre), act alone where the product can write it alone."""
         C, F = W_1.shape
         N = inp.size // C
-        self._mlp_up(pre, act, inp, W_1)
+        if not (recompute and self._gelu_alone(pre, act, inp, W_1)):
+            self._mlp_up(pre, act, inp, W_1)
         self._fp8_wrote(out)
         self._linear_fwd(out, act, W_2, N, F, C)
 
@@ -80,18 +87,16 @@ class CudaOps:
             return self._linear_fwd_fp8(act, inp, W_1, N, C, F, epilogue="gelu_aux", aux=pre)
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)
 
-    def _gelu_again(self, pre, act, inp, W_1):
-        """act = GELU(inp @ W_1) rebuilt with the forward's bits, pre saved: where the forward's product wrote both,
-        the same product writing act alone (cuBLASLt's GELU epilogue on GELU_AUX's algorithm: half the bytes),
-        else that product again; where the forward ran the GELU kernel, the kernel from pre."""
+    def _gelu_alone(self, pre, act, inp, W_1) -> bool:
+        """act = GELU(inp @ W_1) with _mlp_up's bits, pre left unwritten: cuBLASLt's GELU epilogue on the algorithm
+        of GELU_AUX (the CublasLt plan of "gelu"), half GELU_AUX's bytes. False where there is none (no cuBLASLt,
+        FP8 operands, or an algorithm that cannot leave out aux)."""
         C, F = W_1.shape
         N = inp.size // C
-        if self.blas_lt is not None and not self._fp8_ok(N, C):
-            self._fp8_wrote(act)
-            if self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu", aux=pre):
-                return
-        if not self._gelu_epilogue(pre, act, inp, W_1):
-            self._gelu(act, pre)
+        if self.blas_lt is None or self._fp8_ok(N, C):
+            return False
+        self._fp8_wrote(act)
+        return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu", aux=pre)
 
     def _gelu(self, act, pre):
         self._gelu_pass("k_mlp_fwd", act, pre)
@@ -110,13 +115,13 @@ class CudaOps:
         self._launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
-        """With `recompute`, act is stale (a buffer shared by the layers) and is first rebuilt with the forward's
-        bits (_gelu_again)."""
+        """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt with the
+        forward's bits by its product."""
         C, F = W_1.shape
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
         if recompute:
-            self._gelu_again(pre, act, inp, W_1)
+            self._mlp_up(pre, act, inp, W_1)
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
         # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
         done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0)
@@ -151,9 +156,10 @@ def case(name: str, s, draw: Draw) -> OpCase:
          "dW_1": draw.randn(C, F), "dW_2": draw.randn(F, C), "dpre": draw.nan(B, T, F), "dout": draw.randn(B, T, C)}
 
     def run(E, x):
-        E.mlp_fwd(x["out"], x["pre"], x["act"], x["inp"], x["W_1"], x["W_2"])
-        if recompute:  # the backward must rebuild act from pre
-            E.upload(x["act"], np.full(x["act"].shape, np.nan, dtype=np.float32))
+        E.mlp_fwd(x["out"], x["pre"], x["act"], x["inp"], x["W_1"], x["W_2"], recompute=recompute)
+        if recompute:  # the backward must rebuild pre and act from inp
+            for name in ("pre", "act"):
+                E.upload(x[name], np.full(x[name].shape, np.nan, dtype=np.float32))
         E.mlp_bwd(x["dinp"], x["dW_1"], x["dW_2"], x["dpre"], x["dout"], x["inp"], x["pre"], x["act"], x["W_1"],
                   x["W_2"], recompute=recompute, overwrite=draw.overwrite)
 
