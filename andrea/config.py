@@ -87,6 +87,17 @@ class Experiment:
         """Activations recomputed in the backward (memory for time; not part of the trajectory)."""
         return tuple(self.raw.get("recompute", ()))
 
+    @property
+    def recompute_layers(self) -> int | None:
+        """How many layers, the first ones, recompute (None: all of them)."""
+        return self.raw.get("recompute_layers")
+
+    @property
+    def memory_options(self) -> dict:
+        """The Model keywords that trade time for memory (the same bits): recompute and the classifier's pieces."""
+        return {"recompute": self.recompute, "recompute_layers": self.recompute_layers,
+                "loss_chunks": self.loss_chunks}
+
     def phase_specs(self) -> list[dict]:
         """The phases as written; a one-phase experiment (train + schedule) is one phase "main" with
         the same schedule: warmup, then cosine decay to lr * min_lr_ratio."""
@@ -222,6 +233,10 @@ def validate(raw: dict, path: str = "<experiment>") -> Experiment:
         twice = next(n for n in names if names.count(n) > 1)
         raise AndreaError(f"{path}: field 'phases': the name {twice!r} is used twice; each phase needs its own "
                           "(NAME.archive/<phase>/ holds it)")
+    layers = raw.get("recompute_layers")
+    if layers is not None and layers > model["n_layer"]:
+        raise AndreaError(f"{path}: field 'recompute_layers' ({layers}) is more than 'model.n_layer' "
+                          f"({model['n_layer']}); give at most that, or leave it out to recompute in every layer")
     batch = raw["batch"]
     if batch["batch_size"] % batch["micro_batches"]:
         raise AndreaError(

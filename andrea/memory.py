@@ -22,10 +22,10 @@ from andrea.layout import ParameterLayout
 GRAD_NORM_PARTIALS = 1024
 ATTENTION_SAVES = ("probs", "lse")
 # Per-layer activations the backward can recompute: name -> (the `recompute` option that drops it, the
-# one-layer buffer that replaces it). ln1 and ln2 share one: only one LayerNorm output is in use at a time.
-# pre and act share the option: the backward rebuilds both with the forward's product.
-RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_pre": ("gelu", "mlp_pre"),
-              "mlp_act": ("gelu", "mlp_act")}
+# one-layer buffer that replaces it in the layers that recompute). ln1 and ln2 share one: only one LayerNorm
+# output is in use at a time. pre and act share the option: the backward rebuilds both with the forward's product.
+RECOMPUTED = {"ln1": ("layernorm", "ln"), "ln2": ("layernorm", "ln"), "mlp_pre": ("gelu", "mlp_pre_layer"),
+              "mlp_act": ("gelu", "mlp_act_layer")}
 RECOMPUTABLE = tuple(sorted({option for option, _ in RECOMPUTED.values()}))
 # Element sizes by dtype name; bfloat16 has no NumPy dtype without ml_dtypes (CuPy brings it on GPU hosts).
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
@@ -128,9 +128,29 @@ def split_shared(plan: MemoryPlan, other_bufs: dict, other_plan: MemoryPlan, own
     return aliased, transient
 
 
+def recomputing_layers(n_layer: int, recompute: tuple[str, ...], recompute_layers: int | None) -> int:
+    """How many layers (the first ones) recompute what `recompute` names: 0 without it, else all by default."""
+    if not recompute:
+        return 0
+    if recompute_layers is None:
+        return n_layer
+    if not 1 <= recompute_layers <= n_layer:
+        raise ValueError(f"recompute_layers {recompute_layers}: from 1 to the model's {n_layer} layers")
+    return recompute_layers
+
+
+def layer_buffer(buf: dict, name: str, l: int, recompute: tuple[str, ...], r: int):
+    """Layer l's activation `name` in a model's buffers: its own slice, or the one-layer buffer where layer l is
+    one of the `r` that recompute it."""
+    option, scratch = RECOMPUTED[name]
+    if option not in recompute:
+        return buf[name][l]
+    return buf[scratch] if l < r else buf[name][l - r]
+
+
 def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,
                attention: str = "probs", act_dtype: str | None = None, recompute: tuple[str, ...] = (),
-               loss_chunks: int = 1,
+               recompute_layers: int | None = None, loss_chunks: int = 1,
                engine_buffers: tuple[BufferSpec, ...] = ()) -> MemoryPlan:
     """All buffers for forward (and, when training, backward + AdamW) at one micro-batch size.
 
@@ -147,8 +167,11 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
 
     `recompute` names activations kept for one layer only, which the backward recomputes: "gelu" makes
     `mlp_pre` and `mlp_act` one layer's (both rebuilt from the layer's LN2 output; the backward's d_mlp_pre
-    shares act's buffer: the MLP backward is done reading act when it writes d_mlp_pre), "layernorm" replaces `ln1` and `ln2` by `ln`, the one LayerNorm output
+    is that act buffer in every layer: a recomputing layer's MLP backward is done reading act when it writes
+    d_mlp_pre), "layernorm" replaces `ln1` and `ln2` by `ln`, the one LayerNorm output
     in use at a time (recomputed in the backward from the layer's input and its saved mean and rstd).
+    `recompute_layers` (default: all) is how many layers, the first ones, recompute; the others keep theirs
+    (`layer_buffer` finds layer l's).
 
     The classifier has no gradient buffer of its own: `loss_bwd` turns `probs` into d_logits in place.
     `loss_chunks` splits a micro-batch's classifier into pieces of whole sequences, run one at a time
@@ -160,6 +183,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     recompute = recompute if training else ()
     s = layout.shape
     B, T, C, H, V, L = micro_batch, s.seq_len, s.d_model, s.n_head, s.vocab_size, s.n_layer
+    r = recomputing_layers(L, recompute, recompute_layers)
     n = layout.n_params
     scores = (B, H, T, T) if attention == "probs" else (B, H, T)
     act = act_dtype or dtype
@@ -172,11 +196,12 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
         add(name, shape, role, dtype)
 
     def saved(name, shape):
-        """A per-layer activation: every layer's, or one layer's when the backward recomputes it."""
+        """A per-layer activation: that of each layer that keeps it, and one layer's for those that recompute it."""
         option, scratch = RECOMPUTED[name]
-        if option not in recompute:
-            add(name, (L, *shape), "activations")
-        elif scratch not in {b.name for b in specs}:
+        kept = L - r if option in recompute else L
+        if kept:
+            add(name, (kept, *shape), "activations")
+        if kept < L and scratch not in {b.name for b in specs}:
             add(scratch, shape, "scratch")
 
     stat("params", (n,), "parameters")

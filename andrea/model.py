@@ -15,7 +15,7 @@ import numpy as np
 
 from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
-from andrea.memory import RECOMPUTED, plan_model
+from andrea.memory import layer_buffer, plan_model, recomputing_layers
 from andrea.ops import attn_qkv, fp8
 
 INIT_STD = 0.02
@@ -89,7 +89,8 @@ class Model:
     """Buffers from the memory plan plus the forward/backward schedule over one engine."""
 
     def __init__(self, engine, shape: ModelShape, micro_batch: int, training: bool = True, data_parallel=None,
-                 recompute: tuple[str, ...] = (), graphs: bool = True, loss_chunks: int = 1, share: "Model | None" = None):
+                 recompute: tuple[str, ...] = (), recompute_layers: int | None = None, graphs: bool = True,
+                 loss_chunks: int = 1, share: "Model | None" = None):
         self.engine = engine
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
@@ -108,9 +109,10 @@ class Model:
             copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
         self.plan = plan_model(self.layout, micro_batch, training=training,
                                attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
-                               recompute=tuple(recompute), loss_chunks=loss_chunks,
+                               recompute=tuple(recompute), recompute_layers=recompute_layers, loss_chunks=loss_chunks,
                                engine_buffers=engine.traits.own_buffers + copies)
         self.recompute = tuple(recompute) if training else ()
+        self.recompute_layers = recomputing_layers(shape.n_layer, self.recompute, recompute_layers)
         # `share`: a model of the same shape on this engine whose weights this one reads and in whose transient
         # buffers it runs between that one's steps (memory.py); ValueError when they do not fit
         self.buf = engine.allocate(self.plan) if share is None else engine.allocate(self.plan, share=(share.buf, share.plan))
@@ -191,7 +193,7 @@ class Model:
             e.residual_layernorm_fwd(b["residual_mid"][l], self.saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
                                      res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"])
             e.mlp_fwd(b["branch"], self.saved("mlp_pre", l), self.saved("mlp_act", l), self.saved("ln2", l), w["W_1"],
-                      w["W_2"], recompute="gelu" in self.recompute)
+                      w["W_2"], recompute=self.recomputes("gelu", l))
             if l + 1 < L:
                 q = P["layers"][l + 1]
                 e.residual_layernorm_fwd(res[l + 1], self.saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
@@ -220,8 +222,11 @@ class Model:
 
     def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
-        option, scratch = RECOMPUTED[name]
-        return self.buf[scratch] if option in self.recompute else self.buf[name][l]
+        return layer_buffer(self.buf, name, l, self.recompute, self.recompute_layers)
+
+    def recomputes(self, option: str, l: int) -> bool:
+        """Whether layer l's backward recomputes what `option` names."""
+        return option in self.recompute and l < self.recompute_layers
 
     # ---- backward --------------------------------------------------------------------------
     def _backward(self, reduce: bool = False) -> None:
@@ -249,18 +254,18 @@ class Model:
         for l in reversed(range(self.shape.n_layer)):
             p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
             # x_out = x_mid + mlp(LN2(x_mid))
-            if "layernorm" in self.recompute:
+            if self.recomputes("layernorm", l):
                 e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
-            gelu = "gelu" in self.recompute  # pre and act are rebuilt inside mlp_bwd, and d_mlp_pre shares act's buffer
-            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], b["mlp_act"] if gelu else b["d_mlp_pre"], d_branch,
-                      self.saved("ln2", l), self.saved("mlp_pre", l), self.saved("mlp_act", l), w["W_1"], w["W_2"],
-                      recompute=gelu, overwrite=True)
+            # pre and act are rebuilt inside mlp_bwd; d_mlp_pre is the one-layer act buffer where there is one
+            dpre = b["mlp_act_layer"] if "gelu" in self.recompute else b["d_mlp_pre"]
+            e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, d_branch, self.saved("ln2", l), self.saved("mlp_pre", l),
+                      self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=self.recomputes("gelu", l), overwrite=True)
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
             e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True)
             e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
-            if "layernorm" in self.recompute:
+            if self.recomputes("layernorm", l):
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
             e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], d_qkv, self.saved("ln1", l), w["W_QKV"], overwrite=True)
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])

@@ -202,8 +202,7 @@ class Trainer:
             self.log(f"engine: {self.engine.name}")
         self.world = world
         micro = self.exp.batch_size // (world * self.exp.micro_batches)
-        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel, recompute=self.exp.recompute,
-                           loss_chunks=self.exp.loss_chunks)
+        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel, **self.exp.memory_options)
         self.sampler = None
         self.prompts: list[list[int]] = []
         self._setup_sampling(args.tokenizer)

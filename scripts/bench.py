@@ -76,7 +76,7 @@ def options(name: str, precision: str) -> dict:
     if not PRECISIONS[precision].low:
         return {}
     exp = EXPERIMENTS[name]
-    return {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
+    return exp.memory_options
 
 
 def free_device_memory():

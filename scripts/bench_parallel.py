@@ -41,7 +41,7 @@ def worker(args) -> None:
         cupy.cuda.Device(rank.local).use()
     dp = DataParallel(rank, bytes.fromhex(os.environ["ANDREA_NCCL_ID"])) if rank else None
     model = Model(CudaEngine(precision=exp.precision), exp.model, args.batch, data_parallel=dp,
-                  recompute=exp.recompute, loss_chunks=exp.loss_chunks)
+                  **exp.memory_options)
     model.load_state(init_params(model.layout, exp.seed))
     r = rank.rank if rank else 0
     times = []

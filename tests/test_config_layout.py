@@ -74,6 +74,20 @@ def test_heads_must_divide_width(tmp_path, tiny_experiment_raw):
         load_experiment(_write(tmp_path, tiny_experiment_raw))
 
 
+def test_recompute_layers_name_the_model_s_layers(tmp_path, tiny_experiment_raw):
+    n = tiny_experiment_raw["model"]["n_layer"]
+    tiny_experiment_raw["recompute"] = ["gelu"]
+    tiny_experiment_raw["recompute_layers"] = n
+    exp = load_experiment(_write(tmp_path, tiny_experiment_raw))
+    assert exp.memory_options == {"recompute": ("gelu",), "recompute_layers": n, "loss_chunks": 1}
+    tiny_experiment_raw["recompute_layers"] = n + 1
+    with pytest.raises(AndreaError, match=rf"'recompute_layers' \({n + 1}\).*'model\.n_layer' \({n}\)"):
+        load_experiment(_write(tmp_path, tiny_experiment_raw))
+    tiny_experiment_raw["recompute_layers"] = 0
+    with pytest.raises(AndreaError, match=r"recompute_layers"):
+        load_experiment(_write(tmp_path, tiny_experiment_raw))
+
+
 def test_micro_batches_must_divide_batch(tmp_path, tiny_experiment_raw):
     tiny_experiment_raw["batch"]["micro_batches"] = 3
     with pytest.raises(AndreaError, match=r"batch\.batch_size"):

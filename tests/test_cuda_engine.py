@@ -142,13 +142,14 @@ def test_training_steps_match_numpy(engines, shape):
         np.testing.assert_allclose(run.norms, ref.norms, rtol=10 * limit, err_msg=precision)
 
 
-@pytest.mark.parametrize("recompute", [("gelu",), ("gelu", "layernorm")])
+@pytest.mark.parametrize("recompute, layers", [(("gelu",), None), (("gelu", "layernorm"), None), (("gelu",), 1)])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_recompute_changes_no_bit(engines, precision, recompute):
-    """Keeping one layer's MLP activations (and LayerNorm outputs) and recomputing them in the backward gives the
-    same steps."""
+def test_recompute_changes_no_bit(engines, precision, recompute, layers):
+    """Keeping one layer's MLP activations (and LayerNorm outputs) and recomputing them in the backward, in every
+    layer or only the first, gives the same steps."""
     plain = train_run(engines[precision], WIDE, micro_batch=2, n_micro=2, steps=3)
-    again = train_run(engines[precision], WIDE, micro_batch=2, n_micro=2, steps=3, recompute=recompute)
+    again = train_run(engines[precision], WIDE, micro_batch=2, n_micro=2, steps=3, recompute=recompute,
+                      recompute_layers=layers)
     assert plain.digest == again.digest
 
 

@@ -44,7 +44,7 @@ def options(name: str, precision: str) -> dict:
     if not PRECISIONS[precision].low:
         return {}
     exp = EXPERIMENT[name]
-    return {"recompute": tuple(exp.recompute), "loss_chunks": exp.loss_chunks}
+    return exp.memory_options
 
 
 @pytest.fixture(scope="module")

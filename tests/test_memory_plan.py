@@ -47,12 +47,36 @@ def test_recompute_keeps_one_layer(recompute):
     full = _by_name(plan_model(layout, 32, attention="lse", act_dtype="bfloat16"))
     less = _by_name(plan_model(layout, 32, attention="lse", act_dtype="bfloat16", recompute=recompute))
     if "gelu" in recompute:  # both rebuilt by the up-projection again
-        assert less["mlp_act"].shape == full["mlp_act"].shape[1:]
-        assert less["mlp_pre"].shape == full["mlp_pre"].shape[1:]
+        assert "mlp_act" not in less and "mlp_pre" not in less
+        assert less["mlp_act_layer"].shape == full["mlp_act"].shape[1:]
+        assert less["mlp_pre_layer"].shape == full["mlp_pre"].shape[1:]
     if "layernorm" in recompute:  # one buffer for the LayerNorm output in use
         assert "ln1" not in less and "ln2" not in less
         assert less["ln"].shape == full["ln1"].shape[1:] == full["ln2"].shape[1:]
     assert ("d_mlp_pre" in less) == ("gelu" not in recompute)
+
+
+@pytest.mark.parametrize("r", [1, 4, 5])
+def test_the_first_recompute_layers_recompute_and_the_others_keep_theirs(r):
+    """recompute_layers r of 6: the kept activations hold 6 - r layers, one layer's buffers serve the r that
+    recompute, and the plan lies between recomputing in every layer and in none."""
+    from andrea.memory import layer_buffer
+
+    layout, kw = ParameterLayout(SHAPE_12M), dict(attention="lse", act_dtype="bfloat16")
+    every, none = (plan_model(layout, 32, recompute=rc, **kw) for rc in (("gelu", "layernorm"), ()))
+    some = plan_model(layout, 32, recompute=("gelu", "layernorm"), recompute_layers=r, **kw)
+    by = _by_name(some)
+    L = SHAPE_12M.n_layer
+    for name in ("ln1", "ln2", "mlp_pre", "mlp_act"):
+        assert by[name].shape[0] == L - r
+    for name in ("ln", "mlp_pre_layer", "mlp_act_layer"):
+        assert name in by
+    assert every.total_bytes < some.total_bytes < none.total_bytes
+    buf = {"ln1": list(range(L - r)), "ln": "ln", "mlp_act": list(range(L))}
+    assert [layer_buffer(buf, "ln1", l, ("layernorm",), r) for l in range(L)] == ["ln"] * r + list(range(L - r))
+    assert [layer_buffer(buf, "mlp_act", l, ("layernorm",), r) for l in range(L)] == list(range(L))  # gelu not named
+    with pytest.raises(ValueError, match="recompute_layers 7"):
+        plan_model(layout, 32, recompute=("gelu",), recompute_layers=7, **kw)
 
 
 def test_bf16_plans_fit_the_peer_and_the_seed_figure():
@@ -76,10 +100,12 @@ def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     assert small.total_bytes + own <= 1.4e9
 
 
-@pytest.mark.parametrize("recompute", [("gelu",), ("layernorm",), ("gelu", "layernorm")])
-def test_recompute_gives_the_same_bits_on_numpy(recompute):
+@pytest.mark.parametrize("recompute, layers", [(("gelu",), None), (("layernorm",), None), (("gelu", "layernorm"), None),
+                                               (("gelu", "layernorm"), 1)])
+def test_recompute_gives_the_same_bits_on_numpy(recompute, layers):
     plain = train_run(NumpyEngine(), TINY, micro_batch=2, n_micro=2, steps=3)
-    again = train_run(NumpyEngine(), TINY, micro_batch=2, n_micro=2, steps=3, recompute=recompute)
+    again = train_run(NumpyEngine(), TINY, micro_batch=2, n_micro=2, steps=3, recompute=recompute,
+                      recompute_layers=layers)
     assert plain.digest == again.digest
     assert np.isfinite(plain.losses).all()
 

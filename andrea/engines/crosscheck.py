@@ -144,10 +144,12 @@ class TrainRun:
 
 
 def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: int, seed: int = 1337,
-              recompute: tuple[str, ...] = (), loss_chunks: int = 1, stream=None, held_out=()) -> TrainRun:
+              recompute: tuple[str, ...] = (), loss_chunks: int = 1, stream=None, held_out=(),
+              recompute_layers: int | None = None) -> TrainRun:
     """`steps` optimizer steps from init_params(seed) on the batches stream(step) (default: the synthetic
     stream), then the mean loss over the `held_out` micro-batches ((tokens, targets) pairs), if any."""
-    model = Model(engine, shape, micro_batch, recompute=recompute, loss_chunks=loss_chunks)
+    model = Model(engine, shape, micro_batch, recompute=recompute, recompute_layers=recompute_layers,
+                  loss_chunks=loss_chunks)
     model.load_state(init_params(model.layout, seed))
     stream = stream or (lambda step: synthetic_micro_batches(shape, micro_batch, n_micro, step, seed))
     losses, norms = [], []
