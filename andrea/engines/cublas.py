@@ -8,8 +8,38 @@ product allocates nothing and can be recorded in a CUDA graph.
 from __future__ import annotations
 
 import ctypes
+import json
+from pathlib import Path
 
 import cupy
+
+# Algorithms measured faster than the heuristic's first for the products of ANDREA's steps, per GPU and cuBLASLt
+# version (scripts/tune_gemm.py writes it): data, not a timing at run time, so every run takes the same ones.
+ALGORITHMS_FILE = Path(__file__).with_name("cublaslt_algorithms.json")
+
+
+def algorithm_table(tables: list[dict], device: str, version: int) -> dict[str, int]:
+    """The choices (plan key's repr -> the heuristic's index) of the table made on this GPU and cuBLASLt version;
+    none for another."""
+    for table in tables:
+        if table["device"] == device and table["cublaslt"] == version:
+            return dict(table["choices"])
+    return {}
+
+
+def product_name(key: tuple) -> str:
+    """A plan key without its algorithm index: the product, as the algorithm table names it."""
+    return repr((*key[:10], *key[11:]))
+
+
+def chosen_key(key: tuple, algo: int | None, choices: dict[str, int]) -> tuple:
+    """The plan key with its algorithm index: `algo`, or (None) the table's choice for the product, else the
+    heuristic's first (0). "gelu" takes gelu_aux's choice: it runs on gelu_aux's algorithm (CublasLt._plan)."""
+    if algo is None:
+        like = key if key[8] != "gelu" else (*key[:8], "gelu_aux", *key[9:])
+        algo = choices.get(product_name(like), 0)
+    return (*key[:10], algo, *key[11:])
+
 
 class _HostScalars:
     """float32 host values that alpha and beta point at: one object per value, kept alive for the calls."""
@@ -153,6 +183,11 @@ class CublasLt:
         self.handle = handle.value
         self._plans: dict = {}
         self._scalar = _HostScalars()
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        self.version = int(lib.cublasLtGetVersion())
+        self.device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        tables = json.loads(ALGORITHMS_FILE.read_text())["tables"] if ALGORITHMS_FILE.is_file() else []
+        self.choices = algorithm_table(tables, self.device, self.version)
 
     def _set(self, desc, attr: int, value) -> None:
         Cublas._check("cublasLtMatmulDescSetAttribute", self.lib.cublasLtMatmulDescSetAttribute(
@@ -229,24 +264,26 @@ class CublasLt:
         return sum(self._plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
 
     def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
-                  a_type=None, b_type=None, a_scale=None, b_scale=None, algo=0, batch=1, stride_a=0, stride_b=0,
+                  a_type=None, b_type=None, a_scale=None, b_scale=None, algo=None, batch=1, stride_a=0, stride_b=0,
                   stride_c=0):
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
-        key = (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
-               a_scale is not None, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+        key = chosen_key((c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b,
+                          epilogue, a_scale is not None, None, (batch, stride_a, stride_b, stride_c), *aligns),
+                         algo, self.choices)
         if key not in self._plans:
             self._plan(key, aux, None if a_scale is None else (a_scale, b_scale))
         return key, self._plans[key]
 
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
-             a_type=None, b_type=None, a_scale=None, b_scale=None, beta: float = 0.0, algo: int = 0, batch: int = 1,
-             stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
-        """Row-major C[m, n] = epilogue(op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
+             a_type=None, b_type=None, a_scale=None, b_scale=None, alpha: float = 1.0, beta: float = 0.0,
+             algo: int | None = None, batch: int = 1, stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
+        """Row-major C[m, n] = epilogue(alpha * op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
         epilogues (GELU's input: written by gelu_aux, read by dgelu; "gelu" leaves it as it is, and gives C the
         bits gelu_aux gives it with that aux). FP8 operands: a_type/b_type ("e4m3",
         "e5m2") and a_scale/b_scale (FP32 device scalars). `algo` takes the heuristic's algo-th choice
-        (0: its first). `batch` products with the operands' strides in elements (0: the same matrix for each),
+        (0: its first); None, the algorithm table's choice for the product where it has one (ALGORITHMS_FILE),
+        else its first. `batch` products with the operands' strides in elements (0: the same matrix for each),
         as Cublas.gemm. False (nothing run) where cuBLASLt has no algorithm for it."""
         key, plan = self._plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
                                    a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, algo=algo, batch=batch,
@@ -259,7 +296,7 @@ class CublasLt:
         if a_scale is not None:
             self._set_scales(desc, a_scale, b_scale)
         Cublas._check("cublasLtMatmul", self.lib.cublasLtMatmul(
-            self.handle, desc, self._scalar(1.0), b.data.ptr, lay_b, a.data.ptr, lay_a, self._scalar(beta),
+            self.handle, desc, self._scalar(alpha), b.data.ptr, lay_b, a.data.ptr, lay_a, self._scalar(beta),
             c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(result), self.workspace.data.ptr,
             self.workspace.nbytes, cupy.cuda.get_current_stream().ptr))
         return True

@@ -91,7 +91,7 @@ class CudaOps:
         V, C = wte.shape
         N = inp.size // C
         self._fp8_wrote(probs)
-        self.blas.gemm(probs, inp, wte, N, V, C, trans_b=True)
+        self._classifier_product(probs, inp, wte, N, V, C, trans_b=True)
         self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, np.int64(N),
                      np.int32(V))
 
@@ -113,8 +113,14 @@ class CudaOps:
         else:
             self._launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
                          np.int64(N), np.int32(V))
-        self.blas.gemm(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
-        self.blas.gemm(dinp, dlogits, wte, N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
+        self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
+        self._classifier_product(dinp, dlogits, wte, N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
+
+    def _classifier_product(self, c, a, b, m, n, k, **kw):
+        """Through cuBLASLt where the build has it, whose algorithm table can pick a faster algorithm than the
+        heuristic's first for these shapes (andrea/engines/cublas.py); else cuBLAS."""
+        if not (self.blas_lt and self.blas_lt.gemm(c, a, b, m, n, k, **kw)):
+            self.blas.gemm(c, a, b, m, n, k, **kw)
 
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(self.to_host(losses), None if weights is None else self.to_host(weights))

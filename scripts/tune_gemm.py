@@ -1,0 +1,130 @@
+"""Time every cuBLASLt algorithm of the products in ANDREA's training steps; write the algorithm table.
+
+    PYTHONPATH=. python3 scripts/tune_gemm.py [--shapes 12M,120M] [--precisions bf16] [--margin 0.03]
+        [--out andrea/engines/cublaslt_algorithms.json]
+
+One eager training step of each shape (the benchmark's micro-batch and the experiment's memory options)
+records the cuBLASLt products it runs: the MLP's GELU epilogue products and the classifier's three in the
+16-bit builds, and the FP8 products under fp8. Each product's algorithms (the heuristic's first
+HEURISTICS) are then timed alone in a CUDA graph on the step's own buffers, and the table keeps the
+fastest where it beats the heuristic's first by more than --margin. A gelu_aux product counts together
+with the "gelu" product the step runs on its algorithm (the forward of a layer that recomputes its MLP):
+their sum decides.
+
+The engine reads the table (andrea/engines/cublas.py, ALGORITHMS_FILE) for its GPU and cuBLASLt version
+only, so a run takes the same algorithms every time: the choice is data made here, never a timing at run
+time. The file keeps the tables of other GPUs and versions; this one's is replaced. Run on a CUDA machine,
+then check and commit the file (`pytest -m gpu` and scripts/bench.py with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from andrea.engines.cublas import ALGORITHMS_FILE, product_name  # noqa: E402
+from andrea.timing import graph_ms  # noqa: E402
+from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options, synthetic_micro_batches  # noqa: E402
+
+
+def planned(kwargs: dict) -> dict:
+    """A CublasLt.gemm call's keywords that decide its plan (not its scalars, not an algorithm asked for)."""
+    return {k: v for k, v in kwargs.items() if k not in ("alpha", "beta", "algo")}
+
+
+def step_products(name: str, precision: str) -> tuple:
+    """The engine and the cuBLASLt calls of one eager step: product name -> (args, kwargs) of its first call."""
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.model import Model, init_params
+
+    engine = CudaEngine(precision=precision)
+    lt = engine.blas_lt
+    if lt is None:
+        raise SystemExit(f"precision {precision} runs no cuBLASLt product; choose a 16-bit one or fp8")
+    calls: dict[str, tuple] = {}
+    run = lt.gemm
+
+    def record(*args, **kwargs):
+        key, _ = lt._plan_for(*args, **planned(kwargs))
+        calls.setdefault(product_name(key), (args, kwargs))
+        return run(*args, **kwargs)
+
+    lt.gemm = record
+    shape, micro = EXPERIMENTS[name].model, BENCH[name]
+    model = Model(engine, shape, micro, graphs=False, **options(name, precision))
+    model.load_state(init_params(model.layout, 0))
+    model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
+    lt.gemm = run
+    return engine, model, calls
+
+
+def tune(engine, calls: dict[str, tuple], margin: float) -> tuple[dict, dict]:
+    """(choices, measured): the index kept for each product that beats the heuristic's first, and every
+    algorithm's ms for each product (a gelu_aux product's with its "gelu" partner's added)."""
+    lt = engine.blas_lt
+    choices, measured = {}, {}
+    for pname, (args, kwargs) in calls.items():
+        if kwargs.get("epilogue") == "gelu":
+            continue  # it runs on its gelu_aux product's algorithm: timed with it
+        partner = None
+        if kwargs.get("epilogue") == "gelu_aux":
+            gelu = {**kwargs, "epilogue": "gelu"}
+            key, _ = lt._plan_for(*args, **planned(gelu))
+            partner = gelu if product_name(key) in calls else None
+        times = []
+        for i in range(lt.algorithms(*args, **planned(kwargs))):
+            ms = graph_ms(engine, lambda: lt.gemm(*args, **{**kwargs, "algo": i}))
+            if partner is not None:
+                ran = lt._plan_for(*args, **planned(partner), algo=i)[1]
+                ms += graph_ms(engine, lambda: lt.gemm(*args, **{**partner, "algo": i})) if ran else ms
+            times.append(round(ms, 4))
+        measured[pname] = times
+        if times:
+            best = min(range(len(times)), key=times.__getitem__)
+            if times[best] < (1 - margin) * times[0]:
+                choices[pname] = best
+        print(f"{pname}: {' '.join(f'{t:.4f}' for t in times)} ms -> {choices.get(pname, 0)}", flush=True)
+    return choices, measured
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--shapes", default="12M,120M", help="comma-separated: 12M, 120M (default both)")
+    ap.add_argument("--precisions", default="bf16", help="comma-separated precisions (default bf16)")
+    ap.add_argument("--margin", type=float, default=0.03,
+                    help="keep an algorithm only where it is this much faster than the heuristic's first (default 0.03)")
+    ap.add_argument("--out", type=Path, default=ALGORITHMS_FILE, help=f"the table file (default {ALGORITHMS_FILE})")
+    args = ap.parse_args()
+    shapes, precisions = args.shapes.split(","), args.precisions.split(",")
+    for bad in set(shapes) - set(BENCH):
+        ap.error(f"--shapes: unknown shape {bad!r}; choose from {', '.join(BENCH)}")
+    choices, measured, device, version = {}, {}, None, None
+    for name in shapes:
+        for precision in precisions:
+            engine, model, calls = step_products(name, precision)
+            print(f"{name}/{precision}: {len(calls)} cuBLASLt products", flush=True)
+            c, m = tune(engine, calls, args.margin)
+            choices.update(c)
+            measured.update(m)
+            device, version = engine.blas_lt.device, engine.blas_lt.version
+            del model, engine
+    old = json.loads(args.out.read_text())["tables"] if args.out.is_file() else []
+    tables = [t for t in old if (t["device"], t["cublaslt"]) != (device, version)]
+    tables.append({"device": device, "cublaslt": version, "margin": args.margin, "choices": choices,
+                   "measured_ms": measured})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"tables": tables}, indent=1) + "\n")
+    print(f"{args.out}: {len(choices)} of {len(measured)} products take another algorithm on {device}, "
+          f"cuBLASLt {version}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
