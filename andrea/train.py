@@ -137,6 +137,14 @@ def data_fingerprint(data_dir: Path, *windows) -> dict:
     return out
 
 
+def model_options(exp, engine_name: str) -> dict:
+    """The experiment's memory options for the training model on this engine. The NumPy engine recomputes
+    nothing: recompute trades a device's memory for time, and on the host only the time would be paid (the
+    bits are the same either way). The classifier's pieces stay: they are part of the trajectory."""
+    options = exp.memory_options
+    return {**options, "recompute": ()} if engine_name == "numpy" else options
+
+
 class Trainer:
     def __init__(self, args, console):
         from andrea.engines import cuda_available, make_engine
@@ -202,7 +210,8 @@ class Trainer:
             self.log(f"engine: {self.engine.name}")
         self.world = world
         micro = self.exp.batch_size // (world * self.exp.micro_batches)
-        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel, **self.exp.memory_options)
+        self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel,
+                           **model_options(self.exp, self.engine.name))
         self.sampler = None
         self.prompts: list[list[int]] = []
         self._setup_sampling(args.tokenizer)

@@ -79,6 +79,16 @@ def test_the_first_recompute_layers_recompute_and_the_others_keep_theirs(r):
         plan_model(layout, 32, recompute=("gelu",), recompute_layers=7, **kw)
 
 
+def test_the_trainer_recomputes_on_the_cuda_engine_only():
+    from andrea.train import model_options
+
+    exp = load_experiment(EXPERIMENTS / "ANDREA-12M-TRAIN.json")
+    assert exp.recompute and model_options(exp, "cuda") == exp.memory_options
+    assert model_options(exp, "numpy") == {**exp.memory_options, "recompute": ()}
+    chunked = load_experiment(EXPERIMENTS / "ANDREA-120M-TRAIN.json")
+    assert model_options(chunked, "numpy")["loss_chunks"] == chunked.loss_chunks == 2  # part of the trajectory
+
+
 def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     """120M at B 8 under the PyTorch bf16 + torch.compile peak (5.1 GiB); 12M at B 32 within the seed's 1.4 GB
     (the CUDA engine's own buffers included: cuBLAS workspace, decay ranges, LayerNorm partial sums)."""
