@@ -13,7 +13,7 @@ their sum decides.
 
 The engine reads the table (andrea/engines/cublas.py, ALGORITHMS_FILE) for its GPU and cuBLASLt version
 only, so a run takes the same algorithms every time: the choice is data made here, never a timing at run
-time. The file keeps the tables of other GPUs and versions; this one's is replaced. Run on a CUDA machine,
+time. The file keeps the tables of other GPUs and versions, and in this one's the products not measured now. Run on a CUDA machine,
 then check and commit the file (`pytest -m gpu` and scripts/bench.py with it).
 """
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from andrea.engines.cublas import ALGORITHMS_FILE, product_name  # noqa: E402
+from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, merged_tables, product_name  # noqa: E402
 from andrea.timing import graph_ms  # noqa: E402
 from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options, synthetic_micro_batches  # noqa: E402
 
@@ -111,18 +111,18 @@ def main() -> int:
             engine, model, calls = step_products(name, precision)
             print(f"{name}/{precision}: {len(calls)} cuBLASLt products", flush=True)
             c, m = tune(engine, calls, args.margin)
+            for product in m:  # measured again (the classifier's products run in bf16 under fp8 too): the last counts
+                choices.pop(product, None)
             choices.update(c)
             measured.update(m)
             device, version = engine.blas_lt.device, engine.blas_lt.version
             del model, engine
-    old = json.loads(args.out.read_text())["tables"] if args.out.is_file() else []
-    tables = [t for t in old if (t["device"], t["cublaslt"]) != (device, version)]
-    tables.append({"device": device, "cublaslt": version, "margin": args.margin, "choices": choices,
-                   "measured_ms": measured})
+    tables = json.loads(args.out.read_text())["tables"] if args.out.is_file() else []
+    tables = merged_tables(tables, device, version, args.margin, choices, measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"tables": tables}, indent=1) + "\n")
-    print(f"{args.out}: {len(choices)} of {len(measured)} products take another algorithm on {device}, "
-          f"cuBLASLt {version}")
+    print(f"{args.out}: {len(choices)} of the {len(measured)} products measured take another algorithm on {device}, "
+          f"cuBLASLt {version} ({len(algorithm_table(tables, device, version))} in its table)")
     return 0
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, chosen_key, product_name
+from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, chosen_key, merged_tables, product_name
 
 # a plan key as CublasLt._plan_for makes it: types, m, n, k, transposes, epilogue, FP8 scales, algorithm,
 # batch and strides, then the four alignments
@@ -35,6 +35,20 @@ def test_a_product_takes_the_table_s_algorithm_unless_one_is_asked_for():
     other = (*GELU_AUX[:3], 8192, *GELU_AUX[4:])
     assert chosen_key(other, None, choices)[10] == 0
     assert product_name(chosen_key(GELU_AUX, None, choices)) == product_name(GELU_AUX)
+
+
+def test_new_measurements_replace_their_products_and_keep_the_others():
+    h200 = {"device": "NVIDIA H200", "cublaslt": 1, "margin": 0.03, "choices": {"a": 2, "b": 1},
+            "measured_ms": {"a": [1.0, 0.9, 0.5], "b": [1.0, 0.5], "c": [1.0, 0.99]}}
+    h100 = {"device": "NVIDIA H100", "cublaslt": 1, "margin": 0.03, "choices": {"a": 1}, "measured_ms": {"a": [1, 0.5]}}
+    tables = merged_tables([h100, h200], "NVIDIA H200", 1, 0.03, {"c": 1}, {"b": [1.0, 0.99], "c": [1.0, 0.5]})
+    assert tables[0] == h100
+    assert tables[1]["choices"] == {"a": 2, "c": 1}  # b measured again without a faster one: no choice now
+    assert tables[1]["measured_ms"] == {"a": [1.0, 0.9, 0.5], "b": [1.0, 0.99], "c": [1.0, 0.5]}
+    again = merged_tables(tables, "NVIDIA H200", 1, 0.1, {}, {"c": [1.0, 0.95]})  # another margin: a new table
+    assert again[1] == {"device": "NVIDIA H200", "cublaslt": 1, "margin": 0.1, "choices": {},
+                        "measured_ms": {"c": [1.0, 0.95]}}
+    assert merged_tables([], "NVIDIA H200", 2, 0.03, {"a": 1}, {"a": [1, 0.5]})[0]["choices"] == {"a": 1}
 
 
 def test_the_committed_table_chooses_what_it_measured():

@@ -27,6 +27,22 @@ def algorithm_table(tables: list[dict], device: str, version: int) -> dict[str, 
     return {}
 
 
+def merged_tables(tables: list[dict], device: str, version: int, margin: float, choices: dict[str, int],
+                  measured: dict[str, list[float]]) -> list[dict]:
+    """The tables with new measurements of this GPU and version (scripts/tune_gemm.py): the products measured
+    now take their new entries (a choice, or none), the others keep theirs; a table made at another margin is
+    started again, so that all its choices follow one."""
+    mine = next((t for t in tables if (t["device"], t["cublaslt"]) == (device, version)), None)
+    if mine is not None and mine["margin"] != margin:
+        mine = None
+    kept = mine or {"choices": {}, "measured_ms": {}}
+    table = {"device": device, "cublaslt": version, "margin": margin,
+             "choices": {k: v for k, v in kept["choices"].items() if k not in measured} | choices,
+             "measured_ms": kept["measured_ms"] | measured}
+    others = [t for t in tables if (t["device"], t["cublaslt"]) != (device, version)]
+    return others + [table]
+
+
 def product_name(key: tuple) -> str:
     """A plan key without its algorithm index: the product, as the algorithm table names it."""
     return repr((*key[:10], *key[11:]))
