@@ -1,6 +1,6 @@
 """The benchmark: tokens/s of the CUDA engine's training step against the PyTorch peer, in one call.
 
-    PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline .device/bench/torch_baseline.py]
+    PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline PATH/torch_baseline.py]
         [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,bf16-eager] [--peers ...]
         [--peer-runs 3]
 
@@ -13,7 +13,8 @@ Correctness (every op against float64 NumPy, training, determinism, memory, resu
             (recorded by andrea.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
             (andrea/ops); the PyTorch peer's variants in the same call, each in --peer-runs processes, the
             fastest counting
-Writes bench.json and bench.txt under --out (default: $OUT, else results/bench); scripts/gpu_report.py
+The peer is the PyTorch baseline script given by --baseline (default: $ANDREA_PEER_BASELINE); without one
+the bench section times the engine alone and says so. Writes bench.json and bench.txt under --out (default: $OUT, else results/bench); scripts/gpu_report.py
 turns bench.json into docs/PERFORMANCE.md's tables. Exits non-zero if any section fails.
 """
 
@@ -254,8 +255,9 @@ def table() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
-    parser.add_argument("--baseline", default=str(REPO / ".device" / "bench" / "torch_baseline.py"),
-                        help="the PyTorch peer baseline script (the peers are skipped if it is missing)")
+    parser.add_argument("--baseline", default=os.environ.get("ANDREA_PEER_BASELINE"),
+                        help="the PyTorch peer baseline script (default: $ANDREA_PEER_BASELINE; 'none' or unset: "
+                             "no peers)")
     parser.add_argument("--sections", default="device,ceilings,memory,bench")
     parser.add_argument("--bench", default=",".join(BENCH_VARIANTS), help="engine variants the bench section times")
     parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
@@ -265,11 +267,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.peer_runs < 1:
         parser.error(f"--peer-runs {args.peer_runs}: the peers run in at least one process each")
+    baseline = None if args.baseline in (None, "", "none") else args.baseline
+    if baseline and not Path(baseline).is_file():
+        parser.error(f"--baseline {baseline}: no such file; give the PyTorch peer script, or 'none' for no peers")
+    if baseline is None and "bench" in args.sections.split(","):
+        log("no PyTorch peer: the bench section times the engine alone (--baseline PATH or ANDREA_PEER_BASELINE)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = {"device": device_info, "ceilings": ceilings, "memory": memory,
-             "bench": lambda: bench(args.baseline if Path(args.baseline).is_file() else None,
-                                    args.bench.split(","), args.peers.split(","), args.peer_runs)}
+             "bench": lambda: bench(baseline, args.bench.split(","), args.peers.split(","), args.peer_runs)}
     for name in args.sections.split(","):
         if name not in steps:
             parser.error(f"unknown section {name!r}; choose from {', '.join(steps)}")
