@@ -13,8 +13,8 @@ their sum decides.
 
 The engine reads the table (andrea/engines/cublas.py, ALGORITHMS_FILE) for its GPU and cuBLASLt version
 only, so a run takes the same algorithms every time: the choice is data made here, never a timing at run
-time. The file keeps the tables of other GPUs and versions, and in this one's the products not measured now. Run on a CUDA machine,
-then check and commit the file (`pytest -m gpu` and scripts/bench.py with it).
+time. The file keeps the tables of other GPUs and versions, and in this one's the products not measured
+now. Run on a CUDA machine, then check and commit the file (`pytest -m gpu` and scripts/bench.py with it).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def tune(engine, calls: dict[str, tuple], margin: float) -> tuple[dict, dict]:
         times = []
         for i in range(lt.algorithms(*args, **planned(kwargs))):
             ms = graph_ms(engine, lambda: lt.gemm(*args, **{**kwargs, "algo": i}))
-            if partner is not None:
-                ran = lt._plan_for(*args, **planned(partner), algo=i)[1]
+            if partner is not None:  # where "gelu" has no plan on this algorithm, the forward runs gelu_aux again
+                ran = lt._plan_for(*args, **planned(partner), algo=i)[1] is not None
                 ms += graph_ms(engine, lambda: lt.gemm(*args, **{**partner, "algo": i})) if ran else ms
             times.append(round(ms, 4))
         measured[pname] = times
@@ -105,24 +105,22 @@ def main() -> int:
     shapes, precisions = args.shapes.split(","), args.precisions.split(",")
     for bad in set(shapes) - set(BENCH):
         ap.error(f"--shapes: unknown shape {bad!r}; choose from {', '.join(BENCH)}")
-    choices, measured, device, version = {}, {}, None, None
+    tables = json.loads(args.out.read_text())["tables"] if args.out.is_file() else []
     for name in shapes:
         for precision in precisions:
             engine, model, calls = step_products(name, precision)
             print(f"{name}/{precision}: {len(calls)} cuBLASLt products", flush=True)
-            c, m = tune(engine, calls, args.margin)
-            for product in m:  # measured again (the classifier's products run in bf16 under fp8 too): the last counts
-                choices.pop(product, None)
-            choices.update(c)
-            measured.update(m)
+            choices, measured = tune(engine, calls, args.margin)
+            # a product measured again (the classifier's run in bf16 under fp8 too): the last measurement counts
             device, version = engine.blas_lt.device, engine.blas_lt.version
+            tables = merged_tables(tables, device, version, args.margin, choices, measured)
+            print(f"{name}/{precision}: {len(choices)} of its {len(measured)} products take another algorithm",
+                  flush=True)
             del model, engine
-    tables = json.loads(args.out.read_text())["tables"] if args.out.is_file() else []
-    tables = merged_tables(tables, device, version, args.margin, choices, measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"tables": tables}, indent=1) + "\n")
-    print(f"{args.out}: {len(choices)} of the {len(measured)} products measured take another algorithm on {device}, "
-          f"cuBLASLt {version} ({len(algorithm_table(tables, device, version))} in its table)")
+    print(f"{args.out}: {len(algorithm_table(tables, device, version))} products take another algorithm on {device}, "
+          f"cuBLASLt {version}")
     return 0
 
 

@@ -284,11 +284,13 @@ class CublasLt:
                   stride_c=0):
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
-        key = chosen_key((c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b,
-                          epilogue, a_scale is not None, None, (batch, stride_a, stride_b, stride_c), *aligns),
-                         algo, self.choices)
-        if key not in self._plans:
-            self._plan(key, aux, None if a_scale is None else (a_scale, b_scale))
+        key = (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
+               a_scale is not None, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+        if key not in self._plans:  # algo None: the table's choice, looked up once a shape
+            chosen = chosen_key(key, algo, self.choices)
+            if chosen not in self._plans:
+                self._plan(chosen, aux, None if a_scale is None else (a_scale, b_scale))
+            self._plans[key] = self._plans[chosen]
         return key, self._plans[key]
 
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
