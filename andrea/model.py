@@ -103,7 +103,8 @@ class Model:
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
-        copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer)
+        loss_rows = -(-micro_batch // loss_chunks) * shape.seq_len if training else None  # a classifier piece's
+        copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows)
                   if engine.traits.fp8_products else ())
         if training and engine.traits.qkv_weight_rows:
             copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
@@ -411,7 +412,7 @@ class Model:
 
     def _weights_changed(self) -> None:
         """After W is written (its load, every AdamW step): the engine's copies of the layer matrices follow it
-        before any op reads them (the FP8 copies under precision fp8, 4 casts of 3 launches a layer; else the
+        before any op reads them (the FP8 copies under precision fp8, 4 casts of 3 launches a layer and wte's; else the
         training model's [C, 3C] W_QKV), as a recorded graph where the engine records them."""
         b, e = self.buf, self.engine
         if "params_fp8" not in b and "w_qkv_rows" not in b:
@@ -419,7 +420,7 @@ class Model:
 
         def prepare():
             if "params_fp8" in b:
-                e.prepare_fp8_weights(b["params_fp8"], self.W["layers"])
+                e.prepare_fp8_weights(b["params_fp8"], self.W["layers"], self.W["wte"])
             if "w_qkv_rows" in b:
                 e.prepare_qkv_rows(b["w_qkv_rows"], self.W["layers"])
         if not self.graphs:

@@ -146,6 +146,18 @@ __device__ __forceinline__ void warp_amax(unsigned* amax, float m) {
     m = as_stored(warp_max(m));
     if (threadIdx.x % WARP_SIZE == 0 && m > 0.0f) atomicMax(amax, __float_as_uint(m));
 }
+// Two floats as FP8 bytes (E5M2 where e5m2, else E4M3), rounded to nearest even, saturating at the format's
+// largest value: `lo` in the low byte.
+__device__ __forceinline__ unsigned short fp8x2(float lo, float hi, int e5m2) {
+    unsigned short r = 0;
+#if __CUDA_ARCH__ >= 890
+    if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+#else
+    __trap();  // FP8 conversions are sm_89+ (the engine refuses precision fp8 below)
+#endif
+    return r;
+}
 
 // 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 lowp). Elementwise kernels move 16
 // bytes per load and store where every pointer they touch is 16-byte aligned (aligned16), else one element.

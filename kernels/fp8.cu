@@ -49,17 +49,6 @@ __device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
     return max(-126, min(127, e));
 }
 
-__device__ __forceinline__ unsigned short fp8x2(float lo, float hi, int e5m2) {
-    unsigned short r = 0;
-#if __CUDA_ARCH__ >= 890
-    if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-#else
-    __trap();  // FP8 conversions are sm_89+ (the engine refuses precision fp8 below)
-#endif
-    return r;
-}
-
 // Cast x [batch, rows, cols] (row-major) to FP8 with the scale of *amax: q[z] (row-major, leading
 // dimension ldq, batch z at q + z * q_batch) and/or its transpose qt[z] ([cols, rows], leading dimension
 // ldqt, at qt + z * qt_batch); a null q or qt is not written. The block at (0, 0, 0) writes 1 / s to

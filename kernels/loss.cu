@@ -9,6 +9,9 @@
 // the backward turns those into dlogits in place (only the target entries change, and, weighted, the rows
 // whose weight is not 1), so there is no separate probabilities or gradient buffer. One block per row; the
 // row's max and sum are block reductions in a fixed order.
+// Precision fp8: the forward also writes dlogits (unweighted) as E5M2 bytes for the input gradient's FP8
+// product, at the scale of amax 1 (2^15: |p - onehot| <= 1 whatever the row), from the probabilities before
+// their 16-bit rounding (andrea/ops/fp8.py, the classifier).
 #include "common.cuh"
 
 // The most threads of a row's block: andrea/ops/loss.py (softmax_threads) launches fewer for short rows.
@@ -16,6 +19,8 @@
 // Threads of a weighted backward's block (one row): most rows of a loss mask weigh 1, where the block has only
 // the target to fix, or 0, where it writes the row; small blocks let many rows share an SM.
 #define LOSS_WEIGHTED_THREADS 256
+// E5M2's scale for values of magnitude up to 1: 2^15 (1.75 * 2^15 is its largest value)
+#define DLOGITS_SCALE 32768.0f
 
 // e^x: in the 16-bit builds the hardware's ex2.approx on x log2(e) (relative error about 2^-21, far below the
 // rounding of a 16-bit probability): expf's dozen instructions an element made the softmax pass as much
@@ -39,8 +44,10 @@ __device__ __forceinline__ void online_add(float& m, float& sum, const float* v,
     for (int i = 0; i < n; i++) sum += exp_row(v[i] - m);
 }
 
+// dq (null: not written): [n_rows, V] E5M2 bytes of (probs - onehot) * 2^15; *dq_descale = 2^-15.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, int V) {
+k_loss_fwd(float* losses, act_t* probs, const int* targets, unsigned char* dq, float* dq_descale, long long n_rows,
+           int V) {
     __shared__ float scratch[WARP_SIZE];
     const long long row = blockIdx.x;
     act_t* x = probs + row * V;
@@ -64,6 +71,8 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, in
     const float row_max = block_max(m, scratch);
     const float row_sum = block_sum(m == NEG_INF ? 0.0f : sum * exp_row(m - row_max), scratch);
     if (threadIdx.x == 0) losses[row] = row_max + logf(row_sum) - picked;
+    if (dq != nullptr && row == 0 && threadIdx.x == 0) *dq_descale = 1.0f / DLOGITS_SCALE;
+    unsigned char* d = dq == nullptr ? nullptr : dq + row * V;
     const float inv = 1.0f / row_sum;
     if (vec) {
         for (int j = threadIdx.x * ACT_VEC; j < V; j += blockDim.x * ACT_VEC) {
@@ -72,9 +81,28 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, long long n_rows, in
 #pragma unroll
             for (int i = 0; i < ACT_VEC; i++) v[i] = exp_row(v[i] - row_max) * inv;
             store_vec(x + j, v);
+            if (d != nullptr) {  // ACT_VEC bytes, as words of 4 (V % ACT_VEC == 0: the row's bytes start aligned)
+                unsigned words[ACT_VEC / 4];
+#pragma unroll
+                for (int w = 0; w < ACT_VEC / 4; w++) {
+                    float e[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int at = 4 * w + i;
+                        e[i] = (j + at == target ? v[at] - 1.0f : v[at]) * DLOGITS_SCALE;
+                    }
+                    words[w] = fp8x2(e[0], e[1], 1) | static_cast<unsigned>(fp8x2(e[2], e[3], 1)) << 16;
+                }
+                if (ACT_VEC == 8) *reinterpret_cast<uint2*>(d + j) = make_uint2(words[0], words[ACT_VEC / 4 - 1]);
+                else *reinterpret_cast<unsigned*>(d + j) = words[0];
+            }
         }
     } else {
-        for (int j = threadIdx.x; j < V; j += blockDim.x) store(x + j, exp_row(to_f32(x[j]) - row_max) * inv);
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            const float p = exp_row(to_f32(x[j]) - row_max) * inv;
+            store(x + j, p);
+            if (d != nullptr) d[j] = fp8x2((j == target ? p - 1.0f : p) * DLOGITS_SCALE, 0.0f, 1) & 0xffu;
+        }
     }
 }
 

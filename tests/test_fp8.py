@@ -154,7 +154,7 @@ def test_the_amax_book_falls_back_when_its_slots_run_out():
 def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
     """amax_slots covers what a model's pass keeps: 4 a layer (two LayerNorm outputs, the attention output, the
     GELU output) and the shared buffers."""
-    by_name = {b.name: b for b in fp8.plan_buffers(8, 1024, 768, 12)}
+    by_name = {b.name: b for b in fp8.plan_buffers(8, 1024, 768, 12, 50304)}
     assert by_name["fp8_amax"].shape == (fp8.SLOT_FLOATS * fp8.amax_slots(12),)
     assert by_name["fp8_amax"].role == "engine"
     assert fp8.amax_slots(12) >= 4 * 12 + 5
@@ -256,6 +256,66 @@ def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(engine, weighted):
+    """The logits on E4M3 x and wte, and the input gradient d_logits wte on the E5M2 d_logits that the forward's
+    softmax wrote (at amax 1's scale), against float64 products of the reference's FP8 operands, to bf16's
+    rounding; wte's gradient in bf16. Weighted, the input gradient is the bf16 product (the weights scale d_logits
+    after the forward wrote its copy). Against the exact products the FP8 ones are off by more."""
+    import cupy
+
+    from andrea.config import ModelShape
+    from andrea.model import Model
+
+    B, T, C, V = 2, 64, 128, 512
+    N, scale = B * T, 1.0 / (B * T)
+    Model(engine, ModelShape(n_layer=1, d_model=C, n_head=2, vocab_size=V, seq_len=T), B)  # holds fp8_dlogits
+    rng = np.random.default_rng()
+    x = _bf16(rng.standard_normal((N, C)))
+    wte = _bf16(rng.standard_normal((V, C)) * 2 * C**-0.5)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    w = rng.uniform(0.2, 2.0, N).astype(np.float32) if weighted else None
+    dwte0 = rng.standard_normal((V, C)).astype(np.float32)
+    dev_x, dev_wte = (cupy.asarray(a.astype("bfloat16")) for a in (x, wte))
+    losses = cupy.full(N, np.nan, dtype=np.float32)
+    probs = cupy.full((N, V), np.nan, dtype="bfloat16")
+    engine.loss_fwd(losses, probs, dev_x, dev_wte, cupy.asarray(targets))
+    got_probs = cupy.asnumpy(probs).astype(np.float64)
+    dinp, dwte = cupy.full((N, C), np.nan, dtype=np.float32), cupy.asarray(dwte0)
+    engine.loss_bwd(dinp, dwte, probs, dev_x, dev_wte, cupy.asarray(targets), scale, overwrite=True,
+                    weights=None if w is None else cupy.asarray(w))
+
+    def deq(a, fmt):
+        return fp8.dequantize(*fp8.quantize(a, fmt), fmt)
+
+    def softmax(logits):
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    onehot = np.eye(V)[targets]
+    logits = _bf16(deq(x, "e4m3") @ deq(wte, "e4m3").T).astype(np.float64)  # the product's bf16 output
+    p = softmax(logits)
+    d_bf16 = _bf16(got_probs - onehot if w is None else w[:, None] * (got_probs - onehot)).astype(np.float64)
+    if w is None:
+        d = fp8.fake_quantize(np, (p - onehot).astype(np.float32), "e5m2", fp8.DLOGITS_AMAX).astype(np.float64)
+        want_dinp = scale * d @ deq(wte, "e4m3")
+    else:
+        want_dinp = scale * d_bf16 @ wte
+    want = {"probs": p, "losses": np.log(np.exp(logits).sum(-1)) - logits[np.arange(N), targets],
+            "dinp": want_dinp, "dwte": scale * d_bf16.T @ x}
+    got = {"probs": got_probs, "losses": cupy.asnumpy(losses), "dinp": cupy.asnumpy(dinp),
+           "dwte": cupy.asnumpy(dwte) - dwte0}
+    for k in want:
+        rel = np.linalg.norm(got[k] - want[k]) / np.linalg.norm(want[k])
+        assert rel <= 1e-2, (k, rel)
+    exact_p = softmax(x.astype(np.float64) @ wte.T)
+    exact_dinp = scale * (exact_p - onehot if w is None else w[:, None] * (exact_p - onehot)) @ wte
+    assert np.linalg.norm(got["probs"] - exact_p) / np.linalg.norm(exact_p) > 5e-3
+    off = np.linalg.norm(got["dinp"] - exact_dinp) / np.linalg.norm(exact_dinp)
+    assert (off > 5e-3) if w is None else (off < 0.12), off
+
+
+@pytest.mark.gpu
 def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
     """Training with the model's FP8 weight copies (cast once per weight update) and with every op casting its
     weights itself gives the same bytes: the copies are fresh after every AdamW step and every load."""
@@ -265,7 +325,7 @@ def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     prepared = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
     assert engine._fp8_weights  # the copies were in use
-    monkeypatch.setattr(type(engine), "prepare_fp8_weights", lambda self, buf, layers: setattr(self, "_fp8_weights", {}))
+    monkeypatch.setattr(type(engine), "prepare_fp8_weights", lambda self, *a: setattr(self, "_fp8_weights", {}))
     per_call = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
     assert prepared.digest == per_call.digest
 

@@ -155,23 +155,27 @@ def test_training_plan_without_training_ignores_recompute():
 
 def test_fp8_plans_add_the_weight_copies_and_count_the_engine_scratch_once_at_its_largest():
     """Under fp8 a plan adds params_fp8 (kept, so a sampler sharing the weights shares it: 2 bytes a layer
-    weight, 256-byte aligned, plus the scale slots) and the engine's fp8_operands, which two models on one
-    engine (the trainer at B 8, its sampler at B 1) count once, at the larger size the engine holds."""
+    weight and a wte element, 256-byte aligned, plus the scale slots) and the engine's fp8_operands, which two
+    models on one engine (the trainer at B 8, its sampler at B 1) count once, at the larger size the engine
+    holds; a training plan also the E5M2 d_logits of a classifier piece (fp8_dlogits), a sampler's none."""
     from andrea.memory import device_bytes
     from andrea.ops import fp8
 
     layout = ParameterLayout(SHAPE_120M)
-    C, L = SHAPE_120M.d_model, SHAPE_120M.n_layer
+    C, L, T, V = SHAPE_120M.d_model, SHAPE_120M.n_layer, SHAPE_120M.seq_len, SHAPE_120M.vocab_size
 
     def plan(B, training=True):
-        return plan_model(layout, B, training=training, attention="lse", act_dtype="bfloat16",
-                          engine_buffers=fp8.plan_buffers(B, SHAPE_120M.seq_len, C, L))
+        return plan_model(layout, B, training=training, attention="lse", act_dtype="bfloat16", loss_chunks=2,
+                          engine_buffers=fp8.plan_buffers(B, T, C, L, V, B // 2 * T if training else None))
 
     trainer, sampler = plan(8), plan(1, training=False)
     by_name = {b.name: b for b in trainer.buffers}
     weights = sum(t.size for t in layout.tensors if t.name.split(".")[-1] in {"W_Q", "W_K", "W_V", "W_O", "W_1", "W_2"})
+    weights += V * C
     assert by_name["params_fp8"].role == "parameters"
-    assert 2 * weights <= by_name["params_fp8"].nbytes <= 2 * weights + 8 * 256 * L + 16 * 4 * L
+    assert 2 * weights <= by_name["params_fp8"].nbytes <= 2 * weights + 8 * 256 * (L + 1) + 16 * (4 * L + 1)
+    assert by_name["fp8_dlogits"].nbytes == by_name["probs"].nbytes // 2 == 4 * T * V
+    assert "fp8_dlogits" not in {b.name for b in sampler.buffers}
     big, small = by_name["fp8_operands"].nbytes, {b.name: b for b in sampler.buffers}["fp8_operands"].nbytes
     assert small < big
     alone = sum(b.nbytes for b in trainer.buffers) + sum(b.nbytes for b in sampler.buffers if b.role != "engine")

@@ -1,5 +1,5 @@
-"""The NumPy engine with precision fp8's rounding: every product of attn_qkv, attn_out and mlp reads its
-operands rounded to FP8 as the CUDA engine casts them (andrea/ops/fp8.py: one power-of-two scale per tensor,
+"""The NumPy engine with precision fp8's rounding: every product of attn_qkv, attn_out and mlp, and the
+classifier's logits and (unweighted) input gradient, reads its operands rounded to FP8 as the CUDA engine casts them (andrea/ops/fp8.py: one power-of-two scale per tensor,
 E4M3 activations and weights, E5M2 gradients), in float32 otherwise. It isolates what the FP8 rounding
 alone does to training, on the CPU and at any shape (tests/test_fp8.py)."""
 
@@ -14,5 +14,5 @@ from andrea.ops import fp8
 class Fp8EmulationEngine(NumpyEngine):
     name = "numpy-fp8"
 
-    def fp8_operand(self, a, fmt: str):
-        return fp8.fake_quantize(np, a, fmt).astype(self.dtype)
+    def fp8_operand(self, a, fmt: str, amax: float | None = None):
+        return fp8.fake_quantize(np, a, fmt, amax).astype(self.dtype)

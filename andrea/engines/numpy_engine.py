@@ -34,8 +34,9 @@ class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.Nu
         self.mm = self.products.matmul
 
     @staticmethod
-    def fp8_operand(a, fmt: str):
-        """What a product of attn_qkv, attn_out or mlp reads of `a`: `a` itself (the fp8 emulation rounds it)."""
+    def fp8_operand(a, fmt: str, amax: float | None = None):
+        """What a product of attn_qkv, attn_out, mlp or the classifier reads of `a`: `a` itself (the fp8 emulation
+        rounds it, at the scale of `amax` where given)."""
         return a
 
     def allocate(self, plan, share=None):

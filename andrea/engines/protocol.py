@@ -23,8 +23,9 @@ class EngineTraits:
     graphs: bool
     # Device buffers the engine holds itself (cuBLAS workspace, its ops' scratch), for the memory plan.
     own_buffers: tuple[BufferSpec, ...] = ()
-    # The layers' products run on FP8 operands (precision fp8): a model's plan adds the engine's fp8_operands
-    # and its own params_fp8, which it keeps current through prepare_fp8_weights.
+    # The layers' and the classifier's products run on FP8 operands (precision fp8): a model's plan adds the
+    # engine's fp8_operands (and, training, fp8_dlogits) and its own params_fp8, which it keeps current through
+    # prepare_fp8_weights.
     fp8_products: bool = False
     # attn_qkv_bwd's input gradient reads each layer's W_QKV as [C, 3C] (W_Q W_K W_V side by side, its one product
     # over 3C): a training model's plan adds the copies, w_qkv_rows, which it keeps current through prepare_qkv_rows.
@@ -50,7 +51,7 @@ class Engine(Protocol):
     def cast(self, dst, src) -> None: ...
     def capture(self, fn): ...  # only where traits.graphs
     def replay(self, graph) -> None: ...  # only where traits.graphs
-    def prepare_fp8_weights(self, params_fp8, layers) -> None: ...  # only where traits.fp8_products
+    def prepare_fp8_weights(self, params_fp8, layers, wte) -> None: ...  # only where traits.fp8_products
     def fp8_pass(self): ...  # only where traits.fp8_products: a context around one pass of a model's ops
     def prepare_qkv_rows(self, w_qkv_rows, layers) -> None: ...  # only where traits.qkv_weight_rows
 

@@ -19,7 +19,15 @@ Hopper's FP8 products take both operands K-major, so each product gets the layou
 cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
 transposes written by the same pass that writes the plain layout. The operands live in the engine's
 `fp8_operands` buffer, one op at a time (the plan sizes it: `operand_bytes`); the scales in
-`fp8_scales`. The classifier, attention, LayerNorm and the optimizer stay as in bf16.
+`fp8_scales`. Attention, LayerNorm and the optimizer stay as in bf16.
+
+The tied classifier (andrea/ops/loss.py) runs two of its three products on FP8 operands: the logits x wte^T
+(x and wte in E4M3) and the input gradient d_logits wte (d_logits in E5M2). d_logits = p - onehot lies in
+[-1, 1] whatever the batch, so its scale is that of amax 1 (2^15), known before the tensor exists: the
+forward's softmax writes the E5M2 copy as it writes the probabilities, with no amax pass and no read of its
+own (`fp8_dlogits`, a training plan's). wte's gradient d_logits^T x stays in bf16: on FP8 it would need
+d_logits transposed, a copy of [V, N] written by a pass of its own. Loss weights other than none scale
+d_logits' rows after the forward: their input gradient takes the bf16 product.
 
 `quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
 even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).
@@ -41,6 +49,8 @@ GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent
 CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tests/test_fp8.py)
 OVERWRITE_CASES: tuple = ()
 SCALE_SLOTS = 4  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
+DLOGITS_SLOT = 3  # the slot of the classifier's d_logits descale (2^-15, written by the forward's softmax)
+DLOGITS_AMAX = 1.0  # |p - onehot| <= 1: the amax d_logits' fixed scale is the scale of
 SLOT_FLOATS = 4  # cuBLASLt takes 16-byte aligned pointers
 AMAX_BLOCKS = 8 * 132  # the amax pass's grid at most: 8 blocks on each of an H100/H200's 132 SMs
 ALIGN = 256
@@ -50,13 +60,15 @@ def engine_buffers() -> tuple:
     return (BufferSpec("fp8_scales", (SLOT_FLOATS * SCALE_SLOTS,), "float32", "engine"),)
 
 
-def plan_buffers(B: int, T: int, C: int, L: int) -> tuple:
+def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None = None) -> tuple:
     """The buffers a model's plan adds under precision fp8: the engine's operand scratch and its pass's amax
-    slots (both sized by the model), and the model's FP8 weight copies (`params_fp8`, derived from params_lp
-    as params_lp is from params)."""
+    slots (both sized by the model), the model's FP8 weight copies (`params_fp8`, derived from params_lp
+    as params_lp is from params), and for a training model (`loss_rows`, the rows of its classifier's piece)
+    the E5M2 copy of a piece's d_logits, `fp8_dlogits`."""
+    dlogits = () if loss_rows is None else (BufferSpec("fp8_dlogits", (loss_rows * V,), "uint8", "engine"),)
     return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
             BufferSpec("fp8_amax", (SLOT_FLOATS * amax_slots(L),), "float32", "engine"),
-            BufferSpec("params_fp8", (weight_bytes(C, L),), "uint8", "parameters"))
+            BufferSpec("params_fp8", (weight_bytes(C, L, V),), "uint8", "parameters")) + dlogits
 
 
 def amax_slots(L: int) -> int:
@@ -71,11 +83,15 @@ def amax_slots(L: int) -> int:
 WEIGHTS = (("W_QKV", 3), ("W_O", 1), ("W_1", 4), ("W_2", 4))  # name, elements in C^2
 
 
-def weight_bytes(C: int, L: int) -> int:
-    """Each layer matrix twice (as the forward reads it, transposed, and as the input gradient reads it),
-    256-byte aligned, then a scale slot per matrix."""
-    per_layer = sum(2 * -(-n * C * C // ALIGN) * ALIGN for _, n in WEIGHTS)
-    return L * per_layer + L * len(WEIGHTS) * SLOT_FLOATS * 4
+def weight_bytes(C: int, L: int, V: int) -> int:
+    """Each layer matrix twice (as the forward reads it, transposed, and as the input gradient reads it), then
+    wte twice (as stored and transposed), 256-byte aligned, then a scale slot per matrix."""
+    per_layer = sum(2 * _padded(n * C * C) for _, n in WEIGHTS)
+    return L * per_layer + 2 * _padded(V * C) + (L * len(WEIGHTS) + 1) * SLOT_FLOATS * 4
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def operand_bytes(B: int, T: int, C: int) -> int:
@@ -114,14 +130,16 @@ def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
     return q.view(np.uint8), 2.0**-e
 
 
-def fake_quantize(xp, x, fmt: str):
+def fake_quantize(xp, x, fmt: str, amax: float | None = None):
     """dequantize(*quantize(x)) as float32 in array arithmetic of the array module xp (NumPy or CuPy): the
     cast's values without FP8 types, so that they can feed products of other precisions on any device (the
     CPU emulation, engines/fp8_emulation.py; dev/cuda/fp8_check.py's cuda-fq8). The values have at most 4
-    significant bits: exact in bf16."""
+    significant bits: exact in bf16. `amax`: the scale of that amax instead of x's own (a bound of |x|)."""
     mantissa, min_exp = GRID[fmt]
     x = xp.asarray(x, dtype=xp.float32)
-    e = scale_exponent(float(xp.abs(x).max()) if x.size else 0.0, fmt)
+    if amax is None:
+        amax = float(xp.abs(x).max()) if x.size else 0.0
+    e = scale_exponent(amax, fmt)
     a = xp.abs(x) * xp.float32(2.0**e)
     _, ex = xp.frexp(a)  # a in [2^(ex-1), 2^ex); below the smallest normal the spacing stays that of min_exp
     step = xp.ldexp(xp.ones_like(a), xp.maximum(ex - 1, min_exp) - mantissa)
@@ -145,40 +163,45 @@ class CudaOps:
         (the tokens and the widths, multiples of 16)."""
         return self.fp8 and fp8_shapes_ok(*dims)
 
-    def prepare_fp8_weights(self, params_fp8, layers) -> None:
-        """Cast every layer matrix of `layers` (the model's params_lp views) into params_fp8, both layouts in
-        one pass: the products of the ops then read these instead of casting their weights per call. The
-        model calls this whenever it writes params_lp (its load, every AdamW step). The engine keeps the
-        last model's views (so that their memory, while in use here, goes to no other array): that model's
+    def prepare_fp8_weights(self, params_fp8, layers, wte) -> None:
+        """Cast every layer matrix of `layers` and the tied `wte` (the model's params_lp views) into params_fp8,
+        both layouts in one pass: the products of the ops then read these instead of casting their weights per
+        call. The model calls this whenever it writes params_lp (its load, every AdamW step). The engine keeps
+        the last model's views (so that their memory, while in use here, goes to no other array): that model's
         buffers live until another model prepares its own or the engine goes."""
         at, copies = 0, {}
-        slots = params_fp8[params_fp8.nbytes - len(layers) * len(WEIGHTS) * SLOT_FLOATS * 4:].view(np.float32)
-        for l, w in enumerate(layers):
-            for j, (name, _) in enumerate(WEIGHTS):
-                W = w[name]
-                padded = -(-W.size // ALIGN) * ALIGN
-                nat, tr = params_fp8[at:at + W.size], params_fp8[at + padded:at + padded + W.size]
-                at += 2 * padded
-                slot = slots[(l * len(WEIGHTS) + j) * SLOT_FLOATS:][:SLOT_FLOATS]
-                if name == "W_QKV":  # forward: each W_i^T; input gradient: [W_0 W_1 W_2] as [C, 3C]
-                    C = W.shape[-1]
-                    self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3,
-                                   keep=False)
-                else:
-                    self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr, keep=False)
-                copies[W.data.ptr] = (W, nat, tr, slot[:1])
+        matrices = [(w[name], name) for w in layers for name, _ in WEIGHTS] + [(wte, "wte")]
+        slots = params_fp8[params_fp8.nbytes - len(matrices) * SLOT_FLOATS * 4:].view(np.float32)
+        for j, (W, name) in enumerate(matrices):
+            padded = _padded(W.size)
+            nat, tr = params_fp8[at:at + W.size], params_fp8[at + padded:at + padded + W.size]
+            at += 2 * padded
+            slot = slots[j * SLOT_FLOATS:][:SLOT_FLOATS]
+            if name == "W_QKV":  # forward: each W_i^T; input gradient: [W_0 W_1 W_2] as [C, 3C]
+                C = W.shape[-1]
+                self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3,
+                               keep=False)
+            else:
+                self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr, keep=False)
+            copies[W.data.ptr] = (W, nat, tr, slot[:1])
         self._fp8_weights = copies
 
-    def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, **cast):
+    def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, *, tied: bool = False, **cast):
         """(FP8 bytes, descale) of a weight: its prepared copy ("forward": transposed, "input_grad": as the input
-        gradient reads it), or cast here into the operand scratch `cast["into"]` when it has none."""
-        copy = self._fp8_weights.get(W.data.ptr)
-        if copy is not None and copy[0].shape == W.shape:
-            _, nat, tr, descale = copy
-            return (tr if layout == "forward" else nat), descale
+        gradient reads it; `tied`, wte, whose forward x wte^T reads it as stored and whose input gradient
+        transposed), or cast here into the operand scratch `cast["into"]` when it has none."""
+        transposed = (layout == "forward") != tied
+        if self._fp8_prepared(W):
+            _, nat, tr, descale = self._fp8_weights[W.data.ptr]
+            return (tr if transposed else nat), descale
         into = cast.pop("into")
-        key = "qt" if layout == "forward" else "q"
-        return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{key: into}, **cast, keep=False)
+        return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{"qt" if transposed else "q": into}, **cast,
+                                    keep=False)
+
+    def _fp8_prepared(self, W) -> bool:
+        """Whether W has prepared FP8 copies (prepare_fp8_weights)."""
+        copy = self._fp8_weights.get(W.data.ptr)
+        return copy is not None and copy[0].shape == W.shape
 
     def _fp8_operands(self, *sizes: int) -> list:
         """uint8 views of the engine's fp8_operands buffer, one per size, 256-byte aligned, back to back. An

@@ -7,13 +7,19 @@ separate `dlogits`; the scale enters the products as alpha.
 Loss weights (a loss mask over the targets, or any non-negative per-position weights): loss_bwd given
 `weights` [B, T] makes the gradient of scale * sum(weights * losses), each row of d_logits times its
 weight; loss_fwd is the same either way (per-position losses), and mean_loss takes the weighted mean on
-the host."""
+the host.
+
+Precision fp8 (andrea/ops/fp8.py): the logits' product and, unweighted, the input gradient's run on FP8
+operands, the latter on an E5M2 copy of d_logits that the forward's softmax writes at a fixed scale; wte's
+gradient stays in bf16. `fp8_operand` is what those products read (in the NumPy engines: the array, or its
+FP8 rounding in the fp8 emulation)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks, kernel_defines, start_grad
+from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks, kernel_defines, ptr, start_grad
+from andrea.ops.fp8 import DLOGITS_AMAX, DLOGITS_SLOT, amax_arg
 
 KERNELS = {"loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place", "k_loss_bwd_weighted",
                    "k_loss_bwd_in_place_weighted")}
@@ -40,7 +46,7 @@ def engine_buffers() -> tuple:
 
 class NumpyOps:
     def loss_fwd(self, losses, probs, inp, wte, targets):
-        self.mm(inp, wte.T, out=probs)
+        self.mm(self.fp8_operand(inp, "e4m3"), self.fp8_operand(wte, "e4m3").T, out=probs)
         probs -= probs.max(axis=-1, keepdims=True)
         np.exp(probs, out=probs)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -66,7 +72,10 @@ class NumpyOps:
         V = wte.shape[0]
         t = self.dtype.type(scale)
         dwte += t * self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C))
-        dinp += t * self.mm(dlogits, wte)
+        if weights is None:  # in E5M2 at the scale of its bound, as the forward's softmax writes it
+            dinp += t * self.mm(self.fp8_operand(dlogits, "e5m2", amax=DLOGITS_AMAX), self.fp8_operand(wte, "e4m3"))
+        else:
+            dinp += t * self.mm(dlogits, wte)
 
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(losses, weights)
@@ -91,9 +100,36 @@ class CudaOps:
         V, C = wte.shape
         N = inp.size // C
         self._fp8_wrote(probs)
-        self._classifier_product(probs, inp, wte, N, V, C, trans_b=True)
-        self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, np.int64(N),
-                     np.int32(V))
+        fp8 = self._fp8_ok(N, V, C)
+        if not (fp8 and self._logits_fp8(probs, inp, wte, N, V, C)):
+            self._classifier_product(probs, inp, wte, N, V, C, trans_b=True)
+        # the E5M2 d_logits for loss_bwd, in a training plan's buffer (a forward alone has none)
+        dq, descale = None, None
+        held = self.own.get("fp8_dlogits")
+        if fp8 and held is not None and held.size >= N * V:
+            dq, (_, descale) = held[:N * V], self._fp8_slot(DLOGITS_SLOT)
+        self._fp8_dlogits = None if dq is None else (ptr(probs), probs.nbytes)
+        self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, amax_arg(dq),
+                     amax_arg(descale), np.int64(N), np.int32(V))
+
+    def _logits_fp8(self, probs, inp, wte, N, V, C) -> bool:
+        """logits [N, V] = inp wte^T on E4M3 operands (wte's prepared copy as stored); False: nothing written."""
+        xq, wq = self._fp8_operands(N * C, 0 if self._fp8_prepared(wte) else V * C)
+        sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq, keep=False)
+        wq, sw = self._fp8_weight(wte, "forward", V, C, 1, tied=True, into=wq)
+        return self._fp8_gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C)
+
+    def _dinp_fp8(self, dinp, probs, wte, N, C, V, scale, beta) -> bool:
+        """dinp [N, C] = scale d_logits wte (+ beta dinp) on the forward's E5M2 d_logits of these probs and wte^T
+        in E4M3; False (nothing written) where the forward wrote none."""
+        if self._fp8_dlogits != (ptr(probs), probs.nbytes):
+            return False
+        self._fp8_dlogits = None  # read once: the next forward writes it again
+        _, descale = self._fp8_slot(DLOGITS_SLOT)
+        (wt,) = self._fp8_operands(0 if self._fp8_prepared(wte) else V * C)
+        wt, sw = self._fp8_weight(wte, "input_grad", V, C, 1, tied=True, into=wt)
+        return self._fp8_gemm(dinp, self.own["fp8_dlogits"][:N * V], descale, "e5m2", wt, sw, "e4m3", N, C, V,
+                              alpha=scale, beta=beta)
 
     def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
         self._fp8_wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
@@ -114,7 +150,9 @@ class CudaOps:
             self._launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
                          np.int64(N), np.int32(V))
         self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
-        self._classifier_product(dinp, dlogits, wte, N, C, V, alpha=scale, beta=0.0 if overwrite else 1.0)
+        beta = 0.0 if overwrite else 1.0
+        if not (weights is None and self._dinp_fp8(dinp, probs, wte, N, C, V, scale, beta)):
+            self._classifier_product(dinp, dlogits, wte, N, C, V, alpha=scale, beta=beta)
 
     def _classifier_product(self, c, a, b, m, n, k, **kw):
         """Through cuBLASLt where the build has it, whose algorithm table can pick a faster algorithm than the
