@@ -7,9 +7,9 @@ import pytest
 
 from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, chosen_key, merged_tables, product_name
 
-# a plan key as CublasLt._plan_for makes it: types, m, n, k, transposes, epilogue, FP8 scales, algorithm,
-# batch and strides, then the four alignments
-GELU_AUX = ("bfloat16", "bfloat16", "bfloat16", 16384, 1536, 384, False, False, "gelu_aux", False, None, (1, 0, 0, 0),
+# a plan key as CublasLt._plan_for makes it: types, m, n, k, transposes, epilogue, FP8 accumulation (None: not
+# FP8), algorithm, batch and strides, then the four alignments
+GELU_AUX = ("bfloat16", "bfloat16", "bfloat16", 16384, 1536, 384, False, False, "gelu_aux", None, None, (1, 0, 0, 0),
             256, 256, 256, 256)
 
 

@@ -165,7 +165,7 @@ class CublasLt:
     AUX_EPILOGUES = ("gelu_aux", "dgelu")  # the epilogues that write or read `aux`
     TYPES = {**Cublas.TYPES, "e4m3": 28, "e5m2": 29}  # CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
     DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_AUX_POINTER, DESC_AUX_LD = 3, 4, 7, 11, 12
-    DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18
+    DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
     LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
     PREF_MAX_WORKSPACE_BYTES = 1
     PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES (uint32, default 256)
@@ -221,8 +221,8 @@ class CublasLt:
         return layout
 
     def _plan(self, key, aux, scales=None):
-        (t_c, t_a, t_b, m, n, k, trans_a, trans_b, epilogue, _, algo_index, (batch, stride_a, stride_b, stride_c),
-         align_b, align_a, align_c, _) = key
+        (t_c, t_a, t_b, m, n, k, trans_a, trans_b, epilogue, accumulation, algo_index,
+         (batch, stride_a, stride_b, stride_c), align_b, align_a, align_c, _) = key
         lib = self.lib
         desc = ctypes.c_void_p()
         Cublas._check("cublasLtMatmulDescCreate", lib.cublasLtMatmulDescCreate(
@@ -235,6 +235,8 @@ class CublasLt:
             self._set(desc, self.DESC_AUX_LD, ctypes.c_int64(n))
         if scales is not None:
             self._set_scales(desc, *scales)
+        if accumulation == "fast":
+            self._set(desc, self.DESC_FAST_ACCUM, ctypes.c_int8(1))
         # column-major: cuBLAS's A is our B (n x k as stored, or k x n transposed), its B our A, C is n x m
         lay_b = self._layout(t_b, k, n, k, batch, stride_b) if trans_b else self._layout(t_b, n, k, n, batch, stride_b)
         lay_a = self._layout(t_a, m, k, m, batch, stride_a) if trans_a else self._layout(t_a, k, m, k, batch, stride_a)
@@ -280,12 +282,13 @@ class CublasLt:
         return sum(self._plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
 
     def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
-                  a_type=None, b_type=None, a_scale=None, b_scale=None, algo=None, batch=1, stride_a=0, stride_b=0,
-                  stride_c=0):
+                  a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
+                  stride_b=0, stride_c=0):
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
+        accumulation = None if a_scale is None else ("fast" if fast_accum else "split")  # FP8 products only
         key = (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
-               a_scale is not None, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+               accumulation, algo, (batch, stride_a, stride_b, stride_c), *aligns)
         if key not in self._plans:  # algo None: the table's choice, looked up once a shape
             chosen = chosen_key(key, algo, self.choices)
             if chosen not in self._plans:
@@ -294,18 +297,20 @@ class CublasLt:
         return key, self._plans[key]
 
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
-             a_type=None, b_type=None, a_scale=None, b_scale=None, alpha: float = 1.0, beta: float = 0.0,
-             algo: int | None = None, batch: int = 1, stride_a: int = 0, stride_b: int = 0, stride_c: int = 0) -> bool:
+             a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum: bool = False, alpha: float = 1.0,
+             beta: float = 0.0, algo: int | None = None, batch: int = 1, stride_a: int = 0, stride_b: int = 0,
+             stride_c: int = 0) -> bool:
         """Row-major C[m, n] = epilogue(alpha * op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
         epilogues (GELU's input: written by gelu_aux, read by dgelu; "gelu" leaves it as it is, and gives C the
-        bits gelu_aux gives it with that aux). FP8 operands: a_type/b_type ("e4m3",
-        "e5m2") and a_scale/b_scale (FP32 device scalars). `algo` takes the heuristic's algo-th choice
-        (0: its first); None, the algorithm table's choice for the product where it has one (ALGORITHMS_FILE),
-        else its first. `batch` products with the operands' strides in elements (0: the same matrix for each),
-        as Cublas.gemm. False (nothing run) where cuBLASLt has no algorithm for it."""
+        bits gelu_aux gives it with that aux). FP8 operands: a_type/b_type ("e4m3", "e5m2") and a_scale/b_scale
+        (FP32 device scalars); `fast_accum`, the tensor cores' own accumulator through the whole of K instead of
+        sums promoted to FP32 as they go (faster, less exact: andrea/ops/fp8.py). `algo` takes the heuristic's
+        algo-th choice (0: its first); None, the algorithm table's choice for the product where it has one
+        (ALGORITHMS_FILE), else its first. `batch` products with the operands' strides in elements (0: the same
+        matrix for each), as Cublas.gemm. False (nothing run) where cuBLASLt has no algorithm for it."""
         key, plan = self._plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
-                                   a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, algo=algo, batch=batch,
-                                   stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
+                                   a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, fast_accum=fast_accum,
+                                   algo=algo, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
         if plan is None:
             return False
         desc, lay_b, lay_a, lay_c, result = plan

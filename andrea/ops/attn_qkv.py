@@ -52,7 +52,8 @@ class CudaOps:
         xq, wt = self._fp8_operands(N * C, 3 * C * C)
         sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq)
         wt, sw = self._fp8_weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
-        return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
+        return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C,
+                              fast=True)
 
     def prepare_qkv_rows(self, w_qkv_rows, layers) -> None:
         """Copy each layer's W_QKV of `layers` (the model's weight views) into w_qkv_rows [L, C, 3C] as W_Q, W_K, W_V
@@ -100,7 +101,8 @@ class CudaOps:
         w, sw = self._fp8_weight(W_QKV, "input_grad", C, C, 2, into=w, ldq=3 * C, q_batch=C, batch=3)
         return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=1.0, batch=3, stride_b=C * N,
                                stride_c=C * C),
-                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))
+                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0,
+                               fast=True))
 
 
 def plan_buffers(C: int, L: int, dtype: str) -> tuple:

@@ -117,7 +117,7 @@ class CudaOps:
         xq, wq = self._fp8_operands(N * C, 0 if self._fp8_prepared(wte) else V * C)
         sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq, keep=False)
         wq, sw = self._fp8_weight(wte, "forward", V, C, 1, tied=True, into=wq)
-        return self._fp8_gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C)
+        return self._fp8_gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C, fast=True)
 
     def _dinp_fp8(self, dinp, probs, wte, N, C, V, scale, beta) -> bool:
         """dinp [N, C] = scale d_logits wte (+ beta dinp) on the forward's E5M2 d_logits of these probs and wte^T
