@@ -426,8 +426,10 @@ class Model:
         if not self.graphs:
             prepare()
             return
-        if self._prepare_graph is None:
+        if self._prepare_graph is None:  # eagerly first: the engine writes what the recorded launches read
+            prepare()
             self._prepare_graph = e.capture(prepare)
+            return
         e.replay(self._prepare_graph)
 
     def _add_source_losses(self, per_source: np.ndarray, row_sources: np.ndarray, w: np.ndarray | None) -> None:

@@ -53,16 +53,17 @@ __device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
 // dimension ldq, batch z at q + z * q_batch) and/or its transpose qt[z] ([cols, rows], leading dimension
 // ldqt, at qt + z * qt_batch); a null q or qt is not written. The block at (0, 0, 0) writes 1 / s to
 // *descale. Grid: (ceil(cols / 64), ceil(rows / 64), batch).
-extern "C" __global__ void __launch_bounds__(FP8_THREADS)
-k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
-           float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
+// The tile (tx, ty) of batch z: the body of k_fp8_cast and k_fp8_cast_many.
+__device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt,
+                                          long long qt_batch, float* descale, const unsigned int* amax,
+                                          const act_t* __restrict__ x, int rows, int cols, int e5m2, int tx, int ty,
+                                          long long z) {
     __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];  // [row][col]; 8 bytes of pad a row
     const int e = fp8_scale_exponent(*amax, e5m2 ? 15 : 8);
     const float s = __int_as_float((e + 127) << 23);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *descale = __int_as_float((127 - e) << 23);
-    const long long z = blockIdx.z;
+    if (tx == 0 && ty == 0 && z == 0 && threadIdx.x == 0) *descale = __int_as_float((127 - e) << 23);
     x += z * rows * static_cast<long long>(cols);
-    const int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    const int r0 = ty * FP8_TILE, c0 = tx * FP8_TILE;
     const int cv = (threadIdx.x % 8) * 8;  // this thread's 8 columns of a tile row
     for (int pass = 0; pass < FP8_TILE / 32; ++pass) {
         const int tr = pass * 32 + threadIdx.x / 8;
@@ -116,4 +117,63 @@ k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt
                 if (r0 + cv + j < rows) out[j] = tile[cv + j][tc];
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(FP8_THREADS)
+k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
+           float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
+    cast_tile(q, ldq, q_batch, qt, ldqt, qt_batch, descale, amax, x, rows, cols, e5m2, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----
+// A table of n matrices, FP8_TABLE_WORDS int64 words each: x, rows, cols, batch, q, ldq, q_batch, qt, ldqt, qt_batch,
+// slot (the descale float, then the amax word), the matrix's first amax block, its first cast tile, then spare. A
+// block finds its matrix by those first blocks (ascending).
+#define FP8_TABLE_WORDS 16
+#define FP8_MANY_CHUNK 8192  // activations of one amax block (32 a thread)
+
+__device__ __forceinline__ int table_find(const long long* table, int n, int column, long long b) {
+    int lo = 0, hi = n - 1;  // the last entry whose first block is <= b
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (table[mid * FP8_TABLE_WORDS + column] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Each matrix's amax into its slot's amax word (cleared by the launcher): a block per FP8_MANY_CHUNK activations.
+extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(const long long* __restrict__ table, int n) {
+    const int i = table_find(table, n, 11, blockIdx.x);
+    const long long* t = table + i * FP8_TABLE_WORDS;
+    const act_t* x = reinterpret_cast<const act_t*>(t[0]);
+    const long long size = t[1] * t[2] * t[3];
+    const long long begin = (blockIdx.x - t[11]) * static_cast<long long>(FP8_MANY_CHUNK);
+    const long long end = min(size, begin + FP8_MANY_CHUNK);
+    float m = 0.0f;
+    long long tail = begin;  // begin is a multiple of ACT_VEC: 16-byte loads where x is 16-byte aligned
+    if ((reinterpret_cast<size_t>(x) % 16) == 0) {
+        tail = begin + (end - begin) / ACT_VEC * ACT_VEC;
+        for (long long j = begin + threadIdx.x * ACT_VEC; j < tail; j += blockDim.x * ACT_VEC) {
+            float v[ACT_VEC];
+            load_vec(x + j, v);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) m = fmaxf(m, fabsf(v[k]));
+        }
+    }
+    for (long long j = tail + threadIdx.x; j < end; j += blockDim.x) m = fmaxf(m, fabsf(to_f32(x[j])));
+    block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + 1), m);
+}
+
+// Each matrix cast with its slot's amax: a block per 64 x 64 tile of each batch of each matrix.
+extern "C" __global__ void __launch_bounds__(FP8_THREADS) k_fp8_cast_many(const long long* __restrict__ table, int n) {
+    const int i = table_find(table, n, 12, blockIdx.x);
+    const long long* t = table + i * FP8_TABLE_WORDS;
+    const int rows = static_cast<int>(t[1]), cols = static_cast<int>(t[2]);
+    const long long tiles_x = (cols + FP8_TILE - 1) / FP8_TILE, tiles_y = (rows + FP8_TILE - 1) / FP8_TILE;
+    const long long local = blockIdx.x - t[12];
+    float* slot = reinterpret_cast<float*>(t[10]);
+    cast_tile(reinterpret_cast<unsigned char*>(t[4]), t[5], t[6], reinterpret_cast<unsigned char*>(t[7]), t[8], t[9], slot,
+              reinterpret_cast<const unsigned*>(slot + 1), reinterpret_cast<const act_t*>(t[0]), rows, cols, 0,
+              static_cast<int>(local % tiles_x), static_cast<int>(local / tiles_x % tiles_y), local / (tiles_x * tiles_y));
 }

@@ -48,7 +48,7 @@ import numpy as np
 from andrea.memory import BufferSpec
 from andrea.ops.base import blocks, kernel_defines, ptr
 
-KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast")}
+KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
 GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
@@ -91,9 +91,14 @@ WEIGHTS = (("W_QKV", 3), ("W_O", 1), ("W_1", 4), ("W_2", 4))  # name, elements i
 
 def weight_bytes(C: int, L: int, V: int) -> int:
     """Each layer matrix twice (as the forward reads it, transposed, and as the input gradient reads it), then
-    wte twice (as stored and transposed), 256-byte aligned, then a scale slot per matrix."""
+    wte twice (as stored and transposed), 256-byte aligned, then the casts' table (k_fp8_cast_many's) and a
+    scale slot, a row of each per matrix."""
     per_layer = sum(2 * _padded(n * C * C) for _, n in WEIGHTS)
-    return L * per_layer + 2 * _padded(V * C) + (L * len(WEIGHTS) + 1) * SLOT_FLOATS * 4
+    return L * per_layer + 2 * _padded(V * C) + (L * len(WEIGHTS) + 1) * (_table_words() * 8 + SLOT_FLOATS * 4)
+
+
+def _table_words() -> int:
+    return kernel_defines("fp8")["FP8_TABLE_WORDS"]
 
 
 def _padded(n: int) -> int:
@@ -172,24 +177,27 @@ class CudaOps:
     def prepare_fp8_weights(self, params_fp8, layers, wte) -> None:
         """Cast every layer matrix of `layers` and the tied `wte` (the model's params_lp views) into params_fp8,
         both layouts in one pass: the products of the ops then read these instead of casting their weights per
-        call. The model calls this whenever it writes params_lp (its load, every AdamW step). The engine keeps
-        the last model's views (so that their memory, while in use here, goes to no other array): that model's
-        buffers live until another model prepares its own or the engine goes."""
-        at, copies = 0, {}
-        matrices = [(w[name], name) for w in layers for name, _ in WEIGHTS] + [(wte, "wte")]
-        slots = params_fp8[params_fp8.nbytes - len(matrices) * SLOT_FLOATS * 4:].view(np.float32)
-        for j, (W, name) in enumerate(matrices):
-            padded = _padded(W.size)
-            nat, tr = params_fp8[at:at + W.size], params_fp8[at + padded:at + padded + W.size]
-            at += 2 * padded
-            slot = slots[j * SLOT_FLOATS:][:SLOT_FLOATS]
-            if name == "W_QKV":  # forward: each W_i^T; input gradient: [W_0 W_1 W_2] as [C, 3C]
-                C = W.shape[-1]
-                self._fp8_cast(W, C, C, "e4m3", slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3,
-                               keep=False)
-            else:
-                self._fp8_cast(W, W.shape[0], W.shape[1], "e4m3", slot, q=nat, qt=tr, keep=False)
-            copies[W.data.ptr] = (W, nat, tr, slot[:1])
+        call. The model calls this whenever it writes params_lp (its load, every AdamW step). Three launches for
+        all of them, over a table of the matrices in params_fp8 that an eager call writes (a graph recording
+        before any eager call casts one matrix at a time instead, to the same bytes). The engine keeps the last
+        model's views (so that their memory, while in use here, goes to no other array): that model's buffers
+        live until another model prepares its own or the engine goes."""
+        import cupy
+
+        casts, copies, table, slots = _weight_casts(params_fp8, layers, wte)
+        key = (ptr(params_fp8), params_fp8.nbytes, tuple(ptr(W) for W, *_ in casts))
+        if not cupy.cuda.get_current_stream().is_capturing():
+            grids = _write_weight_table(table, casts)
+            self._fp8_table = (key, grids)
+        if self._fp8_table is not None and self._fp8_table[0] == key:
+            grid_amax, grid_cast = self._fp8_table[1]
+            self.zero(slots)
+            n = np.int32(len(casts))
+            self._launch("k_fp8_amax_many", grid_amax, kernel_defines("fp8")["FP8_AMAX_THREADS"], table, n)
+            self._launch("k_fp8_cast_many", grid_cast, kernel_defines("fp8")["FP8_THREADS"], table, n)
+        else:
+            for W, rows, cols, cast in casts:
+                self._fp8_cast(W, rows, cols, "e4m3", **cast, keep=False)
         self._fp8_weights = copies
 
     def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, *, tied: bool = False, **cast):
@@ -349,6 +357,45 @@ class CudaOps:
         products whose K is a layer's width (module docstring)."""
         return self.blas_lt.gemm(c, a, b, m, n, k, trans_b=True, a_type=a_fmt, b_type=b_fmt, a_scale=a_scale,
                                  b_scale=b_scale, fast_accum=fast, **kw)
+
+
+def _weight_casts(params_fp8, layers, wte) -> tuple:
+    """(casts, copies, table, slots) of prepare_fp8_weights: each matrix's cast into params_fp8 as (W, rows, cols,
+    the _fp8_cast keywords), its copies as _fp8_weights keeps them, and the int64 table and float32 scale slots
+    at params_fp8's end (weight_bytes)."""
+    at, casts, copies = 0, [], {}
+    matrices = [(w[name], name) for w in layers for name, _ in WEIGHTS] + [(wte, "wte")]
+    slots_at = params_fp8.nbytes - len(matrices) * SLOT_FLOATS * 4
+    table = params_fp8[slots_at - len(matrices) * _table_words() * 8:slots_at].view(np.int64)
+    slots = params_fp8[slots_at:].view(np.float32)
+    for j, (W, name) in enumerate(matrices):
+        padded = _padded(W.size)
+        nat, tr = params_fp8[at:at + W.size], params_fp8[at + padded:at + padded + W.size]
+        at += 2 * padded
+        slot = slots[j * SLOT_FLOATS:][:SLOT_FLOATS]
+        if name == "W_QKV":  # forward: each W_i^T; input gradient: [W_0 W_1 W_2] as [C, 3C]
+            C = W.shape[-1]
+            casts.append((W, C, C, dict(slot=slot, q=nat, ldq=3 * C, q_batch=C, qt=tr, qt_batch=C * C, batch=3)))
+        else:
+            casts.append((W, W.shape[0], W.shape[1], dict(slot=slot, q=nat, qt=tr)))
+        copies[W.data.ptr] = (W, nat, tr, slot[:1])
+    return casts, copies, table, slots
+
+
+def _write_weight_table(table, casts) -> tuple[int, int]:
+    """Upload k_fp8_amax_many / k_fp8_cast_many's table of these casts (kernels/fp8.cu); their grids."""
+    d = kernel_defines("fp8")
+    rows_out = np.zeros((len(casts), d["FP8_TABLE_WORDS"]), dtype=np.int64)
+    blocks_at = tiles_at = 0
+    for i, (W, rows, cols, c) in enumerate(casts):
+        batch = c.get("batch", 1)
+        rows_out[i, :13] = (ptr(W), rows, cols, batch, ptr(c["q"]), c.get("ldq") or cols, c.get("q_batch", 0),
+                            ptr(c["qt"]), c.get("ldqt") or rows, c.get("qt_batch", 0), ptr(c["slot"]), blocks_at,
+                            tiles_at)
+        blocks_at += -(-batch * rows * cols // d["FP8_MANY_CHUNK"])
+        tiles_at += -(-cols // d["FP8_TILE"]) * -(-rows // d["FP8_TILE"]) * batch
+    table.set(rows_out.reshape(-1))
+    return blocks_at, tiles_at
 
 
 def amax_arg(amax):
