@@ -101,8 +101,7 @@ class CudaOps:
         w, sw = self._fp8_weight(W_QKV, "input_grad", C, C, 2, into=w, ldq=3 * C, q_batch=C, batch=3)
         return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=1.0, batch=3, stride_b=C * N,
                                stride_c=C * C),
-                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0,
-                               fast=True))
+                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))
 
 
 def plan_buffers(C: int, L: int, dtype: str) -> tuple:
