@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks, kernel_defines, ptr, start_grad
-from andrea.ops.fp8 import DLOGITS_AMAX, DLOGITS_SLOT, amax_arg
+from andrea.ops.fp8 import DLOGITS_AMAX, DLOGITS_SLOT
 
 KERNELS = {"loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place", "k_loss_bwd_weighted",
                    "k_loss_bwd_in_place_weighted")}
@@ -104,13 +104,14 @@ class CudaOps:
         if not (fp8 and self._logits_fp8(probs, inp, wte, N, V, C)):
             self._classifier_product(probs, inp, wte, N, V, C, trans_b=True)
         # the E5M2 d_logits for loss_bwd, in a training plan's buffer (a forward alone has none)
-        dq, descale = None, None
+        dq = descale = np.uint64(0)  # null: not written
         held = self.own.get("fp8_dlogits")
+        self._fp8_dlogits = None
         if fp8 and held is not None and held.size >= N * V:
             dq, (_, descale) = held[:N * V], self._fp8_slot(DLOGITS_SLOT)
-        self._fp8_dlogits = None if dq is None else (ptr(probs), probs.nbytes)
-        self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, amax_arg(dq),
-                     amax_arg(descale), np.int64(N), np.int32(V))
+            self._fp8_dlogits = (ptr(probs), probs.nbytes)
+        self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, dq, descale,
+                     np.int64(N), np.int32(V))
 
     def _logits_fp8(self, probs, inp, wte, N, V, C) -> bool:
         """logits [N, V] = inp wte^T on E4M3 operands (wte's prepared copy as stored); False: nothing written."""
