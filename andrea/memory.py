@@ -148,6 +148,11 @@ def layer_buffer(buf: dict, name: str, l: int, recompute: tuple[str, ...], r: in
     return buf[scratch] if l < r else buf[name][l - r]
 
 
+def loss_piece(micro_batch: int, loss_chunks: int) -> int:
+    """Sequences in one classifier piece (the rows of `probs`): ceil(micro_batch / loss_chunks)."""
+    return -(-micro_batch // loss_chunks)
+
+
 def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32", training: bool = True,
                attention: str = "probs", act_dtype: str | None = None, recompute: tuple[str, ...] = (),
                recompute_layers: int | None = None, loss_chunks: int = 1,
@@ -237,7 +242,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     add("lnf", (B, T, C), "activations")
     stat("lnf_mean", (B, T))
     stat("lnf_rstd", (B, T))
-    add("probs", (-(-B // loss_chunks), T, V), "activations")
+    add("probs", (loss_piece(B, loss_chunks), T, V), "activations")
     stat("losses", (B, T))
     add("branch", (B, T, C), "scratch")  # a sub-layer's output before the residual add
     if training:

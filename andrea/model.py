@@ -15,7 +15,7 @@ import numpy as np
 
 from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
-from andrea.memory import layer_buffer, plan_model, recomputing_layers
+from andrea.memory import layer_buffer, loss_piece, plan_model, recomputing_layers
 from andrea.ops import attn_qkv, fp8
 
 INIT_STD = 0.02
@@ -103,7 +103,7 @@ class Model:
         self.shape = shape
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
-        loss_rows = -(-micro_batch // loss_chunks) * shape.seq_len if training else None  # a classifier piece's
+        loss_rows = loss_piece(micro_batch, loss_chunks) * shape.seq_len if training else None  # a classifier piece's
         copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows)
                   if engine.traits.fp8_products else ())
         if training and engine.traits.qkv_weight_rows:
@@ -412,7 +412,7 @@ class Model:
 
     def _weights_changed(self) -> None:
         """After W is written (its load, every AdamW step): the engine's copies of the layer matrices follow it
-        before any op reads them (the FP8 copies under precision fp8, 4 casts of 3 launches a layer and wte's; else the
+        before any op reads them (the FP8 copies of the layer matrices and wte under precision fp8; else the
         training model's [C, 3C] W_QKV), as a recorded graph where the engine records them."""
         b, e = self.buf, self.engine
         if "params_fp8" not in b and "w_qkv_rows" not in b:

@@ -49,11 +49,7 @@ __device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
     return max(-126, min(127, e));
 }
 
-// Cast x [batch, rows, cols] (row-major) to FP8 with the scale of *amax: q[z] (row-major, leading
-// dimension ldq, batch z at q + z * q_batch) and/or its transpose qt[z] ([cols, rows], leading dimension
-// ldqt, at qt + z * qt_batch); a null q or qt is not written. The block at (0, 0, 0) writes 1 / s to
-// *descale. Grid: (ceil(cols / 64), ceil(rows / 64), batch).
-// The tile (tx, ty) of batch z: the body of k_fp8_cast and k_fp8_cast_many.
+// The 64 x 64 tile (tx, ty) of batch z of a cast (k_fp8_cast's arguments); the tile (0, 0, 0) writes the descale.
 __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt,
                                           long long qt_batch, float* descale, const unsigned int* amax,
                                           const act_t* __restrict__ x, int rows, int cols, int e5m2, int tx, int ty,
@@ -119,6 +115,10 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
     }
 }
 
+// Cast x [batch, rows, cols] (row-major) to FP8 with the scale of *amax: q[z] (row-major, leading
+// dimension ldq, batch z at q + z * q_batch) and/or its transpose qt[z] ([cols, rows], leading dimension
+// ldqt, at qt + z * qt_batch); a null q or qt is not written. The block at (0, 0, 0) writes 1 / s to
+// *descale. Grid: (ceil(cols / 64), ceil(rows / 64), batch).
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
            float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {

@@ -323,12 +323,13 @@ def test_the_weight_copies_in_three_launches_are_the_casts_one_at_a_time(engine)
 
     from andrea.config import ModelShape
     from andrea.model import Model, init_params
+    from andrea.ops.base import ptr
 
     model = Model(engine, ModelShape(n_layer=2, d_model=80, n_head=5, vocab_size=301, seq_len=32), 2)
     model.load_state(init_params(model.layout, 3))
     b, W = model.buf, model.W
     casts, _, table, slots = fp8._weight_casts(b["params_fp8"], W["layers"], W["wte"])
-    copies_end = ptr_of(table) - ptr_of(b["params_fp8"])
+    copies_end = ptr(table) - ptr(b["params_fp8"])
     many = cupy.asnumpy(b["params_fp8"])
     b["params_fp8"][:copies_end].fill(0)  # as allocated (the pads between copies are never written)
     slots.fill(0)
@@ -336,13 +337,9 @@ def test_the_weight_copies_in_three_launches_are_the_casts_one_at_a_time(engine)
         engine._fp8_cast(M, rows, cols, "e4m3", **cast, keep=False)
     one_by_one = cupy.asnumpy(b["params_fp8"])
     assert np.array_equal(many[:copies_end], one_by_one[:copies_end])
-    tail = ptr_of(slots) - ptr_of(b["params_fp8"])
+    tail = ptr(slots) - ptr(b["params_fp8"])
     assert np.array_equal(many[tail:], one_by_one[tail:])
     assert np.any(many[:copies_end] != 0)
-
-
-def ptr_of(a) -> int:
-    return a.data.ptr
 
 
 @pytest.mark.gpu

@@ -120,7 +120,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
         self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
         self._fp8_dlogits = None  # the probs whose E5M2 d_logits fp8_dlogits holds (ops/loss.py)
-        self._fp8_table = None  # (the weights' key, grids) of the cast table in params_fp8 (ops/fp8.py)
+        self._fp8_table = None  # (the weights' key, grids) of the cast table last written in params_fp8 (ops/fp8.py)
         self._qkv_rows: dict = {}  # W_QKV's pointer -> its [C, 3C] copy (ops/attn_qkv.py, prepare_qkv_rows)
         self._fp8_book: dict | None = None  # inside fp8_pass: the tensors whose amax is current (ops/fp8.py)
 

@@ -57,7 +57,7 @@ CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tes
 OVERWRITE_CASES: tuple = ()
 SCALE_SLOTS = 4  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
 DLOGITS_SLOT = 3  # the slot of the classifier's d_logits descale (2^-15, written by the forward's softmax)
-DLOGITS_AMAX = 1.0  # |p - onehot| <= 1: the amax d_logits' fixed scale is the scale of
+DLOGITS_AMAX = 1.0  # |p - onehot| <= 1: d_logits' fixed scale is this amax's
 SLOT_FLOATS = 4  # cuBLASLt takes 16-byte aligned pointers
 AMAX_BLOCKS = 8 * 132  # the amax pass's grid at most: 8 blocks on each of an H100/H200's 132 SMs
 ALIGN = 256
@@ -179,18 +179,19 @@ class CudaOps:
         """Cast every layer matrix of `layers` and the tied `wte` (the model's params_lp views) into params_fp8,
         both layouts in one pass: the products of the ops then read these instead of casting their weights per
         call. The model calls this whenever it writes params_lp (its load, every AdamW step). Three launches for
-        all of them, over a table of the matrices in params_fp8 that an eager call writes (a graph recording
-        before any eager call casts one matrix at a time instead, to the same bytes). The engine keeps the last
-        model's views (so that their memory, while in use here, goes to no other array): that model's buffers
-        live until another model prepares its own or the engine goes."""
+        all of them, over a table of the matrices in params_fp8, written by the first eager call for these
+        buffers (a graph recording before it casts one matrix at a time instead, to the same bytes). The engine
+        keeps the last model's views (so that their memory, while in use here, goes to no other array): that
+        model's buffers live until another model prepares its own or the engine goes."""
         import cupy
 
         casts, copies, table, slots = _weight_casts(params_fp8, layers, wte)
         key = (ptr(params_fp8), params_fp8.nbytes, tuple(ptr(W) for W, *_ in casts))
-        if not cupy.cuda.get_current_stream().is_capturing():
-            grids = _write_weight_table(table, casts)
-            self._fp8_table = (key, grids)
-        if self._fp8_table is not None and self._fp8_table[0] == key:
+        written = self._fp8_table is not None and self._fp8_table[0] == key
+        if not written and not cupy.cuda.get_current_stream().is_capturing():
+            self._fp8_table = (key, _write_weight_table(table, casts))
+            written = True
+        if written:
             grid_amax, grid_cast = self._fp8_table[1]
             self.zero(slots)
             n = np.int32(len(casts))
