@@ -33,8 +33,9 @@ The tied classifier (andrea/ops/loss.py) runs two of its three products on FP8 o
 [-1, 1] whatever the batch, so its scale is that of amax 1 (2^15), known before the tensor exists: the
 forward's softmax writes the E5M2 copy as it writes the probabilities, with no amax pass and no read of its
 own (`fp8_dlogits`, a training plan's). wte's gradient d_logits^T x stays in bf16: on FP8 it would need
-d_logits transposed, a copy of [V, N] written by a pass of its own. Loss weights other than none scale
-d_logits' rows after the forward: their input gradient takes the bf16 product.
+d_logits transposed, a copy of [V, N] written by a pass of its own. That copy is unweighted (loss weights scale
+d_logits' rows after the forward): with weights the FP8 product goes to fp32 scratch, and a pass scales each of
+its rows by the row's weight into the input gradient (d_logits wte is linear in each row of d_logits).
 
 `quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
 even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).

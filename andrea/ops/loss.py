@@ -9,9 +9,9 @@ Loss weights (a loss mask over the targets, or any non-negative per-position wei
 weight; loss_fwd is the same either way (per-position losses), and mean_loss takes the weighted mean on
 the host.
 
-Precision fp8 (andrea/ops/fp8.py): the logits' product and, unweighted, the input gradient's run on FP8
-operands, the latter on an E5M2 copy of d_logits that the forward's softmax writes at a fixed scale; wte's
-gradient stays in bf16. `fp8_operand` is what those products read (in the NumPy engines: the array, or its
+Precision fp8 (andrea/ops/fp8.py): the logits' product and the input gradient's run on FP8 operands, the
+latter on an E5M2 copy of the unweighted d_logits that the forward's softmax writes at a fixed scale
+(weighted, each row of that product is then scaled by its weight); wte's gradient stays in bf16. `fp8_operand` is what those products read (in the NumPy engines: the array, or its
 FP8 rounding in the fp8 emulation)."""
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks, kernel_de
 from andrea.ops.fp8 import DLOGITS_AMAX, DLOGITS_SLOT
 
 KERNELS = {"loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place", "k_loss_bwd_weighted",
-                   "k_loss_bwd_in_place_weighted")}
+                   "k_loss_bwd_in_place_weighted", "k_loss_dinp_weighted")}
 
 
 # 16-byte groups of a row each thread of k_loss_fwd's block takes, at least: the block is the largest power of
 # two up to LOSS_THREADS that leaves each thread this many (on the H200, 12M's V = 4096 in bf16: 1024 threads
 # a row 0.145 ms, 512 0.091, 256 0.074, 128 0.071; 120M's V = 50304: 1024 threads 0.233 ms, 512 0.302).
 LOSS_GROUPS_PER_THREAD = 4
+LOSS_DINP_BLOCKS = 4096  # k_loss_dinp_weighted's grid at most (a block a row, grid-stride past it)
 
 
 def softmax_threads(V: int, act_vec: int) -> int:
@@ -66,16 +67,21 @@ class NumpyOps:
         else:
             dlogits[...] = probs
         np.put_along_axis(dlogits, targets[..., None], picked - 1, -1)
+        t = self.dtype.type(scale)
+        # precision fp8's input gradient reads E5M2 d_logits at the scale of its bound, unweighted (as the forward's
+        # softmax writes it): the weights then scale the product's rows. fp8_operand returns dlogits itself where
+        # the engine rounds nothing.
+        d8 = self.fp8_operand(dlogits, "e5m2", amax=DLOGITS_AMAX)
+        fp8_dinp = None if d8 is dlogits else self.mm(d8, self.fp8_operand(wte, "e4m3"))
         if weights is not None:
             dlogits *= weights[..., None]
         C = inp.shape[-1]
         V = wte.shape[0]
-        t = self.dtype.type(scale)
         dwte += t * self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C))
-        if weights is None:  # in E5M2 at the scale of its bound, as the forward's softmax writes it
-            dinp += t * self.mm(self.fp8_operand(dlogits, "e5m2", amax=DLOGITS_AMAX), self.fp8_operand(wte, "e4m3"))
-        else:
+        if fp8_dinp is None:
             dinp += t * self.mm(dlogits, wte)
+        else:
+            dinp += t * (fp8_dinp if weights is None else weights[..., None] * fp8_dinp)
 
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(losses, weights)
@@ -120,17 +126,25 @@ class CudaOps:
         wq, sw = self._fp8_weight(wte, "forward", V, C, 1, tied=True, into=wq)
         return self._fp8_gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C, fast=True)
 
-    def _dinp_fp8(self, dinp, probs, wte, N, C, V, scale, beta) -> bool:
+    def _dinp_fp8(self, dinp, probs, wte, N, C, V, scale, beta, weights=None) -> bool:
         """dinp [N, C] = scale d_logits wte (+ beta dinp) on the forward's E5M2 d_logits of these probs and wte^T
-        in E4M3; False (nothing written) where the forward wrote none."""
+        in E4M3; False (nothing written) where the forward wrote none. That copy is unweighted: with `weights`
+        the product goes to fp32 scratch (in fp8_operands), whose rows k_loss_dinp_weighted scales into dinp."""
         if self._fp8_dlogits != (ptr(probs), probs.nbytes):
             return False
         self._fp8_dlogits = None  # read once: the next forward writes it again
         _, descale = self._fp8_slot(DLOGITS_SLOT)
-        (wt,) = self._fp8_operands(0 if self._fp8_prepared(wte) else V * C)
+        wt, scratch = self._fp8_operands(0 if self._fp8_prepared(wte) else V * C, 0 if weights is None else 4 * N * C)
         wt, sw = self._fp8_weight(wte, "input_grad", V, C, 1, tied=True, into=wt)
-        return self._fp8_gemm(dinp, self.own["fp8_dlogits"][:N * V], descale, "e5m2", wt, sw, "e4m3", N, C, V,
-                              alpha=scale, beta=beta)
+        dlogits = self.own["fp8_dlogits"][:N * V]
+        if weights is None:
+            return self._fp8_gemm(dinp, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=beta)
+        p = scratch.view(np.float32).reshape(N, C)
+        if not self._fp8_gemm(p, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V):
+            return False
+        self._launch("k_loss_dinp_weighted", min(N, LOSS_DINP_BLOCKS), kernel_defines("loss")["LOSS_WEIGHTED_THREADS"],
+                     dinp, p, weights, np.float32(scale), np.float32(beta), np.int64(N), np.int32(C))
+        return True
 
     def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
         self._fp8_wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
@@ -152,7 +166,7 @@ class CudaOps:
                          np.int64(N), np.int32(V))
         self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
         beta = 0.0 if overwrite else 1.0
-        if not (weights is None and self._dinp_fp8(dinp, probs, wte, N, C, V, scale, beta)):
+        if not self._dinp_fp8(dinp, probs, wte, N, C, V, scale, beta, weights):
             self._classifier_product(dinp, dlogits, wte, N, C, V, alpha=scale, beta=beta)
 
     def _classifier_product(self, c, a, b, m, n, k, **kw):
