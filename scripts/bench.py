@@ -1,7 +1,7 @@
 """The benchmark: tokens/s of the CUDA engine's training step against the PyTorch peer, in one call.
 
     PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline PATH/torch_baseline.py]
-        [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,bf16-eager] [--peers ...]
+        [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,fp8,bf16-eager] [--peers ...]
         [--peer-runs 3]
 
 Correctness (every op against float64 NumPy, training, determinism, memory, resume) is the `gpu` tests:
@@ -44,7 +44,10 @@ from andrea.timing import OpRecorder, fastest_peer, graph_ms, median_ms, peer_pa
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
-BENCH_VARIANTS = (*PRECISIONS, "bf16-eager")  # bf16-eager: the step launched op by op instead of as a CUDA graph
+# bf16-eager: the step launched op by op instead of as a CUDA graph; -masked: every step under a loss mask (a draw of
+# 0s and 1s, as a polish phase's assistant-only loss), the weighted backward
+BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked")
+MASK_KEPT = 0.7  # the masked variants' share of targets of weight 1
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
 
@@ -161,12 +164,14 @@ def memory():
     return out
 
 
-def per_step_ms(model, steps: int = 13, warm: int = 3) -> float:
+def per_step_ms(model, steps: int = 13, warm: int = 3, masked: bool = False) -> float:
     batches = [synthetic_micro_batches(model.shape, model.micro_batch, 1, s) for s in range(4)]
+    rng = np.random.default_rng(0)
+    masks = [[(rng.random(y.shape) < MASK_KEPT).astype(np.float32) for _, y in b] if masked else None for b in batches]
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        model.train_step(batches[step % 4], step=step, lr=lr_at(step), optimizer=OPTIMIZER)
+        model.train_step(batches[step % 4], step=step, lr=lr_at(step), optimizer=OPTIMIZER, weights=masks[step % 4])
         model.engine.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[warm:]) * 1e3
@@ -187,11 +192,11 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
             recorder = OpRecorder(engine)
             model = Model(recorder, shape, micro, graphs=variant != "bf16-eager", **options(name, precision))
             model.load_state(init_params(model.layout, 0))
-            ms = per_step_ms(model)
+            ms = per_step_ms(model, masked=variant.endswith("-masked"))
             out["engine"][f"{name}/{variant}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),
                                                   "tokens_per_s": round(tokens / ms * 1e3)}
             log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s")
-            if variant == "bf16-eager":
+            if variant in ("bf16-eager", "bf16-masked", "fp8-masked"):  # the op timings are the plain variant's
                 del model, recorder, engine
                 free_device_memory()
                 continue
@@ -259,7 +264,8 @@ def main() -> int:
                         help="the PyTorch peer baseline script (default: $ANDREA_PEER_BASELINE; 'none' or unset: "
                              "no peers)")
     parser.add_argument("--sections", default="device,ceilings,memory,bench")
-    parser.add_argument("--bench", default=",".join(BENCH_VARIANTS), help="engine variants the bench section times")
+    parser.add_argument("--bench", default=",".join((*PRECISIONS, "bf16-eager")),
+                        help=f"engine variants the bench section times, of {', '.join(BENCH_VARIANTS)}")
     parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
     parser.add_argument("--peer-runs", type=int, default=3,
                         help="processes each peer variant runs in; the fastest counts (its step time moves between "

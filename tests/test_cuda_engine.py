@@ -229,13 +229,16 @@ def test_gelu_epilogue_products_take_unaligned_buffers(engines):
         assert np.linalg.norm(got - want) <= REL["bf16"] * np.linalg.norm(want), name
 
 
-def test_train_step_allocates_nothing(engines):
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "masked"])
+def test_train_step_allocates_nothing(engines, precision, weighted):
+    """fp8 masked: the input gradient's fp32 scratch comes from the planned fp8_operands."""
     from andrea.model import Model, init_params
 
-    model = Model(engines["fp32"], SHAPE, micro_batch=4)
+    model = Model(engines[precision], SHAPE, micro_batch=4)
     model.load_state(init_params(model.layout, 0))
-    step_allocations(model, step=0)  # the first step uploads the decay ranges once
-    counts = step_allocations(model, step=1)
+    step_allocations(model, step=0, weighted=weighted)  # the first step uploads the decay ranges once
+    counts = step_allocations(model, step=1, weighted=weighted)
     assert counts["pool_requests"] == 0, counts
     assert counts["used_before"] == counts["used_after"], counts
 

@@ -163,8 +163,9 @@ def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: 
     return TrainRun(losses, norms, digest, params, held)
 
 
-def step_allocations(model, step: int = 0, seed: int = 0) -> dict:
-    """One train_step on a CuPy engine, counting requests to CuPy's memory pool and its used bytes."""
+def step_allocations(model, step: int = 0, seed: int = 0, weighted: bool = False) -> dict:
+    """One train_step on a CuPy engine, counting requests to CuPy's memory pool and its used bytes; `weighted`:
+    under a loss mask of 0s and 1s (a fixed draw of `seed`)."""
     import cupy
 
     class Counter(cupy.cuda.MemoryHook):
@@ -177,10 +178,12 @@ def step_allocations(model, step: int = 0, seed: int = 0) -> dict:
             self.requests += 1
 
     batches = synthetic_micro_batches(model.shape, model.micro_batch, 1, step, seed)
+    rng = np.random.default_rng(seed)
+    weights = [(rng.random(y.shape) < 0.7).astype(np.float32) for _, y in batches] if weighted else None
     pool = cupy.get_default_memory_pool()
     model.engine.synchronize()
     before = pool.used_bytes()
     with Counter() as counter:
-        model.train_step(batches, step=step, lr=lr_at(step), optimizer=OPTIMIZER)
+        model.train_step(batches, step=step, lr=lr_at(step), optimizer=OPTIMIZER, weights=weights)
         model.engine.synchronize()
     return {"pool_requests": counter.requests, "used_before": before, "used_after": pool.used_bytes()}
