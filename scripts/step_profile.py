@@ -1,6 +1,6 @@
 """Where one real training step's device time goes, op by op, measured inside the step itself.
 
-    PYTHONPATH=. python3 scripts/step_profile.py [--shapes 12M,120M] [--precisions bf16,fp8] [--out DIR]
+    PYTHONPATH=. python3 scripts/step_profile.py [--shapes 12M,120M] [--precisions bf16,fp8,fp8-masked] [--out DIR]
 
 scripts/bench.py times each op alone in a CUDA graph, outside the step: an fp8 op timed so runs every amax
 pass the step's pass book would have spared it. Here the step runs eagerly, as the trainer's first step does
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench import BENCH, EXPERIMENTS, options, per_step_ms  # noqa: E402
+from bench import BENCH, EXPERIMENTS, loss_masks, options, per_step_ms  # noqa: E402
 
 from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.timing import RECORDED, EngineCalls  # noqa: E402
@@ -85,23 +85,25 @@ def spin_cycles() -> int:
     return int(SPIN_US * khz / 1e3)
 
 
-def profile(name: str, precision: str, steps: int) -> dict:
+def profile(name: str, variant: str, steps: int) -> dict:
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.model import Model, init_params
 
+    precision, masked = variant.split("-")[0], variant.endswith("-masked")
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
     engine = CudaEngine(precision=precision)
     timer = OpTimer(engine, spin_cycles())
     model = Model(timer, shape, micro, graphs=True, **options(name, precision))
     model.load_state(init_params(model.layout, 0))
-    graph_ms = per_step_ms(model)
+    graph_ms = per_step_ms(model, masked=masked)
     model.graphs = False
     per_step = []
     for step in range(steps):
         timer.events.clear()
         timer.on = step > 0  # the first eager step warms what eager runs differently
-        model.train_step(synthetic_micro_batches(shape, micro, 1, step), step=step, lr=lr_at(step),
-                         optimizer=OPTIMIZER)
+        batches = synthetic_micro_batches(shape, micro, 1, step)
+        model.train_step(batches, step=step, lr=lr_at(step), optimizer=OPTIMIZER,
+                         weights=loss_masks(batches, step) if masked else None)
         if timer.on:
             per_step.append(timer.per_op())
     # the median over the timed steps, op by op
@@ -132,7 +134,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--shapes", default="12M,120M", help="comma-separated: 12M, 120M (default both)")
-    ap.add_argument("--precisions", default="bf16,fp8", help="comma-separated precisions (default bf16,fp8)")
+    ap.add_argument("--precisions", default="bf16,fp8",
+                    help="comma-separated precisions (default bf16,fp8); PRECISION-masked: each step under a loss mask")
     ap.add_argument("--steps", type=int, default=4, help="eager steps; the first is not timed (default 4)")
     ap.add_argument("--out", type=Path, help="folder for step_profile.json")
     args = ap.parse_args()
