@@ -49,38 +49,12 @@ __device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
     return max(-126, min(127, e));
 }
 
-typedef unsigned char fp8_tile_t[FP8_TILE][FP8_TILE + 8];  // a tile's bytes [row][col]; 8 bytes of pad a row
-
-// The transpose of the tile at (r0, c0) of a [rows, cols] matrix, into qt [cols, rows] (leading dimension ldqt):
-// thread t writes 8 consecutive rows of one column (8 bytes of a row of qt; one store where `aligned8`).
-__device__ __forceinline__ void store_tile_transposed(const fp8_tile_t& tile, unsigned char* qt, long long ldqt,
-                                                      bool aligned8, int r0, int c0, int rows, int cols) {
-    const int cv = (threadIdx.x % 8) * 8;
-    for (int pass = 0; pass < FP8_TILE / 32; ++pass) {
-        const int tc = pass * 32 + threadIdx.x / 8;
-        const int c = c0 + tc;
-        if (c >= cols) continue;
-        unsigned char* out = qt + c * ldqt + r0 + cv;
-        if (r0 + cv + 8 <= rows && aligned8) {
-            unsigned lo4 = 0, hi4 = 0;
-            for (int j = 0; j < 4; ++j) {
-                lo4 |= static_cast<unsigned>(tile[cv + j][tc]) << (8 * j);
-                hi4 |= static_cast<unsigned>(tile[cv + 4 + j][tc]) << (8 * j);
-            }
-            *reinterpret_cast<uint2*>(out) = make_uint2(lo4, hi4);
-        } else {
-            for (int j = 0; j < 8; ++j)
-                if (r0 + cv + j < rows) out[j] = tile[cv + j][tc];
-        }
-    }
-}
-
 // The 64 x 64 tile (tx, ty) of batch z of a cast (k_fp8_cast's arguments); the tile (0, 0, 0) writes the descale.
 __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt,
                                           long long qt_batch, float* descale, const unsigned int* amax,
                                           const act_t* __restrict__ x, int rows, int cols, int e5m2, int tx, int ty,
                                           long long z) {
-    __shared__ fp8_tile_t tile;
+    __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];  // [row][col]; 8 bytes of pad a row
     const int e = fp8_scale_exponent(*amax, e5m2 ? 15 : 8);
     const float s = __int_as_float((e + 127) << 23);
     if (tx == 0 && ty == 0 && z == 0 && threadIdx.x == 0) *descale = __int_as_float((127 - e) << 23);
@@ -121,7 +95,24 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
     }
     if (qt == nullptr) return;
     __syncthreads();
-    store_tile_transposed(tile, qt + z * qt_batch, ldqt, (ldqt % 8) == 0 && (qt_batch % 8) == 0, r0, c0, rows, cols);
+    // the transpose: thread t writes 8 consecutive rows of one column (a row of qt)
+    for (int pass = 0; pass < FP8_TILE / 32; ++pass) {
+        const int tc = pass * 32 + threadIdx.x / 8;
+        const int c = c0 + tc;
+        if (c >= cols) continue;
+        unsigned char* out = qt + z * qt_batch + c * ldqt + r0 + cv;
+        if (r0 + cv + 8 <= rows && (ldqt % 8) == 0 && (qt_batch % 8) == 0) {
+            unsigned lo4 = 0, hi4 = 0;
+            for (int j = 0; j < 4; ++j) {
+                lo4 |= static_cast<unsigned>(tile[cv + j][tc]) << (8 * j);
+                hi4 |= static_cast<unsigned>(tile[cv + 4 + j][tc]) << (8 * j);
+            }
+            *reinterpret_cast<uint2*>(out) = make_uint2(lo4, hi4);
+        } else {
+            for (int j = 0; j < 8; ++j)
+                if (r0 + cv + j < rows) out[j] = tile[cv + j][tc];
+        }
+    }
 }
 
 // Cast x [batch, rows, cols] (row-major) to FP8 with the scale of *amax: q[z] (row-major, leading
@@ -132,27 +123,6 @@ extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
            float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
     cast_tile(q, ldq, q_batch, qt, ldqt, qt_batch, descale, amax, x, rows, cols, e5m2, blockIdx.x, blockIdx.y, blockIdx.z);
-}
-
-// qt [cols, rows] = q [rows, cols]^T, bytes (an FP8 copy transposed as it is: the classifier's d_logits, whose
-// products need both layouts). Grid: (ceil(cols / 64), ceil(rows / 64)).
-extern "C" __global__ void __launch_bounds__(FP8_THREADS)
-k_fp8_transpose(unsigned char* qt, const unsigned char* __restrict__ q, int rows, int cols) {
-    __shared__ fp8_tile_t tile;
-    const int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
-    const int cv = (threadIdx.x % 8) * 8;
-    for (int pass = 0; pass < FP8_TILE / 32; ++pass) {
-        const int tr = pass * 32 + threadIdx.x / 8;
-        const int r = r0 + tr;
-        const unsigned char* in = q + r * static_cast<long long>(cols) + c0 + cv;
-        if (r < rows && c0 + cv + 8 <= cols && (cols % 8) == 0) {
-            *reinterpret_cast<uint2*>(&tile[tr][cv]) = *reinterpret_cast<const uint2*>(in);
-        } else {
-            for (int j = 0; j < 8; ++j) tile[tr][cv + j] = (r < rows && c0 + cv + j < cols) ? in[j] : 0;
-        }
-    }
-    __syncthreads();
-    store_tile_transposed(tile, qt, rows, (rows % 8) == 0, r0, c0, rows, cols);
 }
 
 // ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----

@@ -258,11 +258,10 @@ def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
 @pytest.mark.gpu
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(engine, weighted):
-    """The logits on E4M3 x and wte, the input gradient d_logits wte on the E5M2 d_logits that the forward's softmax
-    wrote (at amax 1's scale) and wte's gradient on its transpose and x^T in E4M3, against float64 products of the
-    reference's FP8 operands, to bf16's rounding. Weighted (some weights 0), the same input-gradient product with
-    each row then scaled by its weight (the forward's copy is unweighted), and wte's gradient in bf16. Against the
-    exact products the FP8 ones are off by more."""
+    """The logits on E4M3 x and wte, and the input gradient d_logits wte on the E5M2 d_logits that the forward's
+    softmax wrote (at amax 1's scale), against float64 products of the reference's FP8 operands, to bf16's
+    rounding; wte's gradient in bf16. Weighted (some weights 0), the same FP8 product with each row then scaled by
+    its weight (the forward's copy is unweighted). Against the exact products the FP8 ones are off by more."""
     import cupy
 
     from andrea.config import ModelShape
@@ -301,9 +300,8 @@ def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(en
     want_dinp = scale * d @ deq(wte, "e4m3")
     if w is not None:
         want_dinp *= w[:, None]
-    want_dwte = scale * (d.T @ deq(x, "e4m3") if w is None else d_bf16.T @ x)
     want = {"probs": p, "losses": np.log(np.exp(logits).sum(-1)) - logits[np.arange(N), targets],
-            "dinp": want_dinp, "dwte": want_dwte}
+            "dinp": want_dinp, "dwte": scale * d_bf16.T @ x}
     got = {"probs": got_probs, "losses": cupy.asnumpy(losses), "dinp": cupy.asnumpy(dinp),
            "dwte": cupy.asnumpy(dwte) - dwte0}
     for k in want:
@@ -316,26 +314,6 @@ def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(en
     assert off > 5e-3, off
     if w is not None:  # the rows of weight 0 are exact zeros
         assert not got["dinp"][w == 0].any()
-    else:
-        exact_dwte = scale * (exact_p - onehot).T @ x
-        off = np.linalg.norm(got["dwte"] - exact_dwte) / np.linalg.norm(exact_dwte)
-        assert off > 5e-3, off
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, cols", [(4096, 512), (64, 64), (37, 24), (100, 200), (8, 72)])
-def test_the_byte_transpose_is_the_transpose(engine, rows, cols):
-    """k_fp8_transpose (wte's gradient reads d_logits' E5M2 copy transposed), tiles cut by the edges included."""
-    import cupy
-
-    from andrea.ops.base import kernel_defines
-
-    q = np.random.default_rng().integers(0, 256, (rows, cols), dtype=np.uint8)
-    qt = cupy.full((cols, rows), 0xAB, dtype=np.uint8)
-    tile = kernel_defines("fp8")["FP8_TILE"]
-    engine.k["k_fp8_transpose"]((-(-cols // tile), -(-rows // tile)), (kernel_defines("fp8")["FP8_THREADS"],),
-                                (qt, cupy.asarray(q), np.int32(rows), np.int32(cols)))
-    np.testing.assert_array_equal(cupy.asnumpy(qt), q.T)
 
 
 @pytest.mark.gpu

@@ -28,15 +28,15 @@ transposes written by the same pass that writes the plain layout. The operands l
 `fp8_operands` buffer, one op at a time (the plan sizes it: `operand_bytes`); the scales in
 `fp8_scales`. Attention, LayerNorm and the optimizer stay as in bf16.
 
-The tied classifier (andrea/ops/loss.py) runs its three products on FP8 operands: the logits x wte^T (x and
-wte in E4M3), the input gradient d_logits wte and wte's gradient d_logits^T x (d_logits in E5M2). d_logits =
-p - onehot lies in [-1, 1] whatever the batch, so its scale is that of amax 1 (2^15), known before the tensor
-exists: the forward's softmax writes the E5M2 copy as it writes the probabilities, with no amax pass and no read
-of its own (`fp8_dlogits`, a training plan's), and wte's gradient reads its transpose [V, N] (k_fp8_transpose:
-Hopper's FP8 products take K-major operands only). That copy is unweighted (loss weights scale d_logits' rows
-after the forward): with weights the input gradient's FP8 product goes to fp32 scratch, and a pass scales each of
-its rows by the row's weight into dinp (d_logits wte is linear in each row of d_logits), while wte's gradient,
-where the weights enter the sum over the tokens, takes the bf16 product of the weighted d_logits.
+The tied classifier (andrea/ops/loss.py) runs two of its three products on FP8 operands: the logits x wte^T
+(x and wte in E4M3) and the input gradient d_logits wte (d_logits in E5M2). d_logits = p - onehot lies in
+[-1, 1] whatever the batch, so its scale is that of amax 1 (2^15), known before the tensor exists: the
+forward's softmax writes the E5M2 copy as it writes the probabilities, with no amax pass and no read of its
+own (`fp8_dlogits`, a training plan's). wte's gradient d_logits^T x stays in bf16: on FP8 it needs d_logits
+transposed (Hopper's FP8 products take K-major operands only), a copy of [V, N] by a pass of its own, which
+costs what the faster product saves (docs/PERFORMANCE.md). That copy is unweighted (loss weights scale
+d_logits' rows after the forward): with weights the FP8 product goes to fp32 scratch, and a pass scales each of
+its rows by the row's weight into the input gradient (d_logits wte is linear in each row of d_logits).
 
 `quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
 even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).
@@ -51,7 +51,7 @@ import numpy as np
 from andrea.memory import BufferSpec
 from andrea.ops.base import blocks, kernel_defines, ptr
 
-KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_transpose", "k_fp8_amax_many", "k_fp8_cast_many")}
+KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
 GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
@@ -73,8 +73,8 @@ def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None =
     """The buffers a model's plan adds under precision fp8: the engine's operand scratch and its pass's amax
     slots (both sized by the model), the model's FP8 weight copies (`params_fp8`, derived from params_lp
     as params_lp is from params), and for a training model (`loss_rows`, the rows of its classifier's piece)
-    the E5M2 copies of a piece's d_logits, `fp8_dlogits`: [rows, V] as the softmax writes it, then its transpose."""
-    dlogits = () if loss_rows is None else (BufferSpec("fp8_dlogits", (2 * loss_rows * V,), "uint8", "engine"),)
+    the E5M2 copy of a piece's d_logits, `fp8_dlogits`."""
+    dlogits = () if loss_rows is None else (BufferSpec("fp8_dlogits", (loss_rows * V,), "uint8", "engine"),)
     return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
             BufferSpec("fp8_amax", (SLOT_FLOATS * amax_slots(L),), "float32", "engine"),
             BufferSpec("params_fp8", (weight_bytes(C, L, V),), "uint8", "parameters")) + dlogits

@@ -9,11 +9,10 @@ Loss weights (a loss mask over the targets, or any non-negative per-position wei
 weight; loss_fwd is the same either way (per-position losses), and mean_loss takes the weighted mean on
 the host.
 
-Precision fp8 (andrea/ops/fp8.py): the three products run on FP8 operands, the backward's on an E5M2 copy of the
-unweighted d_logits that the forward's softmax writes at a fixed scale (and its transpose, for wte's gradient).
-Weighted, each row of the input gradient's product is then scaled by its weight, and wte's gradient takes the bf16
-product of the weighted d_logits. `fp8_operand` is what those products read (in the NumPy engines: the array, or its
-FP8 rounding in the fp8 emulation)."""
+Precision fp8 (andrea/ops/fp8.py): the logits' product and the input gradient's run on FP8 operands, the
+latter on an E5M2 copy of the unweighted d_logits that the forward's softmax writes at a fixed scale
+(weighted, each row of that product is then scaled by its weight); wte's gradient stays in bf16. `fp8_operand`
+is what those products read (in the NumPy engines: the array, or its FP8 rounding in the fp8 emulation)."""
 
 from __future__ import annotations
 
@@ -72,17 +71,13 @@ class NumpyOps:
         # precision fp8's input gradient reads E5M2 d_logits at the scale of its bound, unweighted (as the forward's
         # softmax writes it): the weights then scale the product's rows. fp8_operand returns dlogits itself where
         # the engine rounds nothing.
-        C = inp.shape[-1]
-        V = wte.shape[0]
         d8 = self.fp8_operand(dlogits, "e5m2", amax=DLOGITS_AMAX)
-        fp8_dinp = fp8_dwte = None
-        if d8 is not dlogits:
-            fp8_dinp = self.mm(d8, self.fp8_operand(wte, "e4m3"))
-            if weights is None:
-                fp8_dwte = self.mm(d8.reshape(-1, V).T, self.fp8_operand(inp, "e4m3").reshape(-1, C))
+        fp8_dinp = None if d8 is dlogits else self.mm(d8, self.fp8_operand(wte, "e4m3"))
         if weights is not None:
             dlogits *= weights[..., None]
-        dwte += t * (self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C)) if fp8_dwte is None else fp8_dwte)
+        C = inp.shape[-1]
+        V = wte.shape[0]
+        dwte += t * self.mm(dlogits.reshape(-1, V).T, inp.reshape(-1, C))
         if fp8_dinp is None:
             dinp += t * self.mm(dlogits, wte)
         else:
@@ -118,7 +113,7 @@ class CudaOps:
         dq = descale = np.uint64(0)  # null: not written
         held = self.own.get("fp8_dlogits")
         self._fp8_dlogits = None
-        if fp8 and held is not None and held.size >= 2 * N * V:
+        if fp8 and held is not None and held.size >= N * V:
             dq, (_, descale) = held[:N * V], self._fp8_slot(DLOGITS_SLOT)
             self._fp8_dlogits = (ptr(probs), probs.nbytes)
         self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, dq, descale,
@@ -131,23 +126,13 @@ class CudaOps:
         wq, sw = self._fp8_weight(wte, "forward", V, C, 1, tied=True, into=wq)
         return self._fp8_gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C, fast=True)
 
-    def _dwte_fp8(self, dwte, inp, N, C, V, scale) -> bool:
-        """dwte [V, C] += scale d_logits^T inp on the transpose of the forward's E5M2 d_logits (k_fp8_transpose)
-        and inp^T in E4M3; False: nothing written."""
-        (xt,) = self._fp8_operands(N * C)
-        d = self.own["fp8_dlogits"]
-        dt = d[N * V:2 * N * V]
-        tile = kernel_defines("fp8")["FP8_TILE"]
-        self.k["k_fp8_transpose"]((-(-V // tile), -(-N // tile)), (kernel_defines("fp8")["FP8_THREADS"],),
-                                  (dt, d[:N * V], np.int32(N), np.int32(V)))
-        sx = self._fp8_cast(inp, N, C, "e4m3", 0, qt=xt, keep=False)
-        _, descale = self._fp8_slot(DLOGITS_SLOT)
-        return self._fp8_gemm(dwte, dt, descale, "e5m2", xt, sx, "e4m3", V, C, N, alpha=scale, beta=1.0)
-
-    def _dinp_fp8(self, dinp, wte, N, C, V, scale, beta, weights=None) -> bool:
-        """dinp [N, C] = scale d_logits wte (+ beta dinp) on the forward's E5M2 d_logits and wte^T in E4M3; False:
-        nothing written. That copy is unweighted: with `weights` the product goes to fp32 scratch (in
-        fp8_operands), whose rows k_loss_dinp_weighted scales into dinp."""
+    def _dinp_fp8(self, dinp, probs, wte, N, C, V, scale, beta, weights=None) -> bool:
+        """dinp [N, C] = scale d_logits wte (+ beta dinp) on the forward's E5M2 d_logits of these probs and wte^T
+        in E4M3; False (nothing written) where the forward wrote none. That copy is unweighted: with `weights`
+        the product goes to fp32 scratch (in fp8_operands), whose rows k_loss_dinp_weighted scales into dinp."""
+        if self._fp8_dlogits != (ptr(probs), probs.nbytes):
+            return False
+        self._fp8_dlogits = None  # read once: the next forward writes it again
         _, descale = self._fp8_slot(DLOGITS_SLOT)
         wt, scratch = self._fp8_operands(0 if self._fp8_prepared(wte) else V * C, 0 if weights is None else 4 * N * C)
         wt, sw = self._fp8_weight(wte, "input_grad", V, C, 1, tied=True, into=wt)
@@ -179,12 +164,9 @@ class CudaOps:
         else:
             self._launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
                          np.int64(N), np.int32(V))
-        # the forward's E5M2 copy of these probs' d_logits, read once (the next forward writes it again)
-        copy, self._fp8_dlogits = self._fp8_dlogits == (ptr(probs), probs.nbytes), None
-        if not (copy and weights is None and self._dwte_fp8(dwte, inp, N, C, V, scale)):
-            self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
+        self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
         beta = 0.0 if overwrite else 1.0
-        if not (copy and self._dinp_fp8(dinp, wte, N, C, V, scale, beta, weights)):
+        if not self._dinp_fp8(dinp, probs, wte, N, C, V, scale, beta, weights):
             self._classifier_product(dinp, dlogits, wte, N, C, V, alpha=scale, beta=beta)
 
     def _classifier_product(self, c, a, b, m, n, k, **kw):
