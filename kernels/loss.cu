@@ -180,3 +180,37 @@ extern "C" __global__ void k_loss_dinp_weighted(float* dinp, const float* p, con
         }
     }
 }
+
+// The mean loss's two sums, so that the host reads 16 bytes instead of the per-position losses (mean_loss):
+// sums[0] = the sum of w[n] losses[n] over the positions of weight w[n] != 0 (a position of weight 0 counts for
+// nothing, even where its loss is not finite), sums[1] = the sum of those weights; with null weights every weight
+// is 1. In float64, one block: thread t takes positions t, t + LOSS_SUM_THREADS, ..., then a fixed tree (the
+// same bits every run).
+#define LOSS_SUM_THREADS 1024
+extern "C" __global__ void __launch_bounds__(LOSS_SUM_THREADS)
+k_loss_sums(double* sums, const float* losses, const float* weights, long long n) {
+    __shared__ double part[2][LOSS_SUM_THREADS];
+    const int t = threadIdx.x;
+    double s = 0.0, total = 0.0;
+    for (long long i = t; i < n; i += LOSS_SUM_THREADS) {
+        const double w = weights == nullptr ? 1.0 : static_cast<double>(weights[i]);
+        if (w != 0.0) {
+            s += w * static_cast<double>(losses[i]);
+            total += w;
+        }
+    }
+    part[0][t] = s;
+    part[1][t] = total;
+    __syncthreads();
+    for (int half = LOSS_SUM_THREADS / 2; half > 0; half >>= 1) {
+        if (t < half) {
+            part[0][t] += part[0][t + half];
+            part[1][t] += part[1][t + half];
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        sums[0] = part[0][0];
+        sums[1] = part[1][0];
+    }
+}

@@ -229,6 +229,32 @@ def test_gelu_epilogue_products_take_unaligned_buffers(engines):
         assert np.linalg.norm(got - want) <= REL["bf16"] * np.linalg.norm(want), name
 
 
+@pytest.mark.parametrize("n", [1, 1000, 16384])
+def test_the_mean_loss_s_device_sums_are_the_host_s_mean(engines, n):
+    """mean_loss on the device (k_loss_sums, float64) against the host's: to float64's rounding, a non-finite loss
+    at a position of weight 0 left out, the same bits twice, and no target counting is refused."""
+    import cupy
+
+    from andrea.ops.loss import mean_loss
+
+    e = engines["bf16"]
+    rng = np.random.default_rng()
+    losses = rng.uniform(0.0, 12.0, n).astype(np.float32)
+    w = np.where(rng.random(n) < 0.3, 0.0, rng.uniform(0.0, 2.0, n)).astype(np.float32)
+    w[0] = 0.0
+    losses[0] = np.inf
+    if n > 1:
+        w[1] = 1.0
+    dev_l, dev_w = cupy.asarray(losses), cupy.asarray(w)
+    if n > 1:
+        got = e.mean_loss(dev_l, dev_w)
+        assert got == pytest.approx(mean_loss(losses, w), rel=1e-13) and got == e.mean_loss(dev_l, dev_w)
+        losses[0] = 3.0
+        assert e.mean_loss(cupy.asarray(losses)) == pytest.approx(mean_loss(losses), rel=1e-13)
+    with pytest.raises(ValueError, match="no target counts"):
+        e.mean_loss(dev_l, cupy.zeros_like(dev_w))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "masked"])
 def test_train_step_allocates_nothing(engines, precision, weighted):
