@@ -10,34 +10,32 @@
 #define FP8_THREADS 256  // 8 threads a tile row of 64 activations (8 each), 32 rows a pass, 2 passes
 #define FP8_AMAX_THREADS 256
 
-// amax of n activations into *amax (block_amax, kernels/common.cuh; the launcher clears it). NaN is passed
-// over here and shows in the cast's output. 16-byte loads where x is 16-byte aligned (the tail, and any other
-// x, one element at a time).
-extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsigned int* amax, const act_t* __restrict__ x,
-                                                                          long long n) {
-    constexpr int per = 16 / sizeof(act_t);
+// This thread's share of the largest |x[j]| over [begin, end), begin a whole number of ACT_VEC groups: lane `lane`
+// of `lanes` takes 16-byte groups in turn where x is 16-byte aligned, then the rest one element at a time. NaN is
+// passed over here and shows in the cast's output.
+__device__ __forceinline__ float amax_span(const act_t* __restrict__ x, long long begin, long long end, long long lane,
+                                           long long lanes) {
     float m = 0.0f;
-    long long head = 0;
+    long long tail = begin;
     if ((reinterpret_cast<size_t>(x) % 16) == 0) {
-        head = n / per * per;
-        const uint4* v = reinterpret_cast<const uint4*>(x);
-        GRID_STRIDE_LOOP(i, head / per) {
-            const uint4 w = v[i];
-            const unsigned words[4] = {w.x, w.y, w.z, w.w};
-#ifdef ACT_LOWP
-            for (int j = 0; j < 4; ++j) {
-                float lo, hi;
-                unpack_lowp2(words[j], lo, hi);
-                m = fmaxf(m, fmaxf(fabsf(lo), fabsf(hi)));
-            }
-#else
-            for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(__uint_as_float(words[j])));
-#endif
+        tail = begin + (end - begin) / ACT_VEC * ACT_VEC;
+        for (long long j = begin + lane * ACT_VEC; j < tail; j += lanes * ACT_VEC) {
+            float v[ACT_VEC];
+            load_vec(x + j, v);
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) m = fmaxf(m, fabsf(v[k]));
         }
     }
-    for (long long i = head + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        m = fmaxf(m, fabsf(to_f32(x[i])));
-    block_amax(amax, m);  // the values are stored ones already: as_stored leaves them as they are
+    for (long long j = tail + lane; j < end; j += lanes) m = fmaxf(m, fabsf(to_f32(x[j])));
+    return m;
+}
+
+// amax of n activations into *amax (block_amax, kernels/common.cuh; the launcher clears it), grid-stride.
+extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsigned int* amax, const act_t* __restrict__ x,
+                                                                          long long n) {
+    const long long lanes = static_cast<long long>(gridDim.x) * blockDim.x;
+    // the values are stored ones already: as_stored leaves them as they are
+    block_amax(amax, amax_span(x, 0, n, blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x, lanes));
 }
 
 // The scale's exponent e (s = 2^e) for amax bits `a`: amax = 1.f * 2^k, the format's max 1.75 * 2^emax,
@@ -150,19 +148,8 @@ extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(c
     const long long size = t[1] * t[2] * t[3];
     const long long begin = (blockIdx.x - t[11]) * static_cast<long long>(FP8_MANY_CHUNK);
     const long long end = min(size, begin + FP8_MANY_CHUNK);
-    float m = 0.0f;
-    long long tail = begin;  // begin is a multiple of ACT_VEC: 16-byte loads where x is 16-byte aligned
-    if ((reinterpret_cast<size_t>(x) % 16) == 0) {
-        tail = begin + (end - begin) / ACT_VEC * ACT_VEC;
-        for (long long j = begin + threadIdx.x * ACT_VEC; j < tail; j += blockDim.x * ACT_VEC) {
-            float v[ACT_VEC];
-            load_vec(x + j, v);
-#pragma unroll
-            for (int k = 0; k < ACT_VEC; k++) m = fmaxf(m, fabsf(v[k]));
-        }
-    }
-    for (long long j = tail + threadIdx.x; j < end; j += blockDim.x) m = fmaxf(m, fabsf(to_f32(x[j])));
-    block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + 1), m);
+    block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + 1),
+               amax_span(x, begin, end, threadIdx.x, blockDim.x));
 }
 
 // Each matrix cast with its slot's amax: a block per 64 x 64 tile of each batch of each matrix.
