@@ -65,7 +65,7 @@ def test_the_scratch_holds_every_op_s_operands():
     for B, T, C in ((1, 16, 16), (8, 1024, 768), (32, 512, 384), (4, 64, 64)):
         N, F = B * T, 4 * C
         need = {"attn_qkv_bwd": 7 * N * C + 3 * C * C, "mlp_bwd": N * C + 2 * N * F + C * F,
-                "mlp_fwd": N * F + F * C, "attn_out_bwd": 3 * N * C + C * C}
+                "mlp_fwd": N * F + F * C}
         assert max(need.values()) <= fp8.operand_bytes(B, T, C)
 
 
@@ -152,8 +152,8 @@ def test_the_amax_book_falls_back_when_its_slots_run_out():
 
 
 def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
-    """amax_slots covers what a model's pass keeps: 4 a layer (two LayerNorm outputs, the attention output, the
-    GELU output) and the shared buffers."""
+    """amax_slots covers what a model's pass keeps: 3 a layer (two LayerNorm outputs, the GELU output; a fourth
+    to spare) and the shared buffers."""
     by_name = {b.name: b for b in fp8.plan_buffers(8, 1024, 768, 12, 50304)}
     assert by_name["fp8_amax"].shape == (fp8.SLOT_FLOATS * fp8.amax_slots(12),)
     assert by_name["fp8_amax"].role == "engine"
@@ -202,10 +202,13 @@ def test_the_cast_writes_the_reference_bytes_in_every_layout(engine, fmt, batch,
 
 @pytest.mark.gpu
 def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
-    """attn_out and attn_qkv forward and backward in fp8 against float64 products of the reference's FP8
-    operands (what the engine multiplies), to bf16's rounding of the outputs; the same ops against the exact
-    float64 products are a few per cent off (the FP8 rounding itself)."""
+    """The FP8 linear products (the MLP's, `_linear_fwd` / `_linear_bwd`) and attn_qkv forward and backward in fp8
+    against float64 products of the reference's FP8 operands (what the engine multiplies), to bf16's rounding of
+    the outputs; the same products against the exact float64 ones are a few per cent off (the FP8 rounding
+    itself). attn_out's products stay bf16 under fp8: the bits of precision bf16's."""
     import cupy
+
+    from andrea.engines.cuda_engine import CudaEngine
 
     rng = np.random.default_rng()
     N, C = 256, 128
@@ -220,10 +223,10 @@ def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
     dW0 = rng.standard_normal((C, C)).astype(np.float32)
     dev = {k: cupy.asarray(v.astype("bfloat16")) for k, v in (("x", x), ("W", W), ("dout", dout))}
     out = cupy.full((N, C), np.nan, dtype="bfloat16")
-    engine.attn_out_fwd(out, dev["x"], dev["W"])
+    engine._linear_fwd(out, dev["x"], dev["W"], N, C, C)
     dW = cupy.asarray(dW0)
     dinp = cupy.full((N, C), np.nan, dtype=np.float32)
-    engine.attn_out_bwd(dinp, dW, dev["dout"], dev["x"], dev["W"], overwrite=True)
+    engine._linear_bwd(dinp, dW, dev["dout"], dev["x"], dev["W"], N, C, C, 0.0)
     ref = {"out": deq(x, "e4m3") @ deq(W, "e4m3"),
            "dW": dW0 + deq(x, "e4m3").T @ deq(dout, "e5m2"),
            "dinp": deq(dout, "e5m2") @ deq(W, "e4m3").T}
@@ -234,6 +237,17 @@ def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
         assert rel <= 1e-2, (k, rel)
     for k in exact:  # the comparison above can tell FP8 operands from exact ones
         assert np.linalg.norm(got[k] - exact[k]) / np.linalg.norm(exact[k]) > 5e-3, k
+
+    attn_out = []  # out, dinp, dW of attn_out under fp8, then under bf16
+    for e in (engine, CudaEngine(precision="bf16")):
+        o, d, g = (cupy.full((N, C), np.nan, dtype="bfloat16"), cupy.full((N, C), np.nan, dtype=np.float32),
+                   cupy.asarray(dW0))
+        e.attn_out_fwd(o, dev["x"], dev["W"])
+        e.attn_out_bwd(d, g, dev["dout"], dev["x"], dev["W"], overwrite=True)
+        attn_out.append([cupy.asnumpy(a) for a in (o, d, g)])
+    fp8_bits, bf16_bits = attn_out
+    for a, b in zip(fp8_bits, bf16_bits):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
     Wqkv = _bf16(rng.standard_normal((3, C, C)) * C**-0.5)
     dqkv = _bf16(rng.standard_normal((3, N, C)) * 1e-3)

@@ -1,4 +1,4 @@
-"""The NumPy engine with precision fp8's rounding: every product of attn_qkv, attn_out and mlp, and the
+"""The NumPy engine with precision fp8's rounding: every product of attn_qkv and mlp, and the
 classifier's logits and input gradient (on unweighted d_logits, the weights then scaling its rows), reads its operands rounded to FP8 as the CUDA engine casts them (andrea/ops/fp8.py: one power-of-two scale per tensor,
 E4M3 activations and weights, E5M2 gradients), in float32 otherwise. It isolates what the FP8 rounding
 alone does to training, on the CPU and at any shape (tests/test_fp8.py)."""

@@ -1,4 +1,5 @@
-"""attn_out_fwd / attn_out_bwd: the W_O projection, out = inp @ W_O. cuBLAS products only (no kernel file)."""
+"""attn_out_fwd / attn_out_bwd: the W_O projection, out = inp @ W_O. cuBLAS products only (no kernel file), in
+bf16 under precision fp8 too (andrea/ops/fp8.py says why)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ def engine_buffers() -> tuple:
 
 
 class NumpyOps:
-    """`fp8_operand`: as in attn_qkv."""
-
     def attn_out_fwd(self, out, inp, W_O):
-        self.mm(self.fp8_operand(inp, "e4m3"), self.fp8_operand(W_O, "e4m3"), out=out)
+        self.mm(inp, W_O, out=out)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         start_grad(dinp, overwrite)
         C = inp.shape[-1]
-        x, d, W = self.fp8_operand(inp, "e4m3"), self.fp8_operand(dout, "e5m2"), self.fp8_operand(W_O, "e4m3")
-        dW_O += self.mm(x.reshape(-1, C).T, d.reshape(-1, d.shape[-1]))
-        dinp += self.mm(d, W.T)
+        dW_O += self.mm(inp.reshape(-1, C).T, dout.reshape(-1, dout.shape[-1]))
+        dinp += self.mm(dout, W_O.T)
 
 
 class CudaOps:
@@ -30,13 +28,13 @@ class CudaOps:
         C = inp.shape[-1]
         N = inp.size // C
         self._fp8_wrote(out)
-        self._linear_fwd(out, inp, W_O, N, C, C)
+        self._linear_fwd(out, inp, W_O, N, C, C, fp8=False)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
         C = inp.shape[-1]
         N = inp.size // C
         self._fp8_wrote(dinp)
-        self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0)
+        self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0, fp8=False)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -1,4 +1,7 @@
-"""FP8 operands for the matrix products of attn_qkv, attn_out and mlp under precision fp8 (kernels/fp8.cu).
+"""FP8 operands for the matrix products of attn_qkv and mlp under precision fp8 (kernels/fp8.cu). attn_out's
+products stay bf16: at d_model 384 and 768 its casts (the attention output forward; d_branch in both layouts and
+the attention output transposed backward) cost more than its FP8 products save (docs/PERFORMANCE.md: the 120M
+fp8 step 14.59-14.68 ms with them on FP8, 14.40 without; 12M 5.45 against 5.30).
 
 Per-tensor current scaling: each operand is cast right before its product with the scale of its own
 amax, the largest power of two s with amax * s <= the format's largest value (E4M3 448 for activations
@@ -9,8 +12,8 @@ checkpoint. (Delayed scaling, an amax history from earlier steps, would save the
 also be state, and the first step would need the pass anyway.)
 
 Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
-amax is found once: the LayerNorms, the GELU passes and the bf16 attention kernels compute it as they store
-their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
+amax is found once: the LayerNorms, the GELU passes and the bf16 attention backward kernels compute it as they
+store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
 own amax pass is kept for the tensor's later casts (the GELU epilogue's act, cast again transposed by the
 backward). The scales, and so
 the bytes, are those of casts that each run their own pass; a test compares them bit for bit.
@@ -81,15 +84,16 @@ def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None =
 
 
 def amax_slots(L: int) -> int:
-    """Scale slots of the tensors a pass keeps the amax of: each layer's two LayerNorm outputs, its attention
-    output and its GELU output, then the backward's shared buffers (d_branch, d_mlp_pre, d_qkv, the
+    """Scale slots of the tensors a pass keeps the amax of: each layer's two LayerNorm outputs and its GELU output
+    (and a spare), then the backward's shared buffers (d_branch, d_mlp_pre, d_qkv, the
     recomputed LayerNorm), LNf's output and spares. A pass with more falls back to the casts' own passes."""
     return 4 * L + 8
 
 
-# The layer matrices with FP8 copies. Each is kept as the forward reads it (transposed) and as the input
-# gradient reads it: attn_qkv's three side by side as [C, 3C] (its one product over 3C), the others as stored.
-WEIGHTS = (("W_QKV", 3), ("W_O", 1), ("W_1", 4), ("W_2", 4))  # name, elements in C^2
+# The layer matrices with FP8 copies (W_O has none: attn_out stays bf16). Each is kept as the forward reads it
+# (transposed) and as the input gradient reads it: attn_qkv's three side by side as [C, 3C] (its one product over
+# 3C), the others as stored.
+WEIGHTS = (("W_QKV", 3), ("W_1", 4), ("W_2", 4))  # name, elements in C^2
 
 
 def weight_bytes(C: int, L: int, V: int) -> int:
@@ -323,16 +327,17 @@ class CudaOps:
             descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2")))
         return descale
 
-    def _linear_fwd(self, out, inp, W, N, K, M) -> None:
-        """out [N, M] = inp [N, K] @ W [K, M]: on FP8 operands where the op takes them, else the plain product."""
-        if not (self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M)):
+    def _linear_fwd(self, out, inp, W, N, K, M, fp8: bool = True) -> None:
+        """out [N, M] = inp [N, K] @ W [K, M]: on FP8 operands where the op takes them, else the plain product
+        (`fp8=False`: the plain product in every precision)."""
+        if not (fp8 and self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M)):
             self.blas.gemm(out, inp, W, N, M, K)
 
-    def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float) -> None:
+    def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True) -> None:
         """dW [K, M] += inp^T @ dout and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where the op
-        takes them, else (each product on its own) the plain products."""
+        takes them, else (each product on its own) the plain products (`fp8=False`: in every precision)."""
         done_dW, done_dinp = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta)
-                              if self._fp8_ok(N, K, M) else (False, False))
+                              if fp8 and self._fp8_ok(N, K, M) else (False, False))
         if not done_dW:
             self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=1.0)
         if not done_dinp:

@@ -46,7 +46,7 @@ from andrea.shards import read_shard  # noqa: E402
 
 
 def fake_quantized(engine):
-    """A bf16 CudaEngine whose attn_qkv, attn_out and mlp products read their operands rounded to FP8 as
+    """A bf16 CudaEngine whose attn_qkv and mlp products read their operands rounded to FP8 as
     precision fp8 casts them (one power-of-two scale per tensor, E4M3 activations and weights, E5M2
     gradients; the values are exact in bf16), computed with CuPy array operations; recorded graphs off
     (the scale is found on the host)."""
@@ -64,10 +64,16 @@ def fake_quantized(engine):
 
     lin_f, lin_b, gelu_up, mlp_b = engine._linear_fwd, engine._linear_bwd, engine._gelu_epilogue, engine.mlp_bwd
     qkv_f, qkv_b = engine.attn_qkv_fwd, engine.attn_qkv_bwd
-    engine._linear_fwd = lambda out, inp, W, *d: lin_f(out, fq(inp, "e4m3"), fq(W, "e4m3"), *d)
+    def linear_fwd(out, inp, W, *d, fp8=True):  # fp8=False (attn_out): the plain product, as precision fp8 runs it
+        return lin_f(out, fq(inp, "e4m3") if fp8 else inp, fq(W, "e4m3") if fp8 else W, *d, fp8=fp8)
+
+    def linear_bwd(dinp, dW, dout, inp, W, *d, fp8=True):
+        if fp8:
+            dout, inp, W = fq(dout, "e5m2"), fq(inp, "e4m3"), fq(W, "e4m3")
+        return lin_b(dinp, dW, dout, inp, W, *d, fp8=fp8)
+
+    engine._linear_fwd, engine._linear_bwd = linear_fwd, linear_bwd
     engine._gelu_epilogue = lambda pre, act, inp, W_1: gelu_up(pre, act, fq(inp, "e4m3"), fq(W_1, "e4m3"))
-    engine._linear_bwd = lambda dinp, dW, dout, inp, W, *d: lin_b(dinp, dW, fq(dout, "e5m2"), fq(inp, "e4m3"),
-                                                                  fq(W, "e4m3"), *d)
     # the down-projection's products here; the up-projection's go through _linear_bwd with dpre
     engine.mlp_bwd = lambda dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, *r, **k: mlp_b(
         dinp, dW_1, dW_2, dpre, fq(dout, "e5m2"), inp, pre, fq(act, "e4m3"), W_1, fq(W_2, "e4m3"), *r, **k)

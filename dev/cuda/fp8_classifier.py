@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 dev/cuda/fp8_classifier.py [--text results/data/tokens-V4096] [--steps 200]
         [--width 128 --layers 2 --seq 64 --batch 8]
 
-precision fp8 multiplies attn_qkv, attn_out, the MLP and two of the classifier's three products (the tied output
+precision fp8 multiplies attn_qkv, the MLP and two of the classifier's three products (the tied output
 projection: logits = x wte^T and the input gradient d_logits wte) on FP8 operands, and keeps wte's gradient
 d_logits^T x in bf16 (on FP8 it would need a transposed copy of d_logits). Here the NumPy engine rounds as
 andrea/engines/fp8_emulation.py does (current scaling, one power-of-two scale a tensor) and, in a third run, also

@@ -5,7 +5,7 @@
 precision fp8 scales each operand by its own amax (current scaling: andrea/ops/fp8.py), which costs a pass over the
 tensor before its cast, or a producer that computes it. Delayed scaling takes the scale from the amaxes of earlier
 passes, so a producer can write FP8 itself; where a tensor's amax has grown past that history, its largest values
-saturate at the format's largest. Here the NumPy engine rounds every product operand of attn_qkv, attn_out and mlp
+saturate at the format's largest. Here the NumPy engine rounds every product operand of attn_qkv and mlp
 as andrea/engines/fp8_emulation.py does, except that activations and gradients take the scale of the max over the
 last H passes' amaxes at the same place of the pass (the first pass: its own); weights keep their own amax (the CUDA
 engine casts them once per update, knowing it). It trains the tiny model of tests/test_fp8.py (or a wider one) from
