@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from andrea.config import load_experiment  # noqa: E402
-from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.ops import op_cost  # noqa: E402
 from andrea.precision import PRECISIONS  # noqa: E402
 from andrea.timing import OpRecorder, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
@@ -45,9 +45,14 @@ from andrea.timing import OpRecorder, fastest_peer, graph_ms, median_ms, peer_pa
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
 # bf16-eager: the step launched op by op instead of as a CUDA graph; -masked: every step under a loss mask (a draw of
-# 0s and 1s, as a polish phase's assistant-only loss), the weighted backward
+# 0s and 1s, as a polish phase's assistant-only loss: crosscheck.loss_masks), the weighted backward
 BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked")
-MASK_KEPT = 0.7  # the masked variants' share of targets of weight 1
+
+
+def variant_parts(variant: str) -> tuple[str, bool, bool]:
+    """(precision, eager, masked) of a benchmark variant: PRECISION, PRECISION-eager or PRECISION-masked."""
+    precision, _, kind = variant.partition("-")
+    return precision, kind == "eager", kind == "masked"
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
 
@@ -164,12 +169,6 @@ def memory():
     return out
 
 
-def loss_masks(batches: list, seed: int) -> list:
-    """A loss mask for each micro-batch of a step: targets kept (weight 1) with probability MASK_KEPT, else 0."""
-    rng = np.random.default_rng(seed)
-    return [(rng.random(y.shape) < MASK_KEPT).astype(np.float32) for _, y in batches]
-
-
 def per_step_ms(model, steps: int = 13, warm: int = 3, masked: bool = False) -> float:
     batches = [synthetic_micro_batches(model.shape, model.micro_batch, 1, s) for s in range(4)]
     masks = [loss_masks(b, s) if masked else None for s, b in enumerate(batches)]
@@ -192,16 +191,16 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
         shape = EXPERIMENTS[name].model
         tokens = micro * shape.seq_len
         for variant in variants:
-            precision = variant.split("-")[0]
+            precision, eager, masked = variant_parts(variant)
             engine = CudaEngine(precision=precision)
             recorder = OpRecorder(engine)
-            model = Model(recorder, shape, micro, graphs=variant != "bf16-eager", **options(name, precision))
+            model = Model(recorder, shape, micro, graphs=not eager, **options(name, precision))
             model.load_state(init_params(model.layout, 0))
-            ms = per_step_ms(model, masked=variant.endswith("-masked"))
+            ms = per_step_ms(model, masked=masked)
             out["engine"][f"{name}/{variant}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),
                                                   "tokens_per_s": round(tokens / ms * 1e3)}
             log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s")
-            if variant in ("bf16-eager", "bf16-masked", "fp8-masked"):  # the op timings are the plain variant's
+            if eager or masked:  # the op timings are the plain variant's
                 del model, recorder, engine
                 free_device_memory()
                 continue

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench import BENCH, EXPERIMENTS, loss_masks, options, per_step_ms  # noqa: E402
+from bench import BENCH, EXPERIMENTS, options, per_step_ms, variant_parts  # noqa: E402
 
-from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.timing import RECORDED, EngineCalls  # noqa: E402
 
 # the ops, and the step's engine calls beside them: the weight gradients' zeroing, the weight copies
@@ -89,7 +89,7 @@ def profile(name: str, variant: str, steps: int) -> dict:
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.model import Model, init_params
 
-    precision, masked = variant.split("-")[0], variant.endswith("-masked")
+    precision, _, masked = variant_parts(variant)
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
     engine = CudaEngine(precision=precision)
     timer = OpTimer(engine, spin_cycles())

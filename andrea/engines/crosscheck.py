@@ -163,9 +163,19 @@ def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: 
     return TrainRun(losses, norms, digest, params, held)
 
 
+MASK_KEPT = 0.7  # loss_masks' share of targets of weight 1
+
+
+def loss_masks(batches: list, seed: int) -> list:
+    """A loss mask for each micro-batch of `batches`: targets kept (weight 1) with probability MASK_KEPT, else 0; a
+    fixed draw of `seed`."""
+    rng = np.random.default_rng(seed)
+    return [(rng.random(y.shape) < MASK_KEPT).astype(np.float32) for _, y in batches]
+
+
 def step_allocations(model, step: int = 0, seed: int = 0, weighted: bool = False) -> dict:
     """One train_step on a CuPy engine, counting requests to CuPy's memory pool and its used bytes; `weighted`:
-    under a loss mask of 0s and 1s (a fixed draw of `seed`)."""
+    under loss_masks(..., seed)."""
     import cupy
 
     class Counter(cupy.cuda.MemoryHook):
@@ -178,8 +188,7 @@ def step_allocations(model, step: int = 0, seed: int = 0, weighted: bool = False
             self.requests += 1
 
     batches = synthetic_micro_batches(model.shape, model.micro_batch, 1, step, seed)
-    rng = np.random.default_rng(seed)
-    weights = [(rng.random(y.shape) < 0.7).astype(np.float32) for _, y in batches] if weighted else None
+    weights = loss_masks(batches, seed) if weighted else None
     pool = cupy.get_default_memory_pool()
     model.engine.synchronize()
     before = pool.used_bytes()

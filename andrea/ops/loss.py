@@ -189,8 +189,7 @@ class CudaOps:
         sums = self.own["loss_sums"]
         self._launch("k_loss_sums", 1, kernel_defines("loss")["LOSS_SUM_THREADS"], sums, losses,
                      np.uint64(0) if weights is None else weights, np.int64(losses.size))
-        weighted_sum, total = self.to_host(sums)
-        return weighted_mean(weighted_sum, total) if weights is not None else float(weighted_sum / total)
+        return weighted_mean(*self.to_host(sums))  # unweighted, total is the count
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
