@@ -181,6 +181,37 @@ def per_step_ms(model, steps: int = 13, warm: int = 3, masked: bool = False) -> 
     return statistics.median(times[warm:]) * 1e3
 
 
+def op_times(engine, recorder, model, names=None) -> dict:
+    """Each op of one real step (or those in `names`), timed alone inside a CUDA graph on the step's own buffers,
+    with its FLOPs and bytes: the model built on `recorder`, an OpRecorder of `engine`."""
+    shape, micro = model.shape, model.micro_batch
+    # the ops of one real step, launched one by one (a graph replay calls no engine method)
+    recorder.calls.clear()
+    graphs, model.graphs = model.graphs, False
+    model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
+    model.graphs = graphs
+    counts = recorder.per_step()
+    ops_ms = {}
+    act_bytes = np.dtype(PRECISIONS[engine.precision].act_dtype).itemsize
+    firsts = recorder.first_calls()
+    for op, (args, kwargs) in firsts.items():
+        if names is not None and op not in names:
+            continue
+        rows = micro
+        if op.startswith("loss"):
+            rows = args[0].shape[0] if op == "loss_bwd" else args[1].shape[0]  # one classifier piece
+        flops, nbytes = op_cost(op, shape, rows, model.layout.n_params, act_bytes)
+        t = graph_ms(engine, lambda: getattr(engine, op)(*args, **kwargs))
+        if op == "loss_bwd" and engine.fp8:  # its FP8 products read the E5M2 d_logits of the forward before it
+            fwd_args, fwd_kwargs = firsts["loss_fwd"]
+            forward = lambda: engine.loss_fwd(*fwd_args, **fwd_kwargs)  # noqa: E731
+            t = graph_ms(engine, lambda: (forward(), engine.loss_bwd(*args, **kwargs))) - graph_ms(engine, forward)
+        ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
+                      "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
+                      "calls_per_step": counts[op]}
+    return ops_ms
+
+
 @section("bench")
 def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
     from andrea.engines.cuda_engine import CudaEngine
@@ -204,28 +235,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
                 del model, recorder, engine
                 free_device_memory()
                 continue
-            # the ops of one real step, launched one by one (a graph replay calls no engine method), each then
-            # timed on its own inside a CUDA graph
-            recorder.calls.clear()
-            model.graphs = False
-            model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
-            counts = recorder.per_step()
-            ops_ms = {}
-            act_bytes = np.dtype(PRECISIONS[precision].act_dtype).itemsize
-            firsts = recorder.first_calls()
-            for op, (args, kwargs) in firsts.items():
-                rows = micro
-                if op.startswith("loss"):
-                    rows = args[0].shape[0] if op == "loss_bwd" else args[1].shape[0]  # one classifier piece
-                flops, nbytes = op_cost(op, shape, rows, model.layout.n_params, act_bytes)
-                t = graph_ms(engine, lambda: getattr(engine, op)(*args, **kwargs))
-                if op == "loss_bwd" and engine.fp8:  # its FP8 products read the E5M2 d_logits of the forward before it
-                    fwd_args, fwd_kwargs = firsts["loss_fwd"]
-                    forward = lambda: engine.loss_fwd(*fwd_args, **fwd_kwargs)  # noqa: E731
-                    t = graph_ms(engine, lambda: (forward(), engine.loss_bwd(*args, **kwargs))) - graph_ms(engine, forward)
-                ops_ms[op] = {"ms": round(t, 4), "gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 2),
-                              "tflop_s": round(flops / t / 1e9, 1), "tb_s": round(nbytes / t / 1e9, 2),
-                              "calls_per_step": counts[op]}
+            ops_ms = op_times(engine, recorder, model)
             out["ops"][f"{name}/{precision}"] = ops_ms
             log("  ops " + ", ".join(f"{op} {v['ms']:.3f}" for op, v in ops_ms.items()))
             del model, recorder, engine
