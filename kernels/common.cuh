@@ -170,12 +170,16 @@ __device__ __forceinline__ void load_vec(const float* p, float (&v)[4]) {
     const float4 u = *reinterpret_cast<const float4*>(p);
     v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
 }
-__device__ __forceinline__ void load_vec(const lowp* p, float (&v)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
+// 16 bytes as loaded (a uint4) to ACT_VEC floats: for kernels that keep a group's bytes in registers.
+__device__ __forceinline__ void unpack_vec(const uint4 u, float (&v)[4]) {
+    v[0] = __uint_as_float(u.x), v[1] = __uint_as_float(u.y), v[2] = __uint_as_float(u.z), v[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack_vec(const uint4 u, float (&v)[8]) {
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) unpack_lowp2(w[i], v[2 * i], v[2 * i + 1]);
 }
+__device__ __forceinline__ void load_vec(const lowp* p, float (&v)[8]) { unpack_vec(*reinterpret_cast<const uint4*>(p), v); }
 __device__ __forceinline__ void store_vec(float* p, const float (&v)[4]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }

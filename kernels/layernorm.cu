@@ -199,48 +199,81 @@ k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const float* dout,
 
 // The cached backward: a lane's part of a row is J groups of ACT_VEC columns, (lane + 32 j) * ACT_VEC onwards,
 // read once (16 bytes a load) and kept in registers until dinp is written; the lane's columns' dgamma and
-// dbeta sums stay in registers over the chunk's rows (warp w takes rows w, w + LN_BWD_WARPS, ...), then the
-// block's warps are added in a fixed tree and partials[chunk] written. One pass over dout and inp in all,
-// where the generic kernel reads them twice and spends a block of 1024 threads on every 32 columns of a chunk.
+// dbeta sums run over the chunk's rows (warp w takes rows w, w + LN_BWD_WARPS, ...), then the block's warps
+// are added in a fixed tree and partials[chunk] written. One pass over dout and inp in all, where the generic
+// kernel reads them twice and spends a block of 1024 threads on every 32 columns of a chunk.
+// Up to 16 columns a lane, every input of a row, dinp among them, is loaded at once (a row waits for memory once)
+// with the sums in registers. Wider rows would spill there: where a block's warps' sums fit its static shared
+// memory (SHARED: 24 columns a lane of a 16-bit build) each warp keeps them in a slice of its own there and
+// still loads a row at once (-10% at 120M's 768 columns); else the sums stay in registers and dinp is loaded
+// after the row's sums. The sums are the same every way: the same additions in the same order.
 // Needs C <= 32 * J * ACT_VEC, C a multiple of ACT_VEC and every row 16-byte aligned (the engine checks).
 template <int J>
 __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch, float* partials, const float* dout,
                                                      const act_t* inp, const float* gamma, const float* mean,
                                                      const float* rstd, long long n_rows, int C, int rows_per_chunk,
                                                      int n_chunks, int fused, unsigned* amax) {
-    __shared__ float fold[LN_BWD_WARPS / 2][2][J * ACT_VEC * WARP_SIZE];
-    // Up to 16 columns a lane, dinp is loaded with the row's other inputs, so a row waits for memory once; wider
-    // rows load it after the row's sums, where the registers would otherwise spill.
-    constexpr bool EARLY = J * ACT_VEC <= 16;
+    constexpr int Q = ACT_VEC / 4;  // float4s of a group
+    constexpr int W = J * Q * WARP_SIZE;  // float4s of a warp's sums (dgamma or dbeta)
+    constexpr bool SHARED = J * ACT_VEC > 16 && LN_BWD_WARPS * 2 * W * sizeof(float4) <= 48 * 1024;
+    constexpr bool EARLY = SHARED || J * ACT_VEC <= 16;  // dinp loaded with the row's other inputs
+    // SHARED: acc[w] is warp w's sums; else the tree's upper halves pass their sums through acc
+    __shared__ float4 acc[SHARED ? LN_BWD_WARPS : LN_BWD_WARPS / 2][2][W];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const long long first = (long long)blockIdx.x * rows_per_chunk;
     const long long end = min(n_rows, first + rows_per_chunk);
-    float dg[J][ACT_VEC], db[J][ACT_VEC], top = 0.0f;
+    // element (j, k) of a lane's sums: float4 (j Q + k / 4) Q... laid out lane-fastest, conflict-free
+    auto at = [&](int j, int q) { return (j * Q + q) * WARP_SIZE + lane; };
+    float dg[SHARED ? 1 : J][ACT_VEC], db[SHARED ? 1 : J][ACT_VEC], top = 0.0f;
+    if constexpr (SHARED) {
 #pragma unroll
-    for (int j = 0; j < J; j++)
+        for (int j = 0; j < J; j++)
 #pragma unroll
-        for (int k = 0; k < ACT_VEC; k++) dg[j][k] = db[j][k] = 0.0f;
+            for (int q = 0; q < Q; q++) acc[warp][0][at(j, q)] = acc[warp][1][at(j, q)] = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+#pragma unroll
+        for (int j = 0; j < J; j++)
+#pragma unroll
+            for (int k = 0; k < ACT_VEC; k++) dg[j][k] = db[j][k] = 0.0f;
+    }
     for (long long row = first + warp; row < end; row += LN_BWD_WARPS) {
         const float m = mean[row], r = rstd[row];
-        float dy[J][ACT_VEC], xhat[J][ACT_VEC], d[J][ACT_VEC];
+        float dy[J][ACT_VEC], d[J][ACT_VEC];
+        uint4 x[J];  // the row's inputs as stored: xhat is found from them in both loops, the same bits
         float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
 #pragma unroll
         for (int j = 0; j < J; j++) {
             const int c = (lane + WARP_SIZE * j) * ACT_VEC;
             if (c >= C) continue;
-            float g[ACT_VEC];
+            float g[ACT_VEC], xhat[ACT_VEC];
             load_f32(dout + row * C + c, dy[j]);
-            load_vec(inp + row * C + c, xhat[j]);
+            x[j] = *reinterpret_cast<const uint4*>(inp + row * C + c);
             if (EARLY) load_f32(dinp + row * C + c, d[j]);
             load_f32(gamma + c, g);
+            unpack_vec(x[j], xhat);
 #pragma unroll
             for (int k = 0; k < ACT_VEC; k++) {
-                xhat[j][k] = (xhat[j][k] - m) * r;
+                xhat[k] = (xhat[k] - m) * r;
                 const float dxhat = dy[j][k] * g[k];
                 sum_dxhat += dxhat;
-                sum_dxhat_xhat += dxhat * xhat[j][k];
-                dg[j][k] += dy[j][k] * xhat[j][k];
-                db[j][k] += dy[j][k];
+                sum_dxhat_xhat += dxhat * xhat[k];
+            }
+            if constexpr (SHARED) {
+#pragma unroll
+                for (int q = 0; q < Q; q++) {
+                    float4& a = acc[warp][0][at(j, q)];
+                    float4& b = acc[warp][1][at(j, q)];
+                    const float* y = dy[j] + 4 * q;
+                    const float* h = xhat + 4 * q;
+                    a.x += y[0] * h[0], a.y += y[1] * h[1], a.z += y[2] * h[2], a.w += y[3] * h[3];
+                    b.x += y[0], b.y += y[1], b.z += y[2], b.w += y[3];
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < ACT_VEC; k++) {
+                    dg[j][k] += dy[j][k] * xhat[k];
+                    db[j][k] += dy[j][k];
+                }
             }
         }
         const float mean_dxhat = warp_sum(sum_dxhat) / C;
@@ -249,12 +282,18 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
         for (int j = 0; j < J; j++) {
             const int c = (lane + WARP_SIZE * j) * ACT_VEC;
             if (c >= C) continue;
-            float g[ACT_VEC];
+            float g[ACT_VEC], xhat[ACT_VEC];
             load_f32(gamma + c, g);
-            if (!EARLY) load_f32(dinp + row * C + c, d[j]);
+            if (EARLY) {
+                unpack_vec(x[j], xhat);
+            } else {  // read again (from L1): the registers go to the sums
+                load_vec(inp + row * C + c, xhat);
+                load_f32(dinp + row * C + c, d[j]);
+            }
 #pragma unroll
             for (int k = 0; k < ACT_VEC; k++) {
-                d[j][k] += r * (dy[j][k] * g[k] - mean_dxhat - xhat[j][k] * mean_dxhat_xhat);
+                xhat[k] = (xhat[k] - m) * r;
+                d[j][k] += r * (dy[j][k] * g[k] - mean_dxhat - xhat[k] * mean_dxhat_xhat);
                 top = fmaxf(top, fabsf(d[j][k]));
             }
             store_f32(dinp + row * C + c, d[j]);
@@ -262,40 +301,67 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
         }
     }
     // warps [half, 2 half) hand their sums to warps [0, half), halving until warp 0 holds the block's
+    auto add4 = [](float4& a, const float4 b) { a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w; };
     for (int half = LN_BWD_WARPS / 2; half > 0; half >>= 1) {
-        if (warp >= half && warp < 2 * half) {
+        if constexpr (SHARED) {
+            __syncthreads();
+            if (warp < half) {
 #pragma unroll
-            for (int j = 0; j < J; j++)
+                for (int j = 0; j < J; j++)
 #pragma unroll
-                for (int k = 0; k < ACT_VEC; k++) {
-                    const int e = (j * ACT_VEC + k) * WARP_SIZE + lane;  // conflict-free
-                    fold[warp - half][0][e] = dg[j][k];
-                    fold[warp - half][1][e] = db[j][k];
-                }
+                    for (int q = 0; q < Q; q++) {
+                        add4(acc[warp][0][at(j, q)], acc[warp + half][0][at(j, q)]);
+                        add4(acc[warp][1][at(j, q)], acc[warp + half][1][at(j, q)]);
+                    }
+            }
+        } else {
+            if (warp >= half && warp < 2 * half) {
+#pragma unroll
+                for (int j = 0; j < J; j++)
+#pragma unroll
+                    for (int q = 0; q < Q; q++) {
+                        const float* g = dg[j] + 4 * q;
+                        const float* b = db[j] + 4 * q;
+                        acc[warp - half][0][at(j, q)] = make_float4(g[0], g[1], g[2], g[3]);
+                        acc[warp - half][1][at(j, q)] = make_float4(b[0], b[1], b[2], b[3]);
+                    }
+            }
+            __syncthreads();
+            if (warp < half) {
+#pragma unroll
+                for (int j = 0; j < J; j++)
+#pragma unroll
+                    for (int q = 0; q < Q; q++) {
+                        const float4 g = acc[warp][0][at(j, q)], b = acc[warp][1][at(j, q)];
+                        float* a = dg[j] + 4 * q;
+                        float* e = db[j] + 4 * q;
+                        a[0] += g.x, a[1] += g.y, a[2] += g.z, a[3] += g.w;
+                        e[0] += b.x, e[1] += b.y, e[2] += b.z, e[3] += b.w;
+                    }
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        if (warp < half) {
-#pragma unroll
-            for (int j = 0; j < J; j++)
-#pragma unroll
-                for (int k = 0; k < ACT_VEC; k++) {
-                    const int e = (j * ACT_VEC + k) * WARP_SIZE + lane;  // conflict-free
-                    dg[j][k] += fold[warp][0][e];
-                    db[j][k] += fold[warp][1][e];
-                }
-        }
-        __syncthreads();
     }
     if (warp == 0) {
 #pragma unroll
         for (int j = 0; j < J; j++) {
             const int c = (lane + WARP_SIZE * j) * ACT_VEC;
             if (c >= C) continue;
-            store_f32(partials + (long long)blockIdx.x * C + c, dg[j]);
-            store_f32(partials + (long long)(n_chunks + blockIdx.x) * C + c, db[j]);
+#pragma unroll
+            for (int q = 0; q < Q; q++) {
+                float4 g, b;
+                if constexpr (SHARED) {
+                    g = acc[0][0][at(j, q)], b = acc[0][1][at(j, q)];
+                } else {
+                    g = make_float4(dg[j][4 * q], dg[j][4 * q + 1], dg[j][4 * q + 2], dg[j][4 * q + 3]);
+                    b = make_float4(db[j][4 * q], db[j][4 * q + 1], db[j][4 * q + 2], db[j][4 * q + 3]);
+                }
+                *reinterpret_cast<float4*>(partials + (long long)blockIdx.x * C + c + 4 * q) = g;
+                *reinterpret_cast<float4*>(partials + (long long)(n_chunks + blockIdx.x) * C + c + 4 * q) = b;
+            }
         }
     }
-    if (fused && amax != nullptr) block_amax(amax, top);
+    if (fused && amax != nullptr) warp_amax(amax, top);  // a warp's atomic: block_amax's scratch would not fit beside acc
 }
 
 #define LN_BWD_CACHED(J)                                                                                            \
