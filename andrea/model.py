@@ -104,8 +104,10 @@ class Model:
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
         loss_rows = loss_piece(micro_batch, loss_chunks) * shape.seq_len if training else None  # a classifier piece's
-        copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows)
-                  if engine.traits.fp8_products else ())
+        kept_acts = shape.n_layer - (recomputing_layers(shape.n_layer, tuple(recompute), recompute_layers)
+                                     if "gelu" in recompute else 0)  # layers whose MLP act the backward reads as saved
+        copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows,
+                                   kept_acts) if engine.traits.fp8_products else ())
         if training and engine.traits.qkv_weight_rows:
             copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
         self.plan = plan_model(self.layout, micro_batch, training=training,

@@ -160,6 +160,18 @@ def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
     assert fp8.amax_slots(12) >= 4 * 12 + 5
 
 
+def test_a_training_plan_holds_act_t_for_each_layer_that_keeps_its_act():
+    """fp8_act_t: one 256-byte aligned [4C, N] E4M3 place for each layer whose MLP act the backward reads as saved;
+    none for a forward-only plan or where every layer rebuilds its act."""
+    B, T, C = 3, 50, 36
+    place = -(-B * T * 4 * C // fp8.ALIGN) * fp8.ALIGN
+    by_name = {b.name: b for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T, kept_acts=2)}
+    assert by_name["fp8_act_t"].shape == (2 * place,) and by_name["fp8_act_t"].role == "engine"
+    assert place > B * T * 4 * C  # the padding is there: the places do not simply touch
+    assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, kept_acts=2)}
+    assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T)}
+
+
 # ---- on the GPU -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine():
@@ -427,3 +439,38 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     own, own_passes = run()
     assert kept.digest == own.digest, (kept.losses, own.losses)
     assert kept_passes < own_passes / 2, (kept_passes, own_passes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute, recompute_layers, kept", [((), None, 2), (("gelu",), 1, 1), (("gelu",), None, 0)])
+def test_the_saved_act_transpose_changes_no_bit(engine, monkeypatch, recompute, recompute_layers, kept):
+    """The MLP's act^T cast once by the forward (into fp8_act_t) and read by the backward's dW_2 product gives the
+    bytes of casting act again in the backward, with one cast fewer for each layer that keeps its act, each
+    micro-batch; the layers that rebuild act (recompute gelu) cast it again."""
+    from andrea.config import ModelShape
+    from andrea.engines.crosscheck import train_run
+
+    shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
+    casts = []
+    cast = type(engine)._fp8_cast
+
+    def counted(self, *a, **k):
+        casts.append(1)
+        return cast(self, *a, **k)
+
+    monkeypatch.setattr(type(engine), "_fp8_cast", counted)
+    n_micro, steps = 2, 3
+
+    def run():
+        casts.clear()
+        engine._fp8_act_t_places.clear()  # a fresh model's buffers
+        r = train_run(engine, shape, micro_batch=4, n_micro=n_micro, steps=steps, recompute=recompute,
+                      recompute_layers=recompute_layers)
+        return r, len(casts)
+
+    saved, saved_casts = run()
+    assert len(engine._fp8_act_t_places) == kept
+    monkeypatch.setattr(type(engine), "_fp8_transpose_place", lambda self, x: None)
+    again, again_casts = run()
+    assert saved.digest == again.digest, (saved.losses, again.losses)
+    assert again_casts - saved_casts == kept * n_micro * steps, (again_casts, saved_casts)

@@ -14,9 +14,12 @@ also be state, and the first step would need the pass anyway.)
 Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
 amax is found once: the LayerNorms, the GELU passes and the bf16 attention backward kernels compute it as they
 store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
-own amax pass is kept for the tensor's later casts (the GELU epilogue's act, cast again transposed by the
-backward). The scales, and so
-the bytes, are those of casts that each run their own pass; a test compares them bit for bit.
+own amax pass is kept for the tensor's later casts. The scales, and so the bytes, are those of casts that each
+run their own pass; a test compares them bit for bit. The MLP's act (the GELU epilogue's output, saved for the
+backward's dW_2 = act^T dY) is cast once: the forward's cast for its down product writes act^T too, into the
+layer's place in `fp8_act_t` (a training plan's, one for each layer that keeps its act), and the backward's
+product reads it with the forward's descale (`_fp8_saved_transpose`): -1 read of act and 1 write of N 4C bytes
+a layer, the same bytes as casting it again.
 
 Accumulation: Hopper's FP8 tensor cores sum in fewer bits than FP32; cuBLASLt by default promotes the partial
 sums to FP32 as K goes, and with fast accumulation does not (5-15% faster a product at 120M). The forward products
@@ -72,12 +75,15 @@ def engine_buffers() -> tuple:
     return (BufferSpec("fp8_scales", (SLOT_FLOATS * SCALE_SLOTS,), "float32", "engine"),)
 
 
-def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None = None) -> tuple:
+def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None = None, kept_acts: int = 0) -> tuple:
     """The buffers a model's plan adds under precision fp8: the engine's operand scratch and its pass's amax
     slots (both sized by the model), the model's FP8 weight copies (`params_fp8`, derived from params_lp
     as params_lp is from params), and for a training model (`loss_rows`, the rows of its classifier's piece)
-    the E5M2 copy of a piece's d_logits, `fp8_dlogits`."""
+    the E5M2 copy of a piece's d_logits, `fp8_dlogits`, and the E4M3 act^T of each of the `kept_acts` layers
+    that keep their MLP activation for the backward, `fp8_act_t`."""
     dlogits = () if loss_rows is None else (BufferSpec("fp8_dlogits", (loss_rows * V,), "uint8", "engine"),)
+    if loss_rows is not None and kept_acts:
+        dlogits += (BufferSpec("fp8_act_t", (kept_acts * _padded(B * T * 4 * C),), "uint8", "engine"),)
     return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
             BufferSpec("fp8_amax", (SLOT_FLOATS * amax_slots(L),), "float32", "engine"),
             BufferSpec("params_fp8", (weight_bytes(C, L, V),), "uint8", "parameters")) + dlogits
@@ -255,21 +261,40 @@ class CudaOps:
         it each tensor's amax is found once (module docstring). Outside, every cast runs its own amax pass."""
         if self._fp8_book is not None:
             raise RuntimeError("fp8_pass: a pass is already open")
-        self._fp8_book = {"kept": {}, "slots": {}}
+        self._fp8_book = {"kept": {}, "slots": {}, "transposed": {}}
         try:
             yield
         finally:
             self._fp8_book = None
 
     def _fp8_wrote(self, *bufs) -> None:
-        """An op wrote these without their amax: drop every kept tensor they overlap."""
+        """An op wrote these without their amax: drop every kept tensor they overlap (and its saved transpose)."""
         if self._fp8_book is None:
             return
-        kept = self._fp8_book["kept"]
-        for b in bufs:
-            lo, hi = ptr(b), ptr(b) + b.nbytes
-            for key in [k for k in kept if k[0] < hi and lo < k[0] + k[1]]:
-                del kept[key]
+        for book in (self._fp8_book["kept"], self._fp8_book["transposed"]):
+            for b in bufs:
+                lo, hi = ptr(b), ptr(b) + b.nbytes
+                for key in [k for k in book if k[0] < hi and lo < k[0] + k[1]]:
+                    del book[key]
+
+    def _fp8_transpose_place(self, x):
+        """x's place in fp8_act_t (its E4M3 transpose, kept from a forward's cast to the backward), assigned on
+        first sight and kept for the engine's life; None outside a pass, without the buffer or with every place
+        taken (the backward then casts x again)."""
+        held = self.own.get("fp8_act_t")
+        if self._fp8_book is None or held is None:
+            return None
+        places, key = self._fp8_act_t_places, (ptr(x), x.nbytes)
+        size = -(-x.size // ALIGN) * ALIGN
+        if key not in places:
+            if (len(places) + 1) * size > held.size:
+                return None
+            places[key] = len(places)
+        return held[places[key] * size:][:x.size]
+
+    def _fp8_saved_transpose(self, x):
+        """(x^T in E4M3, its descale) as this pass's forward cast it, or None: x since rewritten, or never saved."""
+        return None if self._fp8_book is None else self._fp8_book["transposed"].get((ptr(x), x.nbytes))
 
     def _fp8_keep(self, x):
         """x's slot array in fp8_amax, x now kept (what overlapped it dropped); None outside a pass or when the
@@ -327,10 +352,11 @@ class CudaOps:
             descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2")))
         return descale
 
-    def _linear_fwd(self, out, inp, W, N, K, M, fp8: bool = True) -> None:
+    def _linear_fwd(self, out, inp, W, N, K, M, fp8: bool = True, save_transpose: bool = False) -> None:
         """out [N, M] = inp [N, K] @ W [K, M]: on FP8 operands where the op takes them, else the plain product
-        (`fp8=False`: the plain product in every precision)."""
-        if not (fp8 and self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M)):
+        (`fp8=False`: the plain product in every precision). `save_transpose`: the cast keeps inp^T for the
+        backward where it can (_fp8_saved_transpose)."""
+        if not (fp8 and self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M, save_transpose=save_transpose)):
             self.blas.gemm(out, inp, W, N, M, K)
 
     def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True) -> None:
@@ -343,18 +369,24 @@ class CudaOps:
         if not done_dinp:
             self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
 
-    def _linear_fwd_fp8(self, out, inp, W, N, K, M, **kw) -> bool:
-        """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written."""
+    def _linear_fwd_fp8(self, out, inp, W, N, K, M, save_transpose: bool = False, **kw) -> bool:
+        """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written.
+        `save_transpose`: X^T too, into inp's place in fp8_act_t, where inp has one and its amax a slot of the pass."""
         xq, wt = self._fp8_operands(N * K, K * M)
-        sx = self._fp8_cast(inp, N, K, "e4m3", 0, q=xq)
+        xt = self._fp8_transpose_place(inp) if save_transpose else None
+        sx = self._fp8_cast(inp, N, K, "e4m3", 0, q=xq, qt=xt)
+        key = (ptr(inp), inp.nbytes)
+        if xt is not None and key in self._fp8_book["kept"]:  # sx is then its slot's, current until inp is rewritten
+            self._fp8_book["transposed"][key] = (xt, sx)
         wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
     def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float) -> tuple[bool, bool]:
         """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
-        and dout^T for the first, dout and W as stored for the second. Which ran."""
+        (the forward's where it saved it) and dout^T for the first, dout and W as stored for the second. Which ran."""
         xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
-        sx = self._fp8_cast(inp, N, K, "e4m3", 0, qt=xt)
+        saved = self._fp8_saved_transpose(inp)
+        xt, sx = saved if saved is not None else (xt, self._fp8_cast(inp, N, K, "e4m3", 0, qt=xt))
         sd = self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
         w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
         return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),

@@ -67,7 +67,8 @@ class CudaOps:
         if not (recompute and self._gelu_alone(pre, act, inp, W_1)):
             self._mlp_up(pre, act, inp, W_1)
         self._fp8_wrote(out)
-        self._linear_fwd(out, act, W_2, N, F, C)
+        # act^T on FP8 kept for the backward's dW_2 where act itself is (not rebuilt there)
+        self._linear_fwd(out, act, W_2, N, F, C, save_transpose=not recompute)
 
     def _mlp_up(self, pre, act, inp, W_1):
         """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes."""

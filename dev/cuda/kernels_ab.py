@@ -1,11 +1,13 @@
-"""A kernel change as A/B: the training step on each kernels folder, in processes of their own, in turn.
+"""A kernel change as A/B: the training step on each kernels folder or tree, in processes of their own, in turn.
 
     PYTHONPATH=. python3 dev/cuda/kernels_ab.py BASE FOLDER [FOLDER ...] [--shapes 120M,12M]
         [--precisions bf16,fp8] [--rounds 2] [--ops layernorm_residual_bwd,layernorm_bwd] [--same-bits]
 
 BASE and each FOLDER are kernels/ folders (a copy of an earlier commit's: `git archive REV kernels | tar -x -C
-DIR`). For each shape, precision and round, every folder runs once, in turn, in a fresh process with
-ANDREA_KERNELS set to it (so each compiles its own kernels and nothing of one folder's build reaches the next):
+DIR`), run by this tree's Python, or whole trees (a folder with andrea/ and kernels/: `git archive REV | tar -x -C
+DIR`), each run by its own copy of this script, for a change outside the kernels. For each shape, precision and
+round, every folder runs once, in turn, in a fresh process with ANDREA_KERNELS set to its kernels (so each
+compiles its own and nothing of one folder's build reaches the next):
 the step's ms (scripts/bench.py's per_step_ms, CUDA graphs), each op of --ops timed alone in a CUDA graph on the
 step's own buffers (as the benchmark times them), and a sha256 of the weights after those steps. It prints one
 line a run and, last, each folder's median against BASE's. With --same-bits (a change meant to move no bit) it
@@ -66,17 +68,23 @@ def main() -> int:
         return 0
     folders = [str(Path(f).resolve()) for f in args.folders]
     for f in folders:
-        if not (Path(f) / "common.cuh").is_file():
-            ap.error(f"{f}: not a kernels folder (no common.cuh)")
+        if not (Path(f) / "common.cuh").is_file() and not (Path(f) / "andrea").is_dir():
+            ap.error(f"{f}: neither a kernels folder (no common.cuh) nor a tree (no andrea/)")
     runs: dict[tuple, list[dict]] = {}
     failed = []
     for name in args.shapes.split(","):
         for precision in args.precisions.split(","):
             for r in range(args.rounds):
                 for i, folder in enumerate(folders):
-                    cmd = [sys.executable, __file__, folder, "--child", "--shapes", name, "--precisions", precision,
+                    env, script, kernels = dict(os.environ), __file__, folder
+                    if (Path(folder) / "andrea").is_dir():  # a tree: its own Python and its own copy of this script
+                        script, kernels = f"{folder}/dev/cuda/kernels_ab.py", f"{folder}/kernels"
+                        env["PYTHONPATH"] = os.pathsep.join([folder, *[p for p in [env.get("PYTHONPATH")] if p]])
+                    env["ANDREA_KERNELS"] = kernels
+                    cmd = [sys.executable, script, kernels, "--child", "--shapes", name, "--precisions", precision,
                            "--steps", str(args.steps), "--ops", ",".join(ops)]
-                    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ANDREA_KERNELS": folder})
+                    p = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                       cwd=folder if script != __file__ else None)
                     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
                     if p.returncode or not lines:
                         failed.append(f"{name} {precision} round {r} folder {i}")
