@@ -183,14 +183,10 @@ __device__ __forceinline__ void load_vec(const lowp* p, float (&v)[8]) { unpack_
 __device__ __forceinline__ void store_vec(float* p, const float (&v)[4]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
-// ACT_VEC floats as the 16 bytes an act_t store writes (unpack_vec's inverse): rounded to a 16-bit build's type.
-__device__ __forceinline__ uint4 pack_vec(const float (&v)[4]) {
-    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+__device__ __forceinline__ void store_vec(lowp* p, const float (&v)[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_lowp2(v[0], v[1]), pack_lowp2(v[2], v[3]),
+                                              pack_lowp2(v[4], v[5]), pack_lowp2(v[6], v[7]));
 }
-__device__ __forceinline__ uint4 pack_vec(const float (&v)[8]) {
-    return make_uint4(pack_lowp2(v[0], v[1]), pack_lowp2(v[2], v[3]), pack_lowp2(v[4], v[5]), pack_lowp2(v[6], v[7]));
-}
-__device__ __forceinline__ void store_vec(lowp* p, const float (&v)[8]) { *reinterpret_cast<uint4*>(p) = pack_vec(v); }
 // ACT_VEC floats of an fp32 tensor (a gradient beside act_t activations): ACT_VEC / 4 float4s.
 __device__ __forceinline__ void load_f32(const float* p, float (&v)[ACT_VEC]) {
 #pragma unroll

@@ -15,8 +15,6 @@
 
 #define LN_EPS 1e-5f
 #define LN_THREADS 1024
-#define LN_FWD_GROUPS 4  // widest row the forward keeps in registers: 4 groups of ACT_VEC a lane
-#define LN_FWD_THREADS 256  // the forward's blocks: 8 rows (its registers allow 4 blocks an SM)
 // Row chunks of the dgamma/dbeta partial sums (the engine's ln_partials holds 2 * LN_CHUNKS * C floats).
 #define LN_CHUNKS 128
 #define LN_LANES (LN_THREADS / WARP_SIZE)  // row lanes of a partial-sum block: 32 columns x 32 lanes
@@ -36,69 +34,6 @@ __device__ __forceinline__ void row_loop(bool vec, int C, int lane, Group group,
     }
 }
 
-// A row of up to LN_FWD_GROUPS 16-byte groups a lane, its inputs loaded at once and kept in registers as stored
-// (16 bytes a group) through the three loops: layernorm_fwd_row's arithmetic in its order, so its bits, with one
-// wait for memory a row where the loops below read the row three times.
-__device__ __forceinline__ float layernorm_fwd_row_cached(act_t* y, float* mean, float* rstd, act_t* x, const float* gamma,
-                                                          const float* beta, long long row, int C, const act_t* xa,
-                                                          const act_t* xb, int fused) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    uint4 held[LN_FWD_GROUPS];
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < LN_FWD_GROUPS; j++) {
-        const int c = (lane + WARP_SIZE * j) * ACT_VEC;
-        if (c >= C) continue;
-        float v[ACT_VEC];
-        if (fused) {
-            float w[ACT_VEC];
-            load_vec(xa + c, v);
-            load_vec(xb + c, w);
-#pragma unroll
-            for (int k = 0; k < ACT_VEC; k++) v[k] += w[k];
-            held[j] = pack_vec(v);  // rounded as the store rounds
-            *reinterpret_cast<uint4*>(x + c) = held[j];
-        } else {
-            held[j] = *reinterpret_cast<const uint4*>(x + c);
-        }
-        unpack_vec(held[j], v);
-#pragma unroll
-        for (int k = 0; k < ACT_VEC; k++) sum += v[k];
-    }
-    const float m = warp_sum(sum) / C;
-    float sq = 0.0f;
-#pragma unroll
-    for (int j = 0; j < LN_FWD_GROUPS; j++) {
-        if ((lane + WARP_SIZE * j) * ACT_VEC >= C) continue;
-        float v[ACT_VEC];
-        unpack_vec(held[j], v);
-#pragma unroll
-        for (int k = 0; k < ACT_VEC; k++) sq += (v[k] - m) * (v[k] - m);
-    }
-    const float r = 1.0f / sqrtf(warp_sum(sq) / C + LN_EPS);
-    float top = 0.0f;
-#pragma unroll
-    for (int j = 0; j < LN_FWD_GROUPS; j++) {
-        const int c = (lane + WARP_SIZE * j) * ACT_VEC;
-        if (c >= C) continue;
-        float v[ACT_VEC], g[ACT_VEC], b[ACT_VEC];
-        unpack_vec(held[j], v);
-        load_f32(gamma + c, g);
-        load_f32(beta + c, b);
-#pragma unroll
-        for (int k = 0; k < ACT_VEC; k++) {
-            v[k] = (v[k] - m) * r * g[k] + b[k];
-            top = fmaxf(top, fabsf(v[k]));
-        }
-        store_vec(y + c, v);
-    }
-    if (lane == 0) {
-        mean[row] = m;
-        rstd[row] = r;
-    }
-    return top;
-}
-
 // With `residual` (the residual connection fused in front): inp = a + residual is written first, in act_t,
 // and normalised as written; the lanes read back only what they wrote themselves. Returns the lane's max |out|.
 __device__ __forceinline__ float layernorm_fwd_row(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma,
@@ -110,8 +45,6 @@ __device__ __forceinline__ float layernorm_fwd_row(act_t* out, float* mean, floa
     const act_t* xa = a + row * C;
     const act_t* xb = residual + row * C;
     const bool vec = C % ACT_VEC == 0 && aligned16(x, y) && aligned16(gamma, beta) && (!fused || aligned16(xa, xb));
-    if (vec && C <= WARP_SIZE * ACT_VEC * LN_FWD_GROUPS)
-        return layernorm_fwd_row_cached(y, mean, rstd, x, gamma, beta, row, C, xa, xb, fused);
     float sum = 0.0f;
     row_loop(vec, C, lane, [&](int c) {
         float v[ACT_VEC];
@@ -169,7 +102,7 @@ __device__ __forceinline__ float layernorm_fwd_row(act_t* out, float* mean, floa
 }
 
 // One warp per row. With `amax` (precision fp8; else null) also out's amax as stored (block_amax).
-extern "C" __global__ void __launch_bounds__(LN_FWD_THREADS)
+extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma, const float* beta,
                 long long n_rows, int C, const act_t* a, const act_t* residual, int fused, unsigned* amax) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;

@@ -67,7 +67,7 @@ class CudaOps:
     def _layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, a, b, fused):
         C = inp.shape[-1]
         rows = inp.size // C
-        threads = kernel_defines("layernorm")["LN_FWD_THREADS"]
+        threads = kernel_defines("layernorm")["LN_THREADS"]
         if fused:
             self._fp8_wrote(inp)
         amax = amax_arg(self._fp8_produced(out))  # null outside an fp8 pass
