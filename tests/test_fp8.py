@@ -90,11 +90,23 @@ def test_an_fp8_experiment_is_valid_and_the_numpy_engine_refuses_it(tmp_path):
 
 
 class _Array:
-    """What the amax book reads of a device array: its pointer and size."""
+    """What the amax book reads of a device array: its pointer and size (bf16 elements)."""
 
     def __init__(self, at: int, nbytes: int):
         self.data = type("Memory", (), {"ptr": at})()
         self.nbytes = nbytes
+        self.size = nbytes // 2
+
+
+class _Held(_Array):
+    """A uint8 buffer whose slices are (start, stop): where a place lies in it."""
+
+    def __init__(self, at: int, nbytes: int):
+        super().__init__(at, nbytes)
+        self.size = nbytes
+
+    def __getitem__(self, s: slice):
+        return (s.start, s.stop)
 
 
 class _Book(fp8.CudaOps):
@@ -149,6 +161,29 @@ def test_the_amax_book_falls_back_when_its_slots_run_out():
         assert _kept(book) == []
     with book.fp8_pass():  # a new pass starts with every slot free
         assert book._fp8_produced(_Array(32, 16)) is not None
+
+
+def test_each_kept_act_gets_a_place_of_its_own_in_fp8_act_t():
+    """Inside a pass each act gets a 256-byte aligned place of one byte an element, the same one each time,
+    beside the others'; none outside a pass or once the buffer is full; a new buffer starts its places again.
+    A saved transpose is dropped by any write over its tensor."""
+    book = _Book(slots=8)
+    book._fp8_act_t_places = {}
+    book.own["fp8_act_t"] = _Held(10_000, 3 * 512)
+    a, b, c = _Array(0, 1000), _Array(1024, 1000), _Array(4096, 1000)  # 500 elements each
+    assert book._fp8_transpose_place(a) is None
+    with book.fp8_pass():
+        assert [book._fp8_transpose_place(x) for x in (a, b, c)] == [(0, 500), (512, 1012), (1024, 1524)]
+        assert book._fp8_transpose_place(b) == (512, 1012)
+        assert book._fp8_transpose_place(_Array(8192, 1000)) is None  # 1536 + 500 > 1536
+        book._fp8_book["transposed"][(0, 1000)] = ("a^T", "descale")
+        assert book._fp8_saved_transpose(a) == ("a^T", "descale") and book._fp8_saved_transpose(b) is None
+        book._fp8_wrote(_Array(998, 4))  # its last byte
+        assert book._fp8_saved_transpose(a) is None
+    assert book._fp8_saved_transpose(a) is None
+    book.own["fp8_act_t"] = _Held(20_000, 4 * 512)
+    with book.fp8_pass():
+        assert book._fp8_transpose_place(c) == (0, 500)
 
 
 def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():

@@ -123,7 +123,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self._fp8_table = None  # (the weights' key, grids) of the cast table last written in params_fp8 (ops/fp8.py)
         self._qkv_rows: dict = {}  # W_QKV's pointer -> its [C, 3C] copy (ops/attn_qkv.py, prepare_qkv_rows)
         self._fp8_book: dict | None = None  # inside fp8_pass: the tensors whose amax is current (ops/fp8.py)
-        self._fp8_act_t_places: dict = {}  # tensor -> its place in fp8_act_t (ops/fp8.py: _fp8_transpose_place)
+        self._fp8_act_t_places: dict = {}  # (fp8_act_t, tensor) -> the tensor's place there (ops/fp8.py: _fp8_transpose_place)
 
     @property
     def own_bytes(self) -> int:

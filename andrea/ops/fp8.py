@@ -279,18 +279,20 @@ class CudaOps:
 
     def _fp8_transpose_place(self, x):
         """x's place in fp8_act_t (its E4M3 transpose, kept from a forward's cast to the backward), assigned on
-        first sight and kept for the engine's life; None outside a pass, without the buffer or with every place
-        taken (the backward then casts x again)."""
+        first sight and kept while the engine holds that buffer (a larger plan's replaces it); None outside a
+        pass, without the buffer or with every place taken (the backward then casts x again). A place is written
+        and read within one pass, so models taking turns on the engine may share one."""
         held = self.own.get("fp8_act_t")
         if self._fp8_book is None or held is None:
             return None
-        places, key = self._fp8_act_t_places, (ptr(x), x.nbytes)
-        size = -(-x.size // ALIGN) * ALIGN
+        places, key = self._fp8_act_t_places, (ptr(held), ptr(x), x.nbytes)
         if key not in places:
-            if (len(places) + 1) * size > held.size:
+            at = sum(-(-n // ALIGN) * ALIGN for (h, _, _), (_, n) in places.items() if h == ptr(held))
+            if at + x.size > held.size:
                 return None
-            places[key] = len(places)
-        return held[places[key] * size:][:x.size]
+            places[key] = (at, x.size)  # x.size bytes: an E4M3 byte an element
+        at, n = places[key]
+        return held[at:at + n]
 
     def _fp8_saved_transpose(self, x):
         """(x^T in E4M3, its descale) as this pass's forward cast it, or None: x since rewritten, or never saved."""
