@@ -104,8 +104,10 @@ class Model:
         self.layout = ParameterLayout(shape)
         self.micro_batch = micro_batch
         loss_rows = loss_piece(micro_batch, loss_chunks) * shape.seq_len if training else None  # a classifier piece's
-        kept_acts = shape.n_layer - (recomputing_layers(shape.n_layer, tuple(recompute), recompute_layers)
-                                     if "gelu" in recompute else 0)  # layers whose MLP act the backward reads as saved
+        self.recompute = tuple(recompute) if training else ()
+        self.recompute_layers = recomputing_layers(shape.n_layer, self.recompute, recompute_layers)
+        # the layers whose MLP act the backward reads as saved (the others rebuild it)
+        kept_acts = shape.n_layer - (self.recompute_layers if "gelu" in self.recompute else 0)
         copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows,
                                    kept_acts) if engine.traits.fp8_products else ())
         if training and engine.traits.qkv_weight_rows:
@@ -114,8 +116,6 @@ class Model:
                                attention=engine.traits.attention, act_dtype=engine.traits.act_dtype,
                                recompute=tuple(recompute), recompute_layers=recompute_layers, loss_chunks=loss_chunks,
                                engine_buffers=engine.traits.own_buffers + copies)
-        self.recompute = tuple(recompute) if training else ()
-        self.recompute_layers = recomputing_layers(shape.n_layer, self.recompute, recompute_layers)
         # `share`: a model of the same shape on this engine whose weights this one reads and in whose transient
         # buffers it runs between that one's steps (memory.py); ValueError when they do not fit
         self.buf = engine.allocate(self.plan) if share is None else engine.allocate(self.plan, share=(share.buf, share.plan))

@@ -184,15 +184,16 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         return bufs[carved[first].name].data, total - offsets[first]
 
     # ---- graphs ------------------------------------------------------------------------------
-    def capture(self, fn):
+    def capture(self, fn, priority: int | None = None):
         """Record the launches fn() makes as a CUDA graph instead of running them (replay() runs it).
 
-        Capture needs a stream of its own; the graph replays on the current stream, after the uploads
-        made there. cuBLAS runs on the engine's handle with its preallocated workspace, which capture
-        allows (CuPy's own cuBLAS calls it refuses); nothing in fn() may allocate or wait on the host."""
+        Capture needs a stream of its own (`priority`: CUDA's, lower sooner; None, the default); the graph
+        replays on the current stream, after the uploads made there. cuBLAS runs on the engine's handle with its
+        preallocated workspace, which capture allows (CuPy's own cuBLAS calls it refuses); nothing in fn() may
+        allocate or wait on the host."""
         current = cupy.cuda.get_current_stream()
         current.synchronize()
-        stream = cupy.cuda.Stream(non_blocking=True)
+        stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
         with stream:
             stream.begin_capture()
             try:

@@ -287,7 +287,7 @@ class CudaOps:
             return None
         places, key = self._fp8_act_t_places, (ptr(held), ptr(x), x.nbytes)
         if key not in places:
-            at = sum(-(-n // ALIGN) * ALIGN for (h, _, _), (_, n) in places.items() if h == ptr(held))
+            at = sum(_padded(n) for (h, _, _), (_, n) in places.items() if h == ptr(held))
             if at + x.size > held.size:
                 return None
             places[key] = (at, x.size)  # x.size bytes: an E4M3 byte an element

@@ -72,21 +72,8 @@ def aside(engine, model, join: str, prio: bool) -> None:
         backward(*a, **k)
         joined()
     model._backward = whole
-    if prio:
-        hi = -5  # CUDA clamps to the device's greatest priority
-
-        def capture_hi(fn):
-            stream = cupy.cuda.Stream(non_blocking=True, priority=hi)
-            cupy.cuda.get_current_stream().synchronize()
-            with stream:
-                stream.begin_capture()
-                try:
-                    fn()
-                finally:
-                    graph = stream.end_capture()
-            engine._capture_streams.append(stream)
-            return graph
-        engine.capture = capture_hi
+    if prio:  # -5: CUDA clamps it to the device's greatest priority
+        engine.capture = lambda fn: type(engine).capture(engine, fn, priority=-5)
 
 
 def run(name: str, precision: str, variant: str | None, steps: int) -> tuple[float, str]:
