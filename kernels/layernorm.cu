@@ -301,33 +301,29 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
         }
     }
     // warps [half, 2 half) hand their sums to warps [0, half), halving until warp 0 holds the block's
-    if constexpr (SHARED) {
-        for (int half = LN_BWD_WARPS / 2; half > 0; half >>= 1) {
+    auto add4 = [](float4& a, const float4 b) { a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w; };
+    for (int half = LN_BWD_WARPS / 2; half > 0; half >>= 1) {
+        if constexpr (SHARED) {
             __syncthreads();
             if (warp < half) {
 #pragma unroll
                 for (int j = 0; j < J; j++)
 #pragma unroll
-                    for (int q = 0; q < Q; q++)
-#pragma unroll
-                        for (int s = 0; s < 2; s++) {
-                            float4& a = acc[warp][s][at(j, q)];
-                            const float4 b = acc[warp + half][s][at(j, q)];
-                            a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
-                        }
+                    for (int q = 0; q < Q; q++) {
+                        add4(acc[warp][0][at(j, q)], acc[warp + half][0][at(j, q)]);
+                        add4(acc[warp][1][at(j, q)], acc[warp + half][1][at(j, q)]);
+                    }
             }
-        }
-    } else {  // acc as floats: the upper half's sums, lane-fastest
-        float (*fold)[2][J * ACT_VEC * WARP_SIZE] = reinterpret_cast<float (*)[2][J * ACT_VEC * WARP_SIZE]>(acc);
-        for (int half = LN_BWD_WARPS / 2; half > 0; half >>= 1) {
+        } else {
             if (warp >= half && warp < 2 * half) {
 #pragma unroll
                 for (int j = 0; j < J; j++)
 #pragma unroll
-                    for (int k = 0; k < ACT_VEC; k++) {
-                        const int e = (j * ACT_VEC + k) * WARP_SIZE + lane;  // conflict-free
-                        fold[warp - half][0][e] = dg[j][k];
-                        fold[warp - half][1][e] = db[j][k];
+                    for (int q = 0; q < Q; q++) {
+                        const float* g = dg[j] + 4 * q;
+                        const float* b = db[j] + 4 * q;
+                        acc[warp - half][0][at(j, q)] = make_float4(g[0], g[1], g[2], g[3]);
+                        acc[warp - half][1][at(j, q)] = make_float4(b[0], b[1], b[2], b[3]);
                     }
             }
             __syncthreads();
@@ -335,10 +331,12 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
 #pragma unroll
                 for (int j = 0; j < J; j++)
 #pragma unroll
-                    for (int k = 0; k < ACT_VEC; k++) {
-                        const int e = (j * ACT_VEC + k) * WARP_SIZE + lane;  // conflict-free
-                        dg[j][k] += fold[warp][0][e];
-                        db[j][k] += fold[warp][1][e];
+                    for (int q = 0; q < Q; q++) {
+                        const float4 g = acc[warp][0][at(j, q)], b = acc[warp][1][at(j, q)];
+                        float* a = dg[j] + 4 * q;
+                        float* e = db[j] + 4 * q;
+                        a[0] += g.x, a[1] += g.y, a[2] += g.z, a[3] += g.w;
+                        e[0] += b.x, e[1] += b.y, e[2] += b.z, e[3] += b.w;
                     }
             }
             __syncthreads();
@@ -349,15 +347,17 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
         for (int j = 0; j < J; j++) {
             const int c = (lane + WARP_SIZE * j) * ACT_VEC;
             if (c >= C) continue;
-            if constexpr (SHARED) {
 #pragma unroll
-                for (int q = 0; q < Q; q++) {
-                    *reinterpret_cast<float4*>(partials + (long long)blockIdx.x * C + c + 4 * q) = acc[0][0][at(j, q)];
-                    *reinterpret_cast<float4*>(partials + (long long)(n_chunks + blockIdx.x) * C + c + 4 * q) = acc[0][1][at(j, q)];
+            for (int q = 0; q < Q; q++) {
+                float4 g, b;
+                if constexpr (SHARED) {
+                    g = acc[0][0][at(j, q)], b = acc[0][1][at(j, q)];
+                } else {
+                    g = make_float4(dg[j][4 * q], dg[j][4 * q + 1], dg[j][4 * q + 2], dg[j][4 * q + 3]);
+                    b = make_float4(db[j][4 * q], db[j][4 * q + 1], db[j][4 * q + 2], db[j][4 * q + 3]);
                 }
-            } else {
-                store_f32(partials + (long long)blockIdx.x * C + c, dg[j]);
-                store_f32(partials + (long long)(n_chunks + blockIdx.x) * C + c, db[j]);
+                *reinterpret_cast<float4*>(partials + (long long)blockIdx.x * C + c + 4 * q) = g;
+                *reinterpret_cast<float4*>(partials + (long long)(n_chunks + blockIdx.x) * C + c + 4 * q) = b;
             }
         }
     }
