@@ -40,6 +40,7 @@ from andrea.config import load_experiment  # noqa: E402
 from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.ops import op_cost  # noqa: E402
 from andrea.precision import PRECISIONS  # noqa: E402
+from andrea.train import model_options  # noqa: E402
 from andrea.timing import OpRecorder, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
@@ -80,13 +81,9 @@ def section(name):
     return wrap
 
 
-def options(name: str, precision: str) -> dict:
-    """The experiment's memory options, which the 16-bit runs take (the trainer takes them on the CUDA engine in
-    every precision; the fp32 and tf32 rows time the step without them)."""
-    if not PRECISIONS[precision].low:
-        return {}
-    exp = EXPERIMENTS[name]
-    return exp.memory_options
+def options(name: str) -> dict:
+    """The memory options the trainer gives the experiment's model on the CUDA engine, in every precision."""
+    return model_options(EXPERIMENTS[name], "cuda")
 
 
 def free_device_memory():
@@ -152,7 +149,7 @@ def memory():
             before = pool.total_bytes()
             engine = CudaEngine(precision=precision)
             shape = EXPERIMENTS[name].model
-            model = Model(engine, shape, BENCH[name], **options(name, precision))
+            model = Model(engine, shape, BENCH[name], **options(name))
             # as the trainer runs it: inside the training model's memory
             sampler = Sampler(engine, shape, SimpleNamespace(vocab_size=shape.vocab_size, im_end_id=1, endoftext_id=0),
                               share=model)
@@ -225,7 +222,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
             precision, eager, masked = variant_parts(variant)
             engine = CudaEngine(precision=precision)
             recorder = OpRecorder(engine)
-            model = Model(recorder, shape, micro, graphs=not eager, **options(name, precision))
+            model = Model(recorder, shape, micro, graphs=not eager, **options(name))
             model.load_state(init_params(model.layout, 0))
             ms = per_step_ms(model, masked=masked)
             out["engine"][f"{name}/{variant}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),

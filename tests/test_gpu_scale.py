@@ -23,6 +23,7 @@ from andrea.layout import ParameterLayout
 from andrea.ops.base import OpShape
 from andrea.precision import PRECISIONS
 from andrea.shards import read_shard, write_shard
+from andrea.train import model_options
 from conftest import EXPERIMENTS, REPO
 
 pytestmark = pytest.mark.gpu
@@ -39,12 +40,10 @@ PARITY_STEPS, PARITY_LIMIT = 200, 0.01
 FP8_PARITY_LIMIT = 0.015  # fp8 against bf16 after PARITY_STEPS
 
 
-def options(name: str, precision: str) -> dict:
-    """The experiment's memory options (recompute, loss_chunks) for the 16-bit runs, as the trainer uses them."""
-    if not PRECISIONS[precision].low:
-        return {}
-    exp = EXPERIMENT[name]
-    return exp.memory_options
+def options(name: str) -> dict:
+    """The memory options (recompute, loss_chunks) the trainer gives the experiment's model on the CUDA engine,
+    in every precision."""
+    return model_options(EXPERIMENT[name], "cuda")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_training_follows_the_numpy_engine(engines, name, micro, n_micro):
     shape = EXPERIMENT[name].model
     ref = train_run(NumpyEngine(), shape, micro, n_micro, TRAIN_STEPS)
     for precision, engine in engines.items():
-        run = train_run(engine, shape, micro, n_micro, TRAIN_STEPS, **options(name, precision))
+        run = train_run(engine, shape, micro, n_micro, TRAIN_STEPS, **options(name))
         free_device_memory()
         worst = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses))
         assert worst <= TRAIN_LIMITS[precision], (precision, worst, run.losses, ref.losses)
@@ -85,7 +84,7 @@ def test_training_follows_the_numpy_engine(engines, name, micro, n_micro):
 
 def test_bf16_follows_fp32_over_200_steps(engines):
     shape, micro = EXPERIMENT["12M"].model, BENCH_BATCH["12M"]
-    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("12M", p)) for p in ("fp32", "bf16")}
+    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("12M")) for p in ("fp32", "bf16")}
     free_device_memory()
     f, b = runs["fp32"].losses, runs["bf16"].losses
     print(f"\n12M B={micro}, {PARITY_STEPS} steps: final loss fp32 {f[-1]:.4f}, bf16 {b[-1]:.4f}, rel "
@@ -100,7 +99,7 @@ def test_bf16_follows_fp32_over_200_steps(engines):
 def test_fp8_follows_bf16_over_200_steps_at_120m(engines):
     """ANDREA-120M in fp8 ends 200 steps of the synthetic stream from the same init within 1.5% of bf16's loss."""
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
-    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M", p)) for p in ("bf16", "fp8")}
+    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M")) for p in ("bf16", "fp8")}
     free_device_memory()
     b, f = runs["bf16"].losses, runs["fp8"].losses
     rel = abs(f[-1] - b[-1]) / b[-1]
@@ -115,7 +114,7 @@ def test_fp8_follows_bf16_on_text_over_200_steps_at_120m(engines, embedded_text)
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
     train, val = read_shard(embedded_text / "train.bin"), read_shard(embedded_text / "val.bin")
     held_out = held_out_micro_batches(val, shape.seq_len, micro)
-    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M", p), held_out=held_out,
+    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M"), held_out=held_out,
                          stream=lambda step: text_micro_batches(train, shape.seq_len, micro, 1, step))
             for p in ("bf16", "fp8")}
     free_device_memory()
@@ -129,7 +128,7 @@ def test_fp8_follows_bf16_on_text_over_200_steps_at_120m(engines, embedded_text)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("name, micro, steps", [("12M", 8, 10), ("120M", 2, 3)])
 def test_deterministic_at_the_experiment_shape(engines, precision, name, micro, steps):
-    digests = [train_run(engines[precision], EXPERIMENT[name].model, micro, 2, steps, **options(name, precision)).digest
+    digests = [train_run(engines[precision], EXPERIMENT[name].model, micro, 2, steps, **options(name)).digest
                for _ in range(2)]
     free_device_memory()
     assert digests[0] == digests[1]
@@ -153,7 +152,7 @@ def test_the_plan_is_the_device_memory_and_a_step_allocates_nothing(name, precis
     before = pool.used_bytes()
     engine = CudaEngine(precision=precision)
     shape = EXPERIMENT[name].model
-    model = Model(engine, shape, BENCH_BATCH[name], **options(name, precision))
+    model = Model(engine, shape, BENCH_BATCH[name], **options(name))
     tokenizer = SimpleNamespace(vocab_size=shape.vocab_size, im_end_id=1, endoftext_id=0)  # what Sampler reads of one
     with_model = pool.used_bytes()
     sampler = Sampler(engine, shape, tokenizer, share=model).model.plan
