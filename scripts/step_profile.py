@@ -93,7 +93,7 @@ def profile(name: str, variant: str, steps: int) -> dict:
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
     engine = CudaEngine(precision=precision)
     timer = OpTimer(engine, spin_cycles())
-    model = Model(timer, shape, micro, graphs=True, **options(name, precision))
+    model = Model(timer, shape, micro, graphs=True, **options(name))
     model.load_state(init_params(model.layout, 0))
     graph_ms = per_step_ms(model, masked=masked)
     model.graphs = False

@@ -57,7 +57,7 @@ def step_products(name: str, precision: str) -> tuple:
 
     lt.gemm = record
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
-    model = Model(engine, shape, micro, graphs=False, **options(name, precision))
+    model = Model(engine, shape, micro, graphs=False, **options(name))
     model.load_state(init_params(model.layout, 0))
     model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
     lt.gemm = run

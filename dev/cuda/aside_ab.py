@@ -82,7 +82,7 @@ def run(name: str, precision: str, variant: str | None, steps: int) -> tuple[flo
 
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
     engine = CudaEngine(precision=precision)
-    model = Model(engine, shape, micro, graphs=True, **options(name, precision))
+    model = Model(engine, shape, micro, graphs=True, **options(name))
     model.load_state(init_params(model.layout, 0))
     if variant:
         join, _, prio = variant.partition("-")

@@ -67,7 +67,7 @@ def step_ms(name: str, precision: str, patches, steps: int) -> float:
     engine = CudaEngine(precision=precision)
     for method, when in patches:
         bf16_calls(engine, method, when)
-    model = Model(engine, shape, micro, graphs=True, **options(name, precision))
+    model = Model(engine, shape, micro, graphs=True, **options(name))
     model.load_state(init_params(model.layout, 0))
     return per_step_ms(model, steps=steps, warm=3)
 

@@ -40,7 +40,7 @@ def child(folder: str, name: str, precision: str, ops: list[str], steps: int) ->
     assert os.environ.get("ANDREA_KERNELS") == folder
     engine = CudaEngine(precision=precision)
     recorder = OpRecorder(engine)
-    model = Model(recorder, EXPERIMENTS[name].model, BENCH[name], graphs=True, **options(name, precision))
+    model = Model(recorder, EXPERIMENTS[name].model, BENCH[name], graphs=True, **options(name))
     model.load_state(init_params(model.layout, 0))
     ms = per_step_ms(model, steps=steps, warm=3)
     bits = hashlib.sha256(model.host_state()[0].tobytes()).hexdigest()[:16]
