@@ -164,7 +164,7 @@ class Model:
         with the targets) the weighted mean sum(w * loss) / sum(w), which refuses weights that count no
         target (ValueError). probs holds the last piece's probabilities: all of them with one loss chunk."""
         self._upload(tokens, targets, weights)
-        with self._pass():
+        with self._pass(backward=False):
             self._forward_ops()
         return self.engine.mean_loss(self.buf["losses"], None if weights is None else self.buf["loss_weights"])
 
@@ -283,10 +283,11 @@ class Model:
             dp.reduce_async(grads[lay.span("wte", "wpe")])
             dp.wait()
 
-    def _pass(self):
-        """The context of one pass of the ops over this model's buffers: under FP8 products the engine finds each
-        tensor's amax once in it (ops/fp8.py, fp8_pass)."""
-        return self.engine.fp8_pass() if self.engine.traits.fp8_products else contextlib.nullcontext()
+    def _pass(self, backward: bool = True):
+        """The context of one pass of the ops over this model's buffers (`backward` False: a forward alone): under
+        FP8 products the engine finds each tensor's amax once in it and, in a forward alone, saves nothing for a
+        backward (ops/fp8.py, fp8_pass)."""
+        return self.engine.fp8_pass(backward) if self.engine.traits.fp8_products else contextlib.nullcontext()
 
     @property
     def _scale(self) -> float:

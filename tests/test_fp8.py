@@ -510,3 +510,31 @@ def test_the_saved_act_transpose_changes_no_bit(engine, monkeypatch, recompute, 
     assert saved_calls["mlp_bwd"] == again_calls["mlp_bwd"] > 0
     fewer = again_calls["_fp8_cast"] - saved_calls["_fp8_cast"]
     assert fewer == saved_calls["mlp_bwd"] * kept // shape.n_layer, (again_calls, saved_calls)
+
+
+@pytest.mark.gpu
+def test_a_forward_alone_saves_nothing_for_a_backward(engine):
+    """Model.forward (evaluation, in the training model's memory) writes neither the classifier's E5M2 d_logits
+    nor the MLP's act^T, which only a backward reads; its loss is the bits of the training pass's forward, and
+    that pass writes both."""
+    import cupy
+
+    from andrea.config import ModelShape
+    from andrea.engines.crosscheck import synthetic_micro_batches
+    from andrea.model import Model, init_params
+
+    shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
+    model = Model(engine, shape, 4)
+    model.load_state(init_params(model.layout, 5))
+    tokens, targets = synthetic_micro_batches(shape, 4, 1, 0, 5)[0]
+    held = [engine.own[k] for k in ("fp8_dlogits", "fp8_act_t")]
+    for h in held:
+        h.fill(0x5A)
+
+    def untouched():
+        return [bool((cupy.asnumpy(h) == 0x5A).all()) for h in held]
+
+    loss = model.forward(tokens, targets)
+    assert untouched() == [True, True]
+    assert model.forward_backward(tokens, targets) == loss
+    assert untouched() == [False, False]

@@ -52,7 +52,8 @@ class Engine(Protocol):
     def capture(self, fn): ...  # only where traits.graphs
     def replay(self, graph) -> None: ...  # only where traits.graphs
     def prepare_fp8_weights(self, params_fp8, layers, wte) -> None: ...  # only where traits.fp8_products
-    def fp8_pass(self): ...  # only where traits.fp8_products: a context around one pass of a model's ops
+    def fp8_pass(self, backward: bool = True): ...  # only where traits.fp8_products: a context around one pass
+    # of a model's ops (backward False: a forward alone, which saves nothing for a backward)
     def prepare_qkv_rows(self, w_qkv_rows, layers) -> None: ...  # only where traits.qkv_weight_rows
 
     def embed_fwd(self, out, tokens, wte, wpe) -> None: ...

@@ -19,7 +19,8 @@ run their own pass; a test compares them bit for bit. The MLP's act (the GELU ep
 backward's dW_2 = act^T dY) is cast once: the forward's cast for its down product writes act^T too, into the
 layer's place in `fp8_act_t` (a training plan's, one for each layer that keeps its act), and the backward's
 product reads it with the forward's descale (`_fp8_saved_transpose`): -1 read of act and 1 write of N 4C bytes
-a layer, the same bytes as casting it again.
+a layer, the same bytes as casting it again. A forward alone (`fp8_pass(backward=False)`: evaluation) writes
+neither act^T nor the classifier's E5M2 d_logits (ops/loss.py), which only a backward reads.
 
 Accumulation: Hopper's FP8 tensor cores sum in fewer bits than FP32; cuBLASLt by default promotes the partial
 sums to FP32 as K goes, and with fast accumulation does not (5-15% faster a product at 120M). The forward products
@@ -256,16 +257,21 @@ class CudaOps:
     # (_fp8_produced: the LayerNorms, the GELU passes, the bf16 attention) or drops it (_fp8_wrote); a cast's amax
     # pass keeps it.
     @contextlib.contextmanager
-    def fp8_pass(self):
-        """One pass of a model over its own buffers (a micro-batch's forward and backward, or a forward): within
-        it each tensor's amax is found once (module docstring). Outside, every cast runs its own amax pass."""
+    def fp8_pass(self, backward: bool = True):
+        """One pass of a model over its own buffers (a micro-batch's forward and backward, or with `backward`
+        False a forward alone): within it each tensor's amax is found once (module docstring). Outside, every
+        cast runs its own amax pass."""
         if self._fp8_book is not None:
             raise RuntimeError("fp8_pass: a pass is already open")
-        self._fp8_book = {"kept": {}, "slots": {}, "transposed": {}}
+        self._fp8_book = {"kept": {}, "slots": {}, "transposed": {}, "backward": backward}
         try:
             yield
         finally:
             self._fp8_book = None
+
+    def _fp8_backward_follows(self) -> bool:
+        """Whether a backward may read what this forward saves for it: not inside a forward-alone pass."""
+        return self._fp8_book is None or self._fp8_book["backward"]
 
     def _fp8_wrote(self, *bufs) -> None:
         """An op wrote these without their amax: drop every kept tensor they overlap (and its saved transpose)."""
@@ -280,10 +286,10 @@ class CudaOps:
     def _fp8_transpose_place(self, x):
         """x's place in fp8_act_t (its E4M3 transpose, kept from a forward's cast to the backward), assigned on
         first sight and kept while the engine holds that buffer (a larger plan's replaces it); None outside a
-        pass, without the buffer or with every place taken (the backward then casts x again). A place is written
-        and read within one pass, so models taking turns on the engine may share one."""
+        pass, in a forward-alone pass, without the buffer or with every place taken (the backward then casts x
+        again). A place is written and read within one pass, so models taking turns on the engine may share one."""
         held = self.own.get("fp8_act_t")
-        if self._fp8_book is None or held is None:
+        if self._fp8_book is None or not self._fp8_book["backward"] or held is None:
             return None
         places, key = self._fp8_act_t_places, (ptr(held), ptr(x), x.nbytes)
         if key not in places:

@@ -115,11 +115,11 @@ class CudaOps:
         fp8 = self._fp8_ok(N, V, C)
         if not (fp8 and self._logits_fp8(probs, inp, wte, N, V, C)):
             self._classifier_product(probs, inp, wte, N, V, C, trans_b=True)
-        # the E5M2 d_logits for loss_bwd, in a training plan's buffer (a forward alone has none)
+        # the E5M2 d_logits for loss_bwd, in a training plan's buffer (a forward alone writes none)
         dq = descale = np.uint64(0)  # null: not written
         held = self.own.get("fp8_dlogits")
         self._fp8_dlogits = None
-        if fp8 and held is not None and held.size >= N * V:
+        if fp8 and held is not None and held.size >= N * V and self._fp8_backward_follows():
             dq, (_, descale) = held[:N * V], self._fp8_slot(DLOGITS_SLOT)
             self._fp8_dlogits = (ptr(probs), probs.nbytes)
         self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, dq, descale,
