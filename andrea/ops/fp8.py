@@ -289,7 +289,7 @@ class CudaOps:
         pass, in a forward-alone pass, without the buffer or with every place taken (the backward then casts x
         again). A place is written and read within one pass, so models taking turns on the engine may share one."""
         held = self.own.get("fp8_act_t")
-        if self._fp8_book is None or not self._fp8_book["backward"] or held is None:
+        if self._fp8_book is None or not self._fp8_backward_follows() or held is None:
             return None
         places, key = self._fp8_act_t_places, (ptr(held), ptr(x), x.nbytes)
         if key not in places:
