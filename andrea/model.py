@@ -108,8 +108,12 @@ class Model:
         self.recompute_layers = recomputing_layers(shape.n_layer, self.recompute, recompute_layers)
         # the layers whose MLP act the backward reads as saved (the others rebuild it)
         kept_acts = shape.n_layer - (self.recompute_layers if "gelu" in self.recompute else 0)
+        # and the LayerNorm outputs whose transposes the forward saves: two a layer that keeps them, and the one
+        # buffer the others share (its saved transpose is dropped when the next layer writes it)
+        rebuilt_lns = self.recompute_layers if "layernorm" in self.recompute else 0
+        kept_lns = 2 * (shape.n_layer - rebuilt_lns) + (1 if rebuilt_lns else 0)
         copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows,
-                                   kept_acts) if engine.traits.fp8_products else ())
+                                   kept_acts, kept_lns) if engine.traits.fp8_products else ())
         if training and engine.traits.qkv_weight_rows:
             copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
         self.plan = plan_model(self.layout, micro_batch, training=training,

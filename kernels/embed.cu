@@ -11,7 +11,9 @@
 // the block of position n owns token v = tokens[n] where n is v's first occurrence. Both give the same bits.
 #include "common.cuh"
 
-// Columns one thread accumulates in the backward pass: C <= EMBED_BWD_THREADS * EMBED_BWD_COLS.
+// Columns one thread accumulates in the backward pass, at most: C <= EMBED_BWD_THREADS * EMBED_BWD_COLS. The
+// backward kernels are built for J = 1, 2, 3, 4, 8, 16 columns a thread and the engine takes the least J that
+// covers C: registers sized for 16 columns held 2 blocks an SM, so a 768-wide row's owners ran in 35 waves.
 #define EMBED_BWD_THREADS 256
 #define EMBED_BWD_COLS 16
 #define EMBED_SORT_THREADS 1024
@@ -107,8 +109,9 @@ extern "C" __global__ void k_embed_merge(unsigned* sorted, const unsigned* chunk
 // shared memory and EMBED_GATHER rows' loads in flight before their adds (in the same order). Blocks
 // [n_pos, n_pos + T) own rows of dwpe.
 #define EMBED_GATHER 4
-extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)
-k_embed_bwd_sorted(float* dwte, float* dwpe, const float* dout, const unsigned* sorted, long long n_pos, int T, int C) {
+template <int J>
+__device__ __forceinline__ void embed_bwd_sorted(float* dwte, float* dwpe, const float* dout, const unsigned* sorted,
+                                                 long long n_pos, int T, int C) {
     if (blockIdx.x >= n_pos) {
         embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos));
         return;
@@ -118,21 +121,21 @@ k_embed_bwd_sorted(float* dwte, float* dwpe, const float* dout, const unsigned* 
     if (i > 0 && (sorted[i - 1] >> 16) == token) return;  // an earlier block owns this token (uniform: no barrier yet)
     __shared__ unsigned run[EMBED_BWD_THREADS];
     const int tid = threadIdx.x;
-    float acc[EMBED_BWD_COLS];
+    float acc[J];
 #pragma unroll
-    for (int k = 0; k < EMBED_BWD_COLS; k++) acc[k] = 0.0f;
+    for (int k = 0; k < J; k++) acc[k] = 0.0f;
     for (long long j0 = i; j0 < n_pos; j0 += EMBED_BWD_THREADS) {
         const long long j = j0 + tid;
         const bool mine = j < n_pos && (sorted[j] >> 16) == token;
         run[tid] = mine ? sorted[j] & 0xffffu : 0u;
         const int len = __syncthreads_count(mine);  // the run continues from the chunk's start (the keys are sorted)
         for (int h = 0; h < len; h += EMBED_GATHER) {
-            float v[EMBED_GATHER][EMBED_BWD_COLS];
+            float v[EMBED_GATHER][J];
 #pragma unroll
             for (int u = 0; u < EMBED_GATHER; u++) {
                 const float* row = dout + static_cast<long long>(run[h + u < len ? h + u : h]) * C;
 #pragma unroll
-                for (int k = 0; k < EMBED_BWD_COLS; k++) {
+                for (int k = 0; k < J; k++) {
                     const int c = tid + k * EMBED_BWD_THREADS;
                     v[u][k] = c < C ? row[c] : 0.0f;
                 }
@@ -141,21 +144,22 @@ k_embed_bwd_sorted(float* dwte, float* dwpe, const float* dout, const unsigned* 
             for (int u = 0; u < EMBED_GATHER; u++)
                 if (h + u < len)
 #pragma unroll
-                    for (int k = 0; k < EMBED_BWD_COLS; k++) acc[k] += v[u][k];
+                    for (int k = 0; k < J; k++) acc[k] += v[u][k];
         }
         __syncthreads();  // run is rewritten by the next chunk
         if (len < EMBED_BWD_THREADS) break;  // the run ended in this chunk
     }
 #pragma unroll
-    for (int k = 0; k < EMBED_BWD_COLS; k++) {
+    for (int k = 0; k < J; k++) {
         const int c = tid + k * EMBED_BWD_THREADS;
         if (c < C) dwte[(long long)token * C + c] += acc[k];
     }
 }
 
 // Blocks [0, n_pos) own token rows of dwte; blocks [n_pos, n_pos + T) own rows of dwpe.
-extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)
-k_embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C) {
+template <int J>
+__device__ __forceinline__ void embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens,
+                                          long long n_pos, int T, int C) {
     const int tid = threadIdx.x;
     if (blockIdx.x >= n_pos) {
         embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos));
@@ -171,9 +175,9 @@ k_embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens, long
     __shared__ int hits[EMBED_BWD_THREADS];  // offsets in the current chunk that hold `token`, ascending
     __shared__ int warp_hits[EMBED_BWD_THREADS / WARP_SIZE];
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, n_warps = blockDim.x / WARP_SIZE;
-    float acc[EMBED_BWD_COLS];
+    float acc[J];
 #pragma unroll
-    for (int k = 0; k < EMBED_BWD_COLS; k++) acc[k] = 0.0f;
+    for (int k = 0; k < J; k++) acc[k] = 0.0f;
     for (long long j0 = n; j0 < n_pos; j0 += blockDim.x) {
         const long long j = j0 + tid;
         const bool hit = j < n_pos && tokens[j] == token;
@@ -190,7 +194,7 @@ k_embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens, long
         for (int h = 0; h < total; h++) {
             const float* row = dout + (j0 + hits[h]) * C;
 #pragma unroll
-            for (int k = 0; k < EMBED_BWD_COLS; k++) {
+            for (int k = 0; k < J; k++) {
                 const int c = tid + k * EMBED_BWD_THREADS;
                 if (c < C) acc[k] += row[c];
             }
@@ -198,8 +202,25 @@ k_embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens, long
         __syncthreads();  // hits and warp_hits are rewritten by the next chunk
     }
 #pragma unroll
-    for (int k = 0; k < EMBED_BWD_COLS; k++) {
+    for (int k = 0; k < J; k++) {
         const int c = tid + k * EMBED_BWD_THREADS;
         if (c < C) dwte[(long long)token * C + c] += acc[k];
     }
 }
+
+#define EMBED_BWD(J)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)                                               \
+    k_embed_bwd_sorted##J(float* dwte, float* dwpe, const float* dout, const unsigned* sorted, long long n_pos,     \
+                          int T, int C) {                                                                           \
+        embed_bwd_sorted<J>(dwte, dwpe, dout, sorted, n_pos, T, C);                                                 \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)                                               \
+    k_embed_bwd##J(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C) { \
+        embed_bwd<J>(dwte, dwpe, dout, tokens, n_pos, T, C);                                                        \
+    }
+EMBED_BWD(1)
+EMBED_BWD(2)
+EMBED_BWD(3)
+EMBED_BWD(4)
+EMBED_BWD(8)
+EMBED_BWD(16)

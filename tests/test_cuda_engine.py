@@ -101,14 +101,15 @@ def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
         assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
 
 
-@pytest.mark.parametrize("B, T", [(3, 64), (5, 333)])
-def test_the_embedding_backward_s_sort_gives_the_scan_s_bits(engines, B, T):
-    """k_embed_bwd_sorted (the sorted keys' runs) against k_embed_bwd (the first-occurrence scan) on fresh inputs
-    with tokens that repeat: most a few times, token 7 at about 40% of the positions (at B 5 T 333 a run past one
-    chunk of keys), into nonzero gradients: the same bytes, and dwte right against float64."""
+@pytest.mark.parametrize("B, T, C", [(3, 64, 96), (5, 333, 96), (2, 100, 700)])
+def test_the_embedding_backward_s_sort_gives_the_scan_s_bits(engines, B, T, C):
+    """k_embed_bwd_sorted (the sorted keys' runs, built for the fewest columns a thread that cover C) against
+    k_embed_bwd16 (the first-occurrence scan, built for the most) on fresh inputs with tokens that repeat: most a
+    few times, token 7 at about 40% of the positions (at B 5 T 333 a run past one chunk of keys), into nonzero
+    gradients: the same bytes, and dwte right against float64."""
     e = engines["fp32"]
     rng = np.random.default_rng()
-    V, C = 300, 96
+    V = 300
     tokens = rng.integers(0, V, (B, T)).astype(np.int32)
     tokens.reshape(-1)[rng.random(B * T) < 0.4] = 7
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
@@ -120,7 +121,7 @@ def test_the_embedding_backward_s_sort_gives_the_scan_s_bits(engines, B, T):
         if way == "sort":
             e.embed_bwd(g["dwte"], g["dwpe"], dev["dout"], dev["tokens"])
         else:
-            e._launch("k_embed_bwd", B * T + T, 256, g["dwte"], g["dwpe"], dev["dout"], dev["tokens"],
+            e._launch("k_embed_bwd16", B * T + T, 256, g["dwte"], g["dwpe"], dev["dout"], dev["tokens"],
                       np.int64(B * T), np.int32(T), np.int32(C))
         got[way] = {k: e.to_host(v) for k, v in g.items()}
     for k in start:

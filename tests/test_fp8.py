@@ -196,14 +196,19 @@ def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
 
 
 def test_a_training_plan_holds_act_t_for_each_layer_that_keeps_its_act():
-    """fp8_act_t: one 256-byte aligned [4C, N] E4M3 place for each layer whose MLP act the backward reads as saved;
-    none for a forward-only plan or where every layer rebuilds its act."""
+    """fp8_act_t: one 256-byte aligned [4C, N] E4M3 place for each layer whose MLP act the backward reads as saved
+    and one [C, N] for each LayerNorm output whose transpose the forward saves; none for a forward-only plan or
+    where nothing is kept."""
     B, T, C = 3, 50, 36
-    place = -(-B * T * 4 * C // fp8.ALIGN) * fp8.ALIGN
+    place, ln_place = (-(-B * T * k * C // fp8.ALIGN) * fp8.ALIGN for k in (4, 1))
     by_name = {b.name: b for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T, kept_acts=2)}
     assert by_name["fp8_act_t"].shape == (2 * place,) and by_name["fp8_act_t"].role == "engine"
-    assert place > B * T * 4 * C  # the padding is there: the places do not simply touch
-    assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, kept_acts=2)}
+    assert place > B * T * 4 * C and ln_place > B * T * C  # the padding is there: the places do not simply touch
+    both = {b.name: b for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T, kept_acts=2, kept_lns=5)}
+    assert both["fp8_act_t"].shape == (2 * place + 5 * ln_place,)
+    lns = {b.name: b for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T, kept_lns=6)}
+    assert lns["fp8_act_t"].shape == (6 * ln_place,)
+    assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, kept_acts=2, kept_lns=6)}
     assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T)}
 
 
@@ -477,16 +482,22 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recompute, recompute_layers, kept", [((), None, 2), (("gelu",), 1, 1), (("gelu",), None, 0)])
-def test_the_saved_act_transpose_changes_no_bit(engine, monkeypatch, recompute, recompute_layers, kept):
-    """The MLP's act^T cast once by the forward (into fp8_act_t) and read by the backward's dW_2 product gives the
-    bytes of casting act again in the backward, with one cast fewer for each mlp_bwd call of a layer that keeps
-    its act (calls on the host: a recorded micro-batch replays without any); the layers that rebuild act
-    (recompute gelu) cast it again."""
+@pytest.mark.parametrize("recompute, recompute_layers", [((), None), (("gelu",), 1), (("gelu",), None),
+                                                         (("layernorm",), 1), (("layernorm", "gelu"), None)])
+def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, recompute_layers):
+    """The X^T that the forward's casts save into fp8_act_t (the MLP's act for dW_2, the two LayerNorm outputs
+    for dW_QKV and dW_1) and the backward's products read give the bytes of casting X again in the backward,
+    with one cast fewer for each saved X a backward call reads (calls on the host: a recorded micro-batch
+    replays without any); the layers that rebuild X (recompute gelu, layernorm) cast it again. The plan holds a
+    place for each kept X and the one LayerNorm buffer that the rebuilding layers share."""
     from andrea.config import ModelShape
     from andrea.engines.crosscheck import train_run
 
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
+    L = shape.n_layer
+    r = recompute_layers or L
+    kept_acts = L - (r if "gelu" in recompute else 0)
+    kept_lns = L - (r if "layernorm" in recompute else 0)  # layers that keep their two LayerNorm outputs
     calls = {"_fp8_cast": 0, "mlp_bwd": 0}
     for name in calls:
         def counted(self, *a, _name=name, _method=getattr(type(engine), name), **k):
@@ -503,13 +514,20 @@ def test_the_saved_act_transpose_changes_no_bit(engine, monkeypatch, recompute, 
         return r, dict(calls)
 
     saved, saved_calls = run()
-    assert len(engine._fp8_act_t_places) == kept
+    assert len(engine._fp8_act_t_places) == kept_acts + 2 * kept_lns + (1 if kept_lns < L else 0)
+    from andrea.model import Model
+
+    plan = Model(engine, shape, 4, recompute=recompute, recompute_layers=recompute_layers).plan
+    N, C = 4 * shape.seq_len, shape.d_model
+    want = kept_acts * fp8._padded(N * 4 * C) + (2 * kept_lns + (kept_lns < L)) * fp8._padded(N * C)
+    assert {b.name: b for b in plan.buffers}["fp8_act_t"].shape == (want,)
     monkeypatch.setattr(type(engine), "_fp8_transpose_place", lambda self, x: None)
     again, again_calls = run()
     assert saved.digest == again.digest, (saved.losses, again.losses)
     assert saved_calls["mlp_bwd"] == again_calls["mlp_bwd"] > 0
+    backwards = saved_calls["mlp_bwd"] // L  # host runs of a whole backward
     fewer = again_calls["_fp8_cast"] - saved_calls["_fp8_cast"]
-    assert fewer == saved_calls["mlp_bwd"] * kept // shape.n_layer, (again_calls, saved_calls)
+    assert fewer == backwards * (kept_acts + 2 * kept_lns), (again_calls, saved_calls)
 
 
 @pytest.mark.gpu

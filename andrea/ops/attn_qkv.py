@@ -48,9 +48,10 @@ class CudaOps:
             self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
     def _attn_qkv_fwd_fp8(self, qkv, inp, W_QKV, N, C) -> bool:
-        """qkv[i] = X @ W_i on FP8 operands: X [N, C] and each W_i^T [C, C], one batched product (False: not run)."""
+        """qkv[i] = X @ W_i on FP8 operands: X [N, C] and each W_i^T [C, C], one batched product (False: not run);
+        X^T kept for the backward's dW_QKV (_fp8_cast_saving)."""
         xq, wt = self._fp8_operands(N * C, 3 * C * C)
-        sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq)
+        sx = self._fp8_cast_saving(inp, N, C, xq, True)
         wt, sw = self._fp8_weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
         return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C,
                               fast=True)
@@ -93,7 +94,7 @@ class CudaOps:
         @ [W_0; W_1; W_2]^T as one product over 3C (dqkv cast as [N, 3C], W_QKV as [C, 3C]). `rows`: dqkv as that
         [N, 3C] matrix where it is laid out so (else its planes are cast side by side). Which of the two ran."""
         xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
-        sx = self._fp8_cast(inp, N, C, "e4m3", 0, qt=xt)
+        xt, sx = self._fp8_transpose(inp, N, C, xt)
         if rows is not None:  # its transpose [3C, N] is dq_i^T [C, N] after one another
             sd = self._fp8_cast(rows, N, 3 * C, "e5m2", 1, q=dq, qt=dqt)
         else:

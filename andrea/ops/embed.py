@@ -8,7 +8,10 @@ from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
 from andrea.ops.base import Draw, OpCase, kernel_defines
 
-KERNELS = {"embed": ("k_embed_fwd", "k_embed_bwd", "k_embed_sort", "k_embed_merge", "k_embed_bwd_sorted")}
+# The backward's builds: J columns a thread (the EMBED_BWD instances at kernels/embed.cu's end).
+EMBED_BWD_J = (1, 2, 3, 4, 8, 16)
+KERNELS = {"embed": ("k_embed_fwd", "k_embed_sort", "k_embed_merge",
+                     *(f"k_embed_bwd{j}" for j in EMBED_BWD_J), *(f"k_embed_bwd_sorted{j}" for j in EMBED_BWD_J))}
 
 
 def engine_buffers() -> tuple:
@@ -50,6 +53,7 @@ class CudaOps:
         if C > threads * cols:
             raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * cols} columns")
         n_pos = B * T
+        j = min(j for j in EMBED_BWD_J if threads * j >= C)  # the fewest registers that cover the row
         most = k["EMBED_SORT_MAX"]
         if n_pos <= most and dwte.shape[0] <= 2**16:  # the sort's keys: token << 16 | position
             keys = self.own["embed_sorted"]
@@ -57,10 +61,10 @@ class CudaOps:
             self._launch("k_embed_sort", -(-n_pos // k["EMBED_SORT_CHUNK"]), k["EMBED_SORT_THREADS"], chunks, tokens,
                          np.int32(n_pos))
             self._launch("k_embed_merge", -(-n_pos // threads), threads, sorted_keys, chunks, np.int32(n_pos))
-            self._launch("k_embed_bwd_sorted", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
+            self._launch(f"k_embed_bwd_sorted{j}", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
                          np.int32(T), np.int32(C))
             return
-        self._launch("k_embed_bwd", n_pos + T, threads, dwte, dwpe, dout, tokens, np.int64(n_pos), np.int32(T),
+        self._launch(f"k_embed_bwd{j}", n_pos + T, threads, dwte, dwpe, dout, tokens, np.int64(n_pos), np.int32(T),
                      np.int32(C))
 
 

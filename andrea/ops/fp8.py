@@ -15,11 +15,12 @@ Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a 
 amax is found once: the LayerNorms, the GELU passes and the bf16 attention backward kernels compute it as they
 store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
 own amax pass is kept for the tensor's later casts. The scales, and so the bytes, are those of casts that each
-run their own pass; a test compares them bit for bit. The MLP's act (the GELU epilogue's output, saved for the
-backward's dW_2 = act^T dY) is cast once: the forward's cast for its down product writes act^T too, into the
-layer's place in `fp8_act_t` (a training plan's, one for each layer that keeps its act), and the backward's
-product reads it with the forward's descale (`_fp8_saved_transpose`): -1 read of act and 1 write of N 4C bytes
-a layer, the same bytes as casting it again. A forward alone (`fp8_pass(backward=False)`: evaluation) writes
+run their own pass; a test compares them bit for bit. The inputs of the weight gradients' products that the
+forward casts too are cast once: the MLP's act (the GELU epilogue's output, for dW_2 = act^T dY) and the two
+LayerNorm outputs (for dW_QKV and dW_1). The forward's cast writes X^T too, into X's place in `fp8_act_t` (a
+training plan's, one for each such tensor a layer keeps), and the backward's product reads it with the forward's
+descale (`_fp8_saved_transpose`): a read of X less and a write of X's elements in bytes more a layer, the same
+bytes as casting it again. A forward alone (`fp8_pass(backward=False)`: evaluation) writes
 neither act^T nor the classifier's E5M2 d_logits (ops/loss.py), which only a backward reads.
 
 Accumulation: Hopper's FP8 tensor cores sum in fewer bits than FP32; cuBLASLt by default promotes the partial
@@ -76,15 +77,18 @@ def engine_buffers() -> tuple:
     return (BufferSpec("fp8_scales", (SLOT_FLOATS * SCALE_SLOTS,), "float32", "engine"),)
 
 
-def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None = None, kept_acts: int = 0) -> tuple:
+def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None = None, kept_acts: int = 0,
+                 kept_lns: int = 0) -> tuple:
     """The buffers a model's plan adds under precision fp8: the engine's operand scratch and its pass's amax
     slots (both sized by the model), the model's FP8 weight copies (`params_fp8`, derived from params_lp
     as params_lp is from params), and for a training model (`loss_rows`, the rows of its classifier's piece)
-    the E5M2 copy of a piece's d_logits, `fp8_dlogits`, and the E4M3 act^T of each of the `kept_acts` layers
-    that keep their MLP activation for the backward, `fp8_act_t`."""
+    the E5M2 copy of a piece's d_logits, `fp8_dlogits`, and the E4M3 transposes the forward saves for the
+    backward, `fp8_act_t`: the act^T [4C, N] of each of the `kept_acts` layers that keep their MLP activation,
+    and the [C, N] transposes of `kept_lns` LayerNorm outputs."""
     dlogits = () if loss_rows is None else (BufferSpec("fp8_dlogits", (loss_rows * V,), "uint8", "engine"),)
-    if loss_rows is not None and kept_acts:
-        dlogits += (BufferSpec("fp8_act_t", (kept_acts * _padded(B * T * 4 * C),), "uint8", "engine"),)
+    saved = kept_acts * _padded(B * T * 4 * C) + kept_lns * _padded(B * T * C)
+    if loss_rows is not None and saved:
+        dlogits += (BufferSpec("fp8_act_t", (saved,), "uint8", "engine"),)
     return (BufferSpec("fp8_operands", (operand_bytes(B, T, C),), "uint8", "engine"),
             BufferSpec("fp8_amax", (SLOT_FLOATS * amax_slots(L),), "float32", "engine"),
             BufferSpec("params_fp8", (weight_bytes(C, L, V),), "uint8", "parameters")) + dlogits
@@ -377,15 +381,27 @@ class CudaOps:
         if not done_dinp:
             self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
 
+    def _fp8_cast_saving(self, x, rows: int, cols: int, q, save: bool):
+        """x [rows, cols] cast to E4M3 into q as _fp8_cast does (its descale); with `save`, x^T too, into x's place
+        in fp8_act_t, kept for the backward (_fp8_saved_transpose) where x has a place and its amax a slot of the
+        pass (the descale is then the slot's, current until x is rewritten)."""
+        xt = self._fp8_transpose_place(x) if save else None
+        sx = self._fp8_cast(x, rows, cols, "e4m3", 0, q=q, qt=xt)
+        key = (ptr(x), x.nbytes)
+        if xt is not None and key in self._fp8_book["kept"]:
+            self._fp8_book["transposed"][key] = (xt, sx)
+        return sx
+
+    def _fp8_transpose(self, x, rows: int, cols: int, qt) -> tuple:
+        """(x^T in E4M3, its descale): the forward's where it saved it, else x [rows, cols] cast into qt."""
+        saved = self._fp8_saved_transpose(x)
+        return saved if saved is not None else (qt, self._fp8_cast(x, rows, cols, "e4m3", 0, qt=qt))
+
     def _linear_fwd_fp8(self, out, inp, W, N, K, M, save_transpose: bool = False, **kw) -> bool:
         """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written.
-        `save_transpose`: X^T too, into inp's place in fp8_act_t, where inp has one and its amax a slot of the pass."""
+        `save_transpose`: X^T too, kept for the backward (_fp8_cast_saving)."""
         xq, wt = self._fp8_operands(N * K, K * M)
-        xt = self._fp8_transpose_place(inp) if save_transpose else None
-        sx = self._fp8_cast(inp, N, K, "e4m3", 0, q=xq, qt=xt)
-        key = (ptr(inp), inp.nbytes)
-        if xt is not None and key in self._fp8_book["kept"]:  # sx is then its slot's, current until inp is rewritten
-            self._fp8_book["transposed"][key] = (xt, sx)
+        sx = self._fp8_cast_saving(inp, N, K, xq, save_transpose)
         wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
@@ -393,8 +409,7 @@ class CudaOps:
         """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
         (the forward's where it saved it) and dout^T for the first, dout and W as stored for the second. Which ran."""
         xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
-        saved = self._fp8_saved_transpose(inp)
-        xt, sx = saved if saved is not None else (xt, self._fp8_cast(inp, N, K, "e4m3", 0, qt=xt))
+        xt, sx = self._fp8_transpose(inp, N, K, xt)
         sd = self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
         w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
         return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),

@@ -65,19 +65,20 @@ class CudaOps:
         C, F = W_1.shape
         N = inp.size // C
         if not (recompute and self._gelu_alone(pre, act, inp, W_1)):
-            self._mlp_up(pre, act, inp, W_1)
+            self._mlp_up(pre, act, inp, W_1, save_transpose=True)
         self._fp8_wrote(out)
         # act^T on FP8 kept for the backward's dW_2 where act itself is (not rebuilt there)
         self._linear_fwd(out, act, W_2, N, F, C, save_transpose=not recompute)
 
-    def _mlp_up(self, pre, act, inp, W_1):
-        """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes."""
-        if not self._gelu_epilogue(pre, act, inp, W_1):
+    def _mlp_up(self, pre, act, inp, W_1, save_transpose: bool = False):
+        """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes.
+        `save_transpose` (the forward's): on FP8 operands inp^T kept for the backward's dW_1."""
+        if not self._gelu_epilogue(pre, act, inp, W_1, save_transpose):
             C, F = W_1.shape
             self._linear_fwd(pre, inp, W_1, inp.size // C, C, F)
             self._gelu(act, pre)
 
-    def _gelu_epilogue(self, pre, act, inp, W_1) -> bool:
+    def _gelu_epilogue(self, pre, act, inp, W_1, save_transpose: bool = False) -> bool:
         """pre = inp @ W_1 and act = GELU(pre) as one cuBLASLt product (GELU_AUX); False where there is none."""
         self._fp8_wrote(pre, act)  # the product writes both without their amax (act's cast finds it)
         C, F = W_1.shape
@@ -85,7 +86,8 @@ class CudaOps:
         if self.blas_lt is None:
             return False
         if self._fp8_ok(N, C):
-            return self._linear_fwd_fp8(act, inp, W_1, N, C, F, epilogue="gelu_aux", aux=pre)
+            return self._linear_fwd_fp8(act, inp, W_1, N, C, F, save_transpose=save_transpose, epilogue="gelu_aux",
+                                        aux=pre)
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)
 
     def _gelu_alone(self, pre, act, inp, W_1) -> bool:
