@@ -11,11 +11,10 @@
 // the block of position n owns token v = tokens[n] where n is v's first occurrence. Both give the same bits.
 #include "common.cuh"
 
-// Columns one thread accumulates in the backward pass, at most: C <= EMBED_BWD_THREADS * EMBED_BWD_COLS. The
-// backward kernels are built for J = 1, 2, 3, 4, 8, 16 columns a thread and the engine takes the least J that
-// covers C: registers sized for 16 columns held 2 blocks an SM, so a 768-wide row's owners ran in 35 waves.
+// Columns one thread accumulates in the backward pass: the kernels are built for J = 1, 2, 3, 4, 8, 16 (the
+// EMBED_BWD instances at the end, C <= EMBED_BWD_THREADS * 16) and the engine takes the least J that covers C:
+// registers sized for 16 columns held 2 blocks an SM, so a 768-wide row's owners ran in 35 waves.
 #define EMBED_BWD_THREADS 256
-#define EMBED_BWD_COLS 16
 #define EMBED_SORT_THREADS 1024
 #define EMBED_SORT_CHUNK 2048  // keys a block of k_embed_sort sorts in shared memory
 #define EMBED_SORT_MAX 32768   // positions the sort takes (the engine's embed_sorted holds twice as many keys)

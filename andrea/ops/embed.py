@@ -49,9 +49,10 @@ class CudaOps:
         B, T = tokens.shape
         C = dwte.shape[1]
         k = kernel_defines("embed")
-        threads, cols = k["EMBED_BWD_THREADS"], k["EMBED_BWD_COLS"]
-        if C > threads * cols:
-            raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * cols} columns")
+        threads = k["EMBED_BWD_THREADS"]
+        if C > threads * max(EMBED_BWD_J):
+            raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * max(EMBED_BWD_J)} "
+                              "columns")
         n_pos = B * T
         j = min(j for j in EMBED_BWD_J if threads * j >= C)  # the fewest registers that cover the row
         most = k["EMBED_SORT_MAX"]

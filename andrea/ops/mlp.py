@@ -75,7 +75,7 @@ class CudaOps:
         `save_transpose` (the forward's): on FP8 operands inp^T kept for the backward's dW_1."""
         if not self._gelu_epilogue(pre, act, inp, W_1, save_transpose):
             C, F = W_1.shape
-            self._linear_fwd(pre, inp, W_1, inp.size // C, C, F)
+            self._linear_fwd(pre, inp, W_1, inp.size // C, C, F, save_transpose=save_transpose)
             self._gelu(act, pre)
 
     def _gelu_epilogue(self, pre, act, inp, W_1, save_transpose: bool = False) -> bool:
