@@ -266,7 +266,8 @@ class Model:
             # pre and act are rebuilt inside mlp_bwd; d_mlp_pre is the one-layer act buffer where there is one
             dpre = b["mlp_act_layer"] if "gelu" in self.recompute else b["d_mlp_pre"]
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, d_branch, self.saved("ln2", l), self.saved("mlp_pre", l),
-                      self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=self.recomputes("gelu", l), overwrite=True)
+                      self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=self.recomputes("gelu", l), overwrite=True,
+                      keep_dpre=False)
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))

@@ -47,13 +47,27 @@ __device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
     return max(-126, min(127, e));
 }
 
-// The 64 x 64 tile (tx, ty) of batch z of a cast (k_fp8_cast's arguments); the tile (0, 0, 0) writes the descale.
+// 8 activations of a tile row from column c (zeros past rows or cols): one 16-byte load where all 8 are in bounds
+// and aligned.
+__device__ __forceinline__ void load8(const act_t* row, int r, int rows, int c, int cols, bool whole, bool vec,
+                                      float (&v)[8]) {
+#ifdef ACT_LOWP
+    if (whole && vec) {
+        load_vec(row + c, v);
+        return;
+    }
+#endif
+    for (int j = 0; j < 8; ++j) v[j] = (r < rows && c + j < cols) ? to_f32(row[c + j]) : 0.0f;
+}
+
+// The 64 x 64 tile (tx, ty) of batch z of a cast (k_fp8_cast's arguments) with the scale 2^e; the tile (0, 0, 0)
+// writes the descale. DGELU (k_fp8_cast_dgelu): x holds dout @ W_2^T, multiplied here by gelu_grad(pre) and
+// rounded as k_mlp_bwd stores it (stored back where `store`) before the cast, which casts the rounded values.
+template <bool DGELU>
 __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt,
-                                          long long qt_batch, float* descale, const unsigned int* amax,
-                                          const act_t* __restrict__ x, int rows, int cols, int e5m2, int tx, int ty,
-                                          long long z) {
+                                          long long qt_batch, float* descale, int e, act_t* x, const act_t* pre,
+                                          int rows, int cols, int e5m2, int tx, int ty, long long z, bool store = false) {
     __shared__ unsigned char tile[FP8_TILE][FP8_TILE + 8];  // [row][col]; 8 bytes of pad a row
-    const int e = fp8_scale_exponent(*amax, e5m2 ? 15 : 8);
     const float s = __int_as_float((e + 127) << 23);
     if (tx == 0 && ty == 0 && z == 0 && threadIdx.x == 0) *descale = __int_as_float((127 - e) << 23);
     x += z * rows * static_cast<long long>(cols);
@@ -62,20 +76,25 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
     for (int pass = 0; pass < FP8_TILE / 32; ++pass) {
         const int tr = pass * 32 + threadIdx.x / 8;
         const int r = r0 + tr;
-        const act_t* row = x + r * static_cast<long long>(cols);
+        act_t* row = x + r * static_cast<long long>(cols);
         const bool whole = r < rows && c0 + cv + 8 <= cols;  // all 8 in bounds
+        const bool vec = (cols % 8) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0 &&
+                         (!DGELU || (reinterpret_cast<size_t>(pre) % 16) == 0);
         float v[8];
+        load8(row, r, rows, c0 + cv, cols, whole, vec, v);
+        if (DGELU) {
+            float p[8];
+            load8(pre + (row - x), r, rows, c0 + cv, cols, whole, vec, p);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = as_stored(v[j] * gelu_grad(p[j]));
+            if (store) {
 #ifdef ACT_LOWP
-        if (whole && (cols % 8) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0) {  // one 16-byte load
-            const uint4 w = *reinterpret_cast<const uint4*>(row + c0 + cv);
-            unpack_lowp2(w.x, v[0], v[1]);
-            unpack_lowp2(w.y, v[2], v[3]);
-            unpack_lowp2(w.z, v[4], v[5]);
-            unpack_lowp2(w.w, v[6], v[7]);
-        } else
+                if (whole && vec) store_vec(row + c0 + cv, v);
+                else
 #endif
-        {
-            for (int j = 0; j < 8; ++j) v[j] = (r < rows && c0 + cv + j < cols) ? to_f32(row[c0 + cv + j]) : 0.0f;
+                    for (int j = 0; j < 8; ++j)
+                        if (r < rows && c0 + cv + j < cols) ::store(row + c0 + cv + j, v[j]);
+            }
         }
         unsigned lo4 = 0, hi4 = 0;  // the 8 bytes, the lower column first
         for (int j = 0; j < 2; ++j) {
@@ -120,7 +139,22 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
            float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
-    cast_tile(q, ldq, q_batch, qt, ldqt, qt_batch, descale, amax, x, rows, cols, e5m2, blockIdx.x, blockIdx.y, blockIdx.z);
+    cast_tile<false>(q, ldq, q_batch, qt, ldqt, qt_batch, descale, fp8_scale_exponent(*amax, e5m2 ? 15 : 8),
+                     const_cast<act_t*>(x), nullptr, rows, cols, e5m2, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// The MLP backward's gradient at pre under precision fp8 (andrea/ops/mlp.py): dpre [rows, cols] holds dout @ W_2^T;
+// dpre * GELU'(pre) is cast to E5M2 into q and qt (leading dimensions cols and rows) and, where `store`, stored
+// into dpre, all in one pass. Its amax is not known before the pass, so the scale is that of a bound of it
+// instead, a function of the product's operands: |dout @ W_2^T| <= C * (57344 * dout's descale) * (448 * W_2's
+// descale), and |GELU'| below 1.25; `factor` = C * 57344 * 448 * 1.25 in float (ops/fp8.py dgelu_amax, the
+// reference). Writes 1 / s to *descale.
+extern "C" __global__ void __launch_bounds__(FP8_THREADS)
+k_fp8_cast_dgelu(unsigned char* q, unsigned char* qt, float* descale, act_t* dpre, const act_t* __restrict__ pre,
+                 int rows, int cols, const float* dout_descale, const float* w_descale, float factor, int store) {
+    const float bound = factor * *dout_descale * *w_descale;
+    cast_tile<true>(q, cols, 0, qt, rows, 0, descale, fp8_scale_exponent(__float_as_uint(bound), 15), dpre, pre, rows,
+                    cols, 1, blockIdx.x, blockIdx.y, 0, store != 0);
 }
 
 // ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----
@@ -160,7 +194,8 @@ extern "C" __global__ void __launch_bounds__(FP8_THREADS) k_fp8_cast_many(const 
     const long long tiles_x = (cols + FP8_TILE - 1) / FP8_TILE, tiles_y = (rows + FP8_TILE - 1) / FP8_TILE;
     const long long local = blockIdx.x - t[12];
     float* slot = reinterpret_cast<float*>(t[10]);
-    cast_tile(reinterpret_cast<unsigned char*>(t[4]), t[5], t[6], reinterpret_cast<unsigned char*>(t[7]), t[8], t[9], slot,
-              reinterpret_cast<const unsigned*>(slot + 1), reinterpret_cast<const act_t*>(t[0]), rows, cols, 0,
-              static_cast<int>(local % tiles_x), static_cast<int>(local / tiles_x % tiles_y), local / (tiles_x * tiles_y));
+    cast_tile<false>(reinterpret_cast<unsigned char*>(t[4]), t[5], t[6], reinterpret_cast<unsigned char*>(t[7]), t[8], t[9],
+                     slot, fp8_scale_exponent(*reinterpret_cast<const unsigned*>(slot + 1), 8),
+                     reinterpret_cast<act_t*>(t[0]), nullptr, rows, cols, 0, static_cast<int>(local % tiles_x),
+                     static_cast<int>(local / tiles_x % tiles_y), local / (tiles_x * tiles_y));
 }

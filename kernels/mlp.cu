@@ -5,28 +5,8 @@
 // cuBLAS does the four products; these kernels are the GELU epilogues.
 #include "common.cuh"
 
-#define GELU_K 0.7978845608028654f  // sqrt(2 / pi)
-#define GELU_C 0.044715f
-
-// tanh: in the 16-bit builds the hardware's tanh.approx.f32 (one instruction, relative error below 2^-10.9,
-// under the rounding of a bf16 result); libm's tanhf takes some twenty instructions, which made the GELU
-// passes compute-bound at bf16's byte count. The fp32 build keeps tanhf.
-__device__ __forceinline__ float gelu_tanh(float u) {
-#ifdef ACT_LOWP
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
-    return t;
-#else
-    return tanhf(u);
-#endif
-}
-
-__device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + gelu_tanh(GELU_K * (x + GELU_C * x * x * x))); }
-
-__device__ __forceinline__ float gelu_grad(float x) {
-    const float th = gelu_tanh(GELU_K * (x + GELU_C * x * x * x));
-    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-}
+// gelu and gelu_grad (the tanh approximation) are in common.cuh: fp8.cu's cast of the gradient at pre applies
+// gelu_grad too.
 
 // Also the backward's recomputation of act when only pre is kept (recompute "gelu"). With `amax` (precision
 // fp8; else null) also the amax of act as stored (block_amax).

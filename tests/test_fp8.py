@@ -252,6 +252,98 @@ def test_the_cast_writes_the_reference_bytes_in_every_layout(engine, fmt, batch,
     assert float(cupy.asnumpy(d)[0]) == descale
 
 
+def test_the_dgelu_bound_holds_and_sits_a_few_bits_above_the_amax():
+    """fp8.dgelu_amax, the scale of the MLP backward's E5M2 dpre: never under |dpre| of the FP8 operands' product
+    (GELU' at its largest, operands of one sign: the sum as large as it gets), and for random operands at C 768
+    under 2^11 above the amax, so that E5M2's 2^32 keeps every value over 2^-19 of the amax in its normal range."""
+    from andrea.ops.mlp import _gelu_grad
+
+    grid = np.linspace(-12.0, 12.0, 240_001)
+    assert np.abs(_gelu_grad(grid)).max() < fp8.GELU_GRAD_BOUND / 1.1  # room for a product's rounding
+    rng = np.random.default_rng()
+    N, C = 256, 768
+    F = 4 * C
+    for same_sign in (True, False):
+        dout = (rng.standard_normal((N, C)) * 10.0 ** rng.uniform(-8, -2)).astype(np.float32)
+        W_2 = (rng.standard_normal((F, C)) * F**-0.5).astype(np.float32)
+        pre = rng.standard_normal((N, F)).astype(np.float32) * 3
+        if same_sign:
+            dout, W_2, pre = np.abs(dout), np.abs(W_2), np.full_like(pre, 1.4185)  # GELU' at its largest there
+        d, w = fp8.fake_quantize(np, dout, "e5m2"), fp8.fake_quantize(np, W_2, "e4m3")
+        dpre = (d.astype(np.float64) @ w.T.astype(np.float64)) * _gelu_grad(pre.astype(np.float64))
+        amax = np.abs(dpre).max()
+        bound = fp8.dgelu_amax(C, fp8.descale(dout, "e5m2"), fp8.descale(W_2, "e4m3"))
+        assert amax <= bound < 2.0**11 * amax, (same_sign, bound / amax)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("N, F, over", [(256, 512, False), (100, 72, False), (70, 70, False), (100, 72, True)])
+def test_the_dgelu_cast_applies_gelu_s_gradient_and_casts_at_the_bound_s_scale(engine, N, F, over, store):
+    """k_fp8_cast_dgelu writes E5M2 dpre and dpre^T with the reference's bytes, at dgelu_amax's scale, of dpre *
+    GELU'(pre) as the plain GELU gradient pass (k_mlp_bwd) stores it, and its descale; with `store` it stores those
+    values too, without it leaves dpre as it was. Ragged tiles and rows with no 16-byte loads (F 70) too; `over`:
+    values past the bound (which a product's never are) saturate as the reference's."""
+    import cupy
+
+    rng = np.random.default_rng()
+    C = 96
+    sd_host, sw_host = 2.0 ** -int(rng.integers(10, 30)), 2.0 ** -int(rng.integers(4, 12))
+    bound = fp8.dgelu_amax(C, sd_host, sw_host)
+    raw = _bf16(rng.standard_normal((N, F)) * bound * 10.0 ** (1 if over else rng.uniform(-6, -1)))
+    pre = _bf16(rng.standard_normal((N, F)) * 2)
+    plain, fused = cupy.asarray(raw.astype("bfloat16")), cupy.asarray(raw.astype("bfloat16"))
+    dev_pre = cupy.asarray(pre.astype("bfloat16"))
+    engine._gelu_grad(plain, dev_pre)
+    sd, sw = (cupy.asarray(np.array([v, 0, 0, 0], dtype=np.float32)) for v in (sd_host, sw_host))
+    dq, dt = cupy.full(N * F, 0xA5, dtype=np.uint8), cupy.full(N * F, 0xA5, dtype=np.uint8)
+    descale = engine._fp8_cast_dgelu(fused, dev_pre, N, F, C, sd[:1], sw[:1], dq, dt, store)
+    stored = cupy.asnumpy(plain)
+    assert np.array_equal(cupy.asnumpy(fused).view(np.uint16), (stored if store else raw.astype("bfloat16")).view(np.uint16))
+    want, want_descale = fp8.quantize(stored.astype(np.float32), "e5m2", bound)
+    assert (np.abs(fp8.dequantize(want, want_descale, "e5m2")) == 57344 * want_descale).any() == over
+    assert np.array_equal(cupy.asnumpy(dq).reshape(N, F), want)
+    assert np.array_equal(cupy.asnumpy(dt).reshape(F, N), want.T)
+    assert float(cupy.asnumpy(descale)[0]) == want_descale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plain_dW_1", [False, True])
+def test_leaving_dpre_unwritten_changes_no_other_bit(engine, monkeypatch, plain_dW_1):
+    """mlp_bwd with keep_dpre False (the model's) gives the bytes of keep_dpre True in every other output; dpre is
+    left as the product wrote it. With dW_1's FP8 product unavailable (`plain_dW_1`), its plain product reads dpre
+    finished by the GELU gradient pass: again the same bytes."""
+    import cupy
+
+    rng = np.random.default_rng()
+    N, C = 128, 64
+    F = 4 * C
+    host = {"inp": rng.standard_normal((N, C)), "W_1": rng.standard_normal((C, F)) * C**-0.5,
+            "W_2": rng.standard_normal((F, C)) * F**-0.5, "dout": rng.standard_normal((N, C)) * 1e-3}
+    dev = {k: cupy.asarray(v.astype("bfloat16")) for k, v in host.items()}
+    if plain_dW_1:
+        gemm = type(engine)._fp8_gemm
+        monkeypatch.setattr(type(engine), "_fp8_gemm", lambda self, c, *a, **k: (
+            False if c.shape == (C, F) else gemm(self, c, *a, **k)))
+
+    def run(keep_dpre):
+        out, pre, act, dpre = (cupy.full(s, np.nan, dtype="bfloat16") for s in ((N, C), (N, F), (N, F), (N, F)))
+        dinp = cupy.full((N, C), np.nan, dtype=np.float32)
+        dW_1, dW_2 = cupy.zeros((C, F), dtype=np.float32), cupy.zeros((F, C), dtype=np.float32)
+        engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"])
+        engine.mlp_bwd(dinp, dW_1, dW_2, dpre, dev["dout"], dev["inp"], pre, act, dev["W_1"], dev["W_2"],
+                       overwrite=True, keep_dpre=keep_dpre)
+        return {k: cupy.asnumpy(v).view(np.uint8) for k, v in (("dinp", dinp), ("dW_1", dW_1), ("dW_2", dW_2),
+                                                               ("dpre", dpre), ("pre", pre))}
+
+    kept, left = run(True), run(False)
+    for k in ("dinp", "dW_1", "dW_2"):
+        assert np.array_equal(kept[k], left[k]), k
+    assert np.isfinite(kept["dpre"].view("bfloat16").astype(np.float32)).all()
+    if not plain_dW_1:
+        assert not np.array_equal(kept["dpre"], left["dpre"])  # the product's dout @ W_2^T, GELU' not applied
+
+
 @pytest.mark.gpu
 def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
     """The FP8 linear products (the MLP's, `_linear_fwd` / `_linear_bwd`) and attn_qkv forward and backward in fp8

@@ -11,6 +11,15 @@ hand: there is no scale state to carry between steps, and a resume restores noth
 checkpoint. (Delayed scaling, an amax history from earlier steps, would save the amax pass; it would
 also be state, and the first step would need the pass anyway.)
 
+One gradient takes the scale of a bound of its amax instead of its own: the MLP backward's dpre = (dout @ W_2^T) *
+GELU'(pre), cast to E5M2 by the pass that applies GELU' (k_fp8_cast_dgelu), so that it is read once as it comes
+from the product and written as bf16 and both FP8 layouts at once; its own amax would need that pass done before
+the cast. The bound (`dgelu_amax`) is C times the largest values of the product's FP8 operands (57344 times dout's
+descale, 448 times W_2's) times 1.25 >= |GELU'|: a function of the operands' scales, never under |dpre| (no value
+saturates). For random operands at C 768 it sits about 2^8 above the amax (the sum's cancellation, the scales'
+powers of two); E5M2's normal values span 2^30, so only the values under about 2^-21 of the amax lose bits to
+subnormals, against 2^-29 at their own scale (tests/test_fp8.py).
+
 Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
 amax is found once: the LayerNorms, the GELU passes and the bf16 attention backward kernels compute it as they
 store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
@@ -59,14 +68,16 @@ import numpy as np
 from andrea.memory import BufferSpec
 from andrea.ops.base import blocks, kernel_defines, ptr
 
-KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many")}
+KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many", "k_fp8_cast_dgelu")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
 GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
 CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tests/test_fp8.py)
 OVERWRITE_CASES: tuple = ()
-SCALE_SLOTS = 4  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
+SCALE_SLOTS = 5  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
 DLOGITS_SLOT = 3  # the slot of the classifier's d_logits descale (2^-15, written by the forward's softmax)
+DPRE_SLOT = 4  # the slot of the MLP backward's dpre descale (written by k_fp8_cast_dgelu, at dgelu_amax's scale)
+GELU_GRAD_BOUND = 1.25  # |GELU'| <= 1.1290 (the tanh approximation's, at x = 1.4185): the bound keeps some room
 DLOGITS_AMAX = 1.0  # |p - onehot| <= 1: d_logits' fixed scale is this amax's
 SLOT_FLOATS = 4  # cuBLASLt takes 16-byte aligned pointers
 AMAX_BLOCKS = 8 * 132  # the amax pass's grid at most: 8 blocks on each of an H100/H200's 132 SMs
@@ -143,6 +154,24 @@ def scale_exponent(amax: float, fmt: str) -> int:
     return max(-126, min(127, e))
 
 
+def descale(x: np.ndarray, fmt: str) -> float:
+    """1 / s of x's own scale (as quantize gives it)."""
+    x = np.asarray(x, dtype=np.float32)
+    return 2.0 ** -scale_exponent(float(np.max(np.abs(x))) if x.size else 0.0, fmt)
+
+
+def dgelu_factor(C: int) -> np.float32:
+    """C * 57344 * 448 * GELU_GRAD_BOUND in float32: k_fp8_cast_dgelu's `factor` for a product over C."""
+    return np.float32(C) * np.float32(FORMATS["e5m2"][1] * FORMATS["e4m3"][1] * GELU_GRAD_BOUND)
+
+
+def dgelu_amax(C: int, dout_descale: float, w_descale: float) -> float:
+    """The amax whose scale the MLP backward's E5M2 dpre = (dout @ W_2^T) * GELU'(pre) takes (k_fp8_cast_dgelu): a
+    bound of |dpre| from the product's FP8 operands, whose values are at most 57344 times dout's descale and 448
+    times W_2's, C terms a sum. The kernel computes the same float32 products in the same order."""
+    return float(dgelu_factor(C) * np.float32(dout_descale) * np.float32(w_descale))
+
+
 def ml_dtype(fmt: str):
     """The NumPy type of a format (ml_dtypes)."""
     import ml_dtypes
@@ -150,12 +179,15 @@ def ml_dtype(fmt: str):
     return {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
 
 
-def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, float]:
-    """(the FP8 bytes of x as uint8, the descale 1 / s): the engine's cast of the same float32 values."""
+def quantize(x: np.ndarray, fmt: str, amax: float | None = None) -> tuple[np.ndarray, float]:
+    """(the FP8 bytes of x as uint8, the descale 1 / s): the engine's cast of the same float32 values. `amax`: at the
+    scale of that amax instead of x's own (a bound of |x|; values over it saturate, as cvt.satfinite does)."""
     x = np.asarray(x, dtype=np.float32)
-    amax = float(np.max(np.abs(x))) if x.size else 0.0
+    if amax is None:
+        amax = float(np.max(np.abs(x))) if x.size else 0.0
     e = scale_exponent(amax, fmt)
-    q = (x * np.float32(2.0**e)).astype(ml_dtype(fmt))
+    largest = np.float32(FORMATS[fmt][1])
+    q = np.clip(x * np.float32(2.0**e), -largest, largest).astype(ml_dtype(fmt))
     return q.view(np.uint8), 2.0**-e
 
 
@@ -371,11 +403,19 @@ class CudaOps:
         if not (fp8 and self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M, save_transpose=save_transpose)):
             self.blas.gemm(out, inp, W, N, M, K)
 
-    def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True) -> None:
+    def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True, cast=None,
+                    unfinished=None) -> None:
         """dW [K, M] += inp^T @ dout and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where the op
-        takes them, else (each product on its own) the plain products (`fp8=False`: in every precision)."""
-        done_dW, done_dinp = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta)
-                              if fp8 and self._fp8_ok(N, K, M) else (False, False))
+        takes them, else (each product on its own) the plain products (`fp8=False`: in every precision). `cast`:
+        as _linear_bwd_fp8's (the caller gives it only where _fp8_ok); `unfinished()` makes dout what the plain
+        products read where that cast left it otherwise."""
+        on_fp8 = fp8 and self._fp8_ok(N, K, M)
+        if cast is not None and not on_fp8:
+            raise RuntimeError("_linear_bwd: a cast of dout given for products that do not run on FP8 operands")
+        done_dW, done_dinp, *_ = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta, cast)
+                                  if on_fp8 else (False, False))
+        if unfinished is not None and not (done_dW and done_dinp):
+            unfinished()
         if not done_dW:
             self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=1.0)
         if not done_dinp:
@@ -405,15 +445,17 @@ class CudaOps:
         wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
-    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float) -> tuple[bool, bool]:
+    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None) -> tuple:
         """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
-        (the forward's where it saved it) and dout^T for the first, dout and W as stored for the second. Which ran."""
+        (the forward's where it saved it) and dout^T for the first, dout and W as stored for the second. `cast`:
+        cast(dq, dt) writes dout's E5M2 layouts and returns their descale, in place of dout's own cast (the MLP's
+        dgelu cast, which finishes dout too). Which ran, and the descales of dout and W (device words)."""
         xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
         xt, sx = self._fp8_transpose(inp, N, K, xt)
-        sd = self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
+        sd = cast(dq, dt) if cast is not None else self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
         w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
         return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),
-                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta))
+                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta), sd, sw)
 
     def _fp8_gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, *, fast: bool = False, **kw) -> bool:
         """Row-major C[m, n] = (a_scale * A[m, k]) @ (b_scale * B[n, k])^T (+ beta * C, an epilogue, a batch)

@@ -8,8 +8,9 @@ import math
 
 import numpy as np
 
-from andrea.ops.fp8 import AMAX_BLOCKS, amax_arg
-from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, start_grad
+from andrea.ops import fp8
+from andrea.ops.fp8 import AMAX_BLOCKS, DPRE_SLOT, amax_arg
+from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -43,8 +44,10 @@ class NumpyOps:
         self.mm(q(inp, "e4m3"), q(W_1, "e4m3"), out=pre)
         act[...] = _gelu(pre)
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
-        """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt from inp."""
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
+                keep_dpre=True):
+        """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt from inp.
+        `keep_dpre`: as CudaOps' (here dpre is always written)."""
         start_grad(dinp, overwrite)
         C, F = W_1.shape
         q = self.fp8_operand
@@ -54,7 +57,10 @@ class NumpyOps:
         dW_2 += self.mm(q(act, "e4m3").reshape(-1, F).T, d.reshape(-1, C))
         self.mm(d, q(W_2, "e4m3").T, out=dpre)
         dpre *= _gelu_grad(pre)
-        dp = q(dpre, "e5m2")
+        # the CUDA cast's scale: a bound of |dpre| from the operands' scales (fp8.dgelu_amax); q is the identity
+        # (d is dout) outside the fp8 emulation
+        bound = None if d is dout else fp8.dgelu_amax(C, fp8.descale(dout, "e5m2"), fp8.descale(W_2, "e4m3"))
+        dp = q(dpre, "e5m2", bound)
         dW_1 += self.mm(q(inp, "e4m3").reshape(-1, C).T, dp.reshape(-1, F))
         dinp += self.mm(dp, q(W_1, "e4m3").T)
 
@@ -117,9 +123,12 @@ class CudaOps:
             grid = min(grid, AMAX_BLOCKS)
         self._launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
 
-    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False):
+    def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
+                keep_dpre=True):
         """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt with the
-        forward's bits by its product."""
+        forward's bits by its product. `keep_dpre` False (the model's backward, which reads dpre no more): on FP8
+        operands dpre may be left holding dout @ W_2^T, the gradient at pre going to the products as E5M2 only (a
+        write of dpre less); the other outputs' bits are the same either way."""
         C, F = W_1.shape
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
@@ -127,17 +136,29 @@ class CudaOps:
             self._mlp_up(pre, act, inp, W_1)
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
         # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
-        done_dW, done_dpre = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0)
-                              if self._fp8_ok(N, C) else (False, False))
+        done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0)
+                                      if self._fp8_ok(N, C) else (False, False, None, None))
         if not done_dW:
             self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
-        if done_dpre:
-            self._gelu_grad(dpre, pre)
-        elif not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre)):
+        # on FP8 operands GELU' is applied by the pass that casts dpre for the products below
+        cast = (lambda dq, dt: self._fp8_cast_dgelu(dpre, pre, N, F, C, sd, sw, dq, dt, keep_dpre)) if done_dpre else None
+        if not done_dpre and not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True,
+                                                                     epilogue="dgelu", aux=pre)):
             self.blas.gemm(dpre, dout, W_2, N, F, C, trans_b=True)
             self._gelu_grad(dpre, pre)
-        # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T
-        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0)
+        # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T (a cast that left dpre unfinished finishes it for a plain product)
+        unfinished = (lambda: self._gelu_grad(dpre, pre)) if done_dpre and not keep_dpre else None
+        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast, unfinished=unfinished)
+
+    def _fp8_cast_dgelu(self, dpre, pre, N, F, C, dout_descale, w_descale, dq, dt, store: bool = True):
+        """dpre [N, F] * GELU'(pre) as E5M2 into dq and dt ([F, N]) in one pass, at the scale of a bound of |dpre|
+        (fp8.dgelu_amax: no amax pass before the cast), and with `store` into dpre too; the descale (a device word)."""
+        _, descale = self._fp8_slot(DPRE_SLOT)
+        tile = kernel_defines("fp8")["FP8_TILE"]
+        self.k["k_fp8_cast_dgelu"]((-(-F // tile), -(-N // tile)), (kernel_defines("fp8")["FP8_THREADS"],), (
+            dq, dt, descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, fp8.dgelu_factor(C),
+            np.int32(store)))
+        return descale
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -67,10 +67,10 @@ def fake_quantized(engine):
     def linear_fwd(out, inp, W, *d, fp8=True):  # fp8=False (attn_out): the plain product, as precision fp8 runs it
         return lin_f(out, fq(inp, "e4m3") if fp8 else inp, fq(W, "e4m3") if fp8 else W, *d, fp8=fp8)
 
-    def linear_bwd(dinp, dW, dout, inp, W, *d, fp8=True):
+    def linear_bwd(dinp, dW, dout, inp, W, *d, fp8=True, **kw):  # dpre at its own scale (fp8 takes a bound's)
         if fp8:
             dout, inp, W = fq(dout, "e5m2"), fq(inp, "e4m3"), fq(W, "e4m3")
-        return lin_b(dinp, dW, dout, inp, W, *d, fp8=fp8)
+        return lin_b(dinp, dW, dout, inp, W, *d, fp8=fp8, **kw)
 
     engine._linear_fwd, engine._linear_bwd = linear_fwd, linear_bwd
     engine._gelu_epilogue = lambda pre, act, inp, W_1: gelu_up(pre, act, fq(inp, "e4m3"), fq(W_1, "e4m3"))

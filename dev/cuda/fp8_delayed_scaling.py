@@ -66,9 +66,9 @@ class DelayedScaling(Fp8EmulationEngine):
         self.site = 0
         return super().embed_fwd(*args, **kwargs)
 
-    def fp8_operand(self, a, fmt: str):
-        if np.shares_memory(a, self._weights):
-            return super().fp8_operand(a, fmt)
+    def fp8_operand(self, a, fmt: str, amax: float | None = None):
+        if amax is not None or np.shares_memory(a, self._weights):  # a scale known beforehand: as precision fp8
+            return super().fp8_operand(a, fmt, amax)
         x = np.asarray(a, dtype=np.float32)
         now = float(np.abs(x).max()) if x.size else 0.0
         past = self.amaxes[self.site]
