@@ -8,8 +8,7 @@ import math
 
 import numpy as np
 
-from andrea.ops import fp8
-from andrea.ops.fp8 import AMAX_BLOCKS, DPRE_SLOT, amax_arg
+from andrea.ops.fp8 import AMAX_BLOCKS, DPRE_SLOT, amax_arg, descale, dgelu_amax, dgelu_factor
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
@@ -57,9 +56,9 @@ class NumpyOps:
         dW_2 += self.mm(q(act, "e4m3").reshape(-1, F).T, d.reshape(-1, C))
         self.mm(d, q(W_2, "e4m3").T, out=dpre)
         dpre *= _gelu_grad(pre)
-        # the CUDA cast's scale: a bound of |dpre| from the operands' scales (fp8.dgelu_amax); q is the identity
+        # the CUDA cast's scale: a bound of |dpre| from the operands' scales (dgelu_amax); q is the identity
         # (d is dout) outside the fp8 emulation
-        bound = None if d is dout else fp8.dgelu_amax(C, fp8.descale(dout, "e5m2"), fp8.descale(W_2, "e4m3"))
+        bound = None if d is dout else dgelu_amax(C, descale(dout, "e5m2"), descale(W_2, "e4m3"))
         dp = q(dpre, "e5m2", bound)
         dW_1 += self.mm(q(inp, "e4m3").reshape(-1, C).T, dp.reshape(-1, F))
         dinp += self.mm(dp, q(W_1, "e4m3").T)
@@ -152,13 +151,13 @@ class CudaOps:
 
     def _fp8_cast_dgelu(self, dpre, pre, N, F, C, dout_descale, w_descale, dq, dt, store: bool = True):
         """dpre [N, F] * GELU'(pre) as E5M2 into dq and dt ([F, N]) in one pass, at the scale of a bound of |dpre|
-        (fp8.dgelu_amax: no amax pass before the cast), and with `store` into dpre too; the descale (a device word)."""
-        _, descale = self._fp8_slot(DPRE_SLOT)
+        (dgelu_amax: no amax pass before the cast), and with `store` into dpre too; the descale (a device word)."""
+        _, out_descale = self._fp8_slot(DPRE_SLOT)
         tile = kernel_defines("fp8")["FP8_TILE"]
         self.k["k_fp8_cast_dgelu"]((-(-F // tile), -(-N // tile)), (kernel_defines("fp8")["FP8_THREADS"],), (
-            dq, dt, descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, fp8.dgelu_factor(C),
+            dq, dt, out_descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, dgelu_factor(C),
             np.int32(store)))
-        return descale
+        return out_descale
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
