@@ -13,8 +13,8 @@ also be state, and the first step would need the pass anyway.)
 
 One gradient takes the scale of a bound of its amax instead of its own: the MLP backward's dpre = (dout @ W_2^T) *
 GELU'(pre), cast to E5M2 by the pass that applies GELU' (k_fp8_cast_dgelu), so that it is read once as it comes
-from the product and written as bf16 and both FP8 layouts at once; its own amax would need that pass done before
-the cast. The bound (`dgelu_amax`) is C times the largest values of the product's FP8 operands (57344 times dout's
+from the product and written as both FP8 layouts at once (and as bf16 only where the caller keeps dpre); its own
+amax would need that pass done before the cast. The bound (`dgelu_amax`) is C times the largest values of the product's FP8 operands (57344 times dout's
 descale, 448 times W_2's) times 1.25 >= |GELU'|: a function of the operands' scales, never under |dpre| (no value
 saturates). For random operands at C 768 it sits about 2^8 above the amax (the sum's cancellation, the scales'
 powers of two); E5M2's normal values span 2^30, so only the values under about 2^-21 of the amax lose bits to
@@ -154,10 +154,14 @@ def scale_exponent(amax: float, fmt: str) -> int:
     return max(-126, min(127, e))
 
 
+def own_amax(xp, x) -> float:
+    """max |x| of a float32 array of the array module xp (NumPy or CuPy); 0 for an empty one."""
+    return float(xp.abs(x).max()) if x.size else 0.0
+
+
 def descale(x: np.ndarray, fmt: str) -> float:
     """1 / s of x's own scale (as quantize gives it)."""
-    x = np.asarray(x, dtype=np.float32)
-    return 2.0 ** -scale_exponent(float(np.max(np.abs(x))) if x.size else 0.0, fmt)
+    return 2.0 ** -scale_exponent(own_amax(np, np.asarray(x, dtype=np.float32)), fmt)
 
 
 def dgelu_factor(C: int) -> np.float32:
@@ -184,7 +188,7 @@ def quantize(x: np.ndarray, fmt: str, amax: float | None = None) -> tuple[np.nda
     scale of that amax instead of x's own (a bound of |x|; values over it saturate, as cvt.satfinite does)."""
     x = np.asarray(x, dtype=np.float32)
     if amax is None:
-        amax = float(np.max(np.abs(x))) if x.size else 0.0
+        amax = own_amax(np, x)
     e = scale_exponent(amax, fmt)
     largest = np.float32(FORMATS[fmt][1])
     q = np.clip(x * np.float32(2.0**e), -largest, largest).astype(ml_dtype(fmt))
@@ -199,7 +203,7 @@ def fake_quantize(xp, x, fmt: str, amax: float | None = None):
     mantissa, min_exp = GRID[fmt]
     x = xp.asarray(x, dtype=xp.float32)
     if amax is None:
-        amax = float(xp.abs(x).max()) if x.size else 0.0
+        amax = own_amax(xp, x)
     e = scale_exponent(amax, fmt)
     a = xp.abs(x) * xp.float32(2.0**e)
     _, ex = xp.frexp(a)  # a in [2^(ex-1), 2^ex); below the smallest normal the spacing stays that of min_exp
