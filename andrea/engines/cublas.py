@@ -28,19 +28,28 @@ def algorithm_table(tables: list[dict], device: str, version: int) -> dict[str, 
 
 
 def merged_tables(tables: list[dict], device: str, version: int, margin: float, choices: dict[str, int],
-                  measured: dict[str, list[float]]) -> list[dict]:
+                  measured: dict[str, list[float]], baselines: dict[str, float] | None = None) -> list[dict]:
     """The tables with new measurements of this GPU and version (scripts/tune_gemm.py): the products measured
     now take their new entries (a choice, or none), the others keep theirs; a table made at another margin is
-    started again, so that all its choices follow one."""
+    started again, so that all its choices follow one. `baselines`: for the plain products (those the engine
+    runs through cublasGemmEx unless the table names them), cublasGemmEx's ms, which a choice must beat; a
+    cuBLASLt product's baseline is its heuristic's first, measured_ms[0]."""
     mine = next((t for t in tables if (t["device"], t["cublaslt"]) == (device, version)), None)
     if mine is not None and mine["margin"] != margin:
         mine = None
     kept = mine or {"choices": {}, "measured_ms": {}}
+    kept_baselines = {k: v for k, v in kept.get("baseline_ms", {}).items() if k not in measured}
     table = {"device": device, "cublaslt": version, "margin": margin,
              "choices": {k: v for k, v in kept["choices"].items() if k not in measured} | choices,
-             "measured_ms": kept["measured_ms"] | measured}
+             "measured_ms": kept["measured_ms"] | measured,
+             "baseline_ms": kept_baselines | (baselines or {})}
     others = [t for t in tables if (t["device"], t["cublaslt"]) != (device, version)]
     return others + [table]
+
+
+def baseline_ms(table: dict, name: str) -> float:
+    """What a table's choice for a product had to beat: cublasGemmEx for a plain product, else the heuristic's first."""
+    return table.get("baseline_ms", {}).get(name, table["measured_ms"][name][0])
 
 
 def product_name(key: tuple) -> str:
@@ -74,7 +83,10 @@ class Cublas:
     """The two cuBLAS products the engine needs, through ctypes on an own handle.
 
     CuPy's cuBLAS wrappers call cublasSetStream before every product, and that call resets the
-    handle's workspace to cuBLAS's internal pool; this handle keeps the engine's preallocated one."""
+    handle's workspace to cuBLAS's internal pool; this handle keeps the engine's preallocated one.
+    With `lt` (the 16-bit and fp8 builds), a product the algorithm table names runs through cuBLASLt
+    on the table's algorithm instead: cublasGemmEx's own choice is slower for some of the step's
+    shapes (scripts/tune_gemm.py measures both)."""
 
     OP_N, OP_T = 0, 1
     TYPES = {"float32": 0, "bfloat16": 14, "float16": 2}  # CUDA_R_32F, CUDA_R_16BF, CUDA_R_16F
@@ -83,7 +95,7 @@ class Cublas:
     COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
     GEMM_DEFAULT = -1
 
-    def __init__(self, tf32_products: bool, workspace):
+    def __init__(self, tf32_products: bool, workspace, lt: CublasLt | None = None):
         from cuda import pathfinder
 
         lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
@@ -101,6 +113,7 @@ class Cublas:
         self.handle = handle.value
         self.stream = None
         self._scalar = _HostScalars()
+        self.lt = lt
         self._bind_stream()
 
     @staticmethod
@@ -124,6 +137,17 @@ class Cublas:
 
         cuBLAS is column-major, where a row-major matrix reads as its transpose: so it computes
         C^T = op(B)^T op(A)^T, with the operands swapped and each transpose flag kept."""
+        if self.lt is not None and lda is None and ldb is None and ldc is None:
+            kw = dict(trans_a=trans_a, trans_b=trans_b, batch=batch, stride_a=stride_a, stride_b=stride_b,
+                      stride_c=stride_c)
+            if self.lt.tabled(c, a, b, m, n, k, **kw) and self.lt.gemm(c, a, b, m, n, k, alpha=alpha, beta=beta, **kw):
+                return
+        self.gemm_ex(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb, ldc=ldc, alpha=alpha,
+                     beta=beta, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
+
+    def gemm_ex(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
+                alpha=1.0, beta=0.0, batch=1, stride_a=0, stride_b=0, stride_c=0):
+        """`gemm` through cublasGemmEx (cuBLAS's own algorithm), whatever the table says."""
         t_ab, t_c = self.TYPES[a.dtype.name], self.TYPES[c.dtype.name]
         compute = self.compute if t_ab == self.TYPES["float32"] else self.COMPUTE_32F
         c, a, b = c.data.ptr, a.data.ptr, b.data.ptr
@@ -281,14 +305,25 @@ class CublasLt:
         takes 0 .. that - 1."""
         return sum(self._plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
 
-    def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
-                  a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
-                  stride_b=0, stride_c=0):
+    @staticmethod
+    def _key(c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None, a_type=None, b_type=None,
+             a_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0, stride_b=0, stride_c=0, **_) -> tuple:
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
         accumulation = None if a_scale is None else ("fast" if fast_accum else "split")  # FP8 products only
-        key = (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
-               accumulation, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+        return (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
+                accumulation, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+
+    def tabled(self, c, a, b, m, n, k, **kw) -> bool:
+        """Whether the algorithm table names this product (Cublas.gemm then runs it here)."""
+        return product_name(self._key(c, a, b, m, n, k, **kw)) in self.choices
+
+    def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
+                  a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
+                  stride_b=0, stride_c=0):
+        key = self._key(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux, a_type=a_type,
+                        b_type=b_type, a_scale=a_scale, fast_accum=fast_accum, algo=algo, batch=batch,
+                        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
         if key not in self._plans:  # algo None: the table's choice, looked up once a shape
             chosen = chosen_key(key, algo, self.choices)
             if chosen not in self._plans:

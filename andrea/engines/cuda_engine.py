@@ -112,10 +112,10 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
                                    own_buffers=own, fp8_products=p.fp8_products,
                                    qkv_weight_rows=not p.fp8_products)  # fp8 keeps its own [C, 3C] copy
         self._decay_ranges: tuple = ()
-        self.blas = Cublas(p.tf32_products, self.own["cublas_workspace"])
         # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace);
-        # fp8: the layers' FP8 products
+        # fp8: the layers' FP8 products; both: the plain products the algorithm table names
         self.blas_lt = CublasLt(self.own["cublas_workspace"]) if p.low else None
+        self.blas = Cublas(p.tf32_products, self.own["cublas_workspace"], lt=self.blas_lt)
         self._capture_streams: list = []
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
         self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)

@@ -1,0 +1,337 @@
+"""How far cuBLASLt's heuristic list is from the fastest algorithm cuBLASLt can run for each product of a step.
+
+    PYTHONPATH=. python3 dev/cuda/lt_search.py [--shapes 120M,12M] [--precisions bf16] [--out DIR]
+
+One eager training step of each shape records every product it runs: the cuBLASLt ones (GELU epilogues, the
+classifier, FP8) and the plain cublasGemmEx ones (run here through cuBLASLt too, where they pass no leading
+dimensions of their own). For each product it times, alone, on the step's own buffers:
+  - the engine's algorithm today (the table's choice or the heuristic's first; cublasGemmEx for a plain one);
+  - every algorithm the heuristic offers when asked for up to --heuristics of them;
+  - configurations built by hand: every algorithm id cuBLASLt has for the types, each tile and stage count it
+    reports, then for the fastest few every CTA swizzle, custom option and cluster shape that cublasLtMatmulAlgoCheck
+    accepts, with no split of K.
+Each candidate faster than today is checked against today's output (relative difference, on the same inputs,
+the output restored between runs). It prints one line a product, a table last, and writes lt_search.json under
+--out. It measures and reports; the engine's table is not changed (scripts/tune_gemm.py writes that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import cupy  # noqa: E402
+
+from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options, synthetic_micro_batches  # noqa: E402
+
+# cublasLtMatmulAlgoCapAttributes_t and cublasLtMatmulAlgoConfigAttributes_t (cublasLt.h)
+CAP_SPLITK, CAP_SWIZZLE, CAP_TILE_IDS, CAP_CUSTOM_MAX, CAP_STAGES_IDS = 0, 2, 6, 7, 13
+CFG_ID, CFG_TILE, CFG_SPLITK, CFG_REDUCTION, CFG_SWIZZLE, CFG_CUSTOM, CFG_STAGES, CFG_INNER, CFG_CLUSTER = range(9)
+CFG_U16 = (CFG_INNER, CFG_CLUSTER)
+CONFIG_NAMES = {CFG_ID: "id", CFG_TILE: "tile", CFG_SPLITK: "splitk", CFG_REDUCTION: "reduction",
+                CFG_SWIZZLE: "swizzle", CFG_CUSTOM: "custom", CFG_STAGES: "stages", CFG_INNER: "inner",
+                CFG_CLUSTER: "cluster"}
+
+
+def bind(lib) -> None:
+    p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.cublasLtMatmulAlgoGetIds.argtypes = [p, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)]
+    lib.cublasLtMatmulAlgoInit.argtypes = [p, i, i, i, i, i, i, i, p]
+    lib.cublasLtMatmulAlgoCapGetAttribute.argtypes = [p, i, p, sz, ctypes.POINTER(sz)]
+    lib.cublasLtMatmulAlgoConfigSetAttribute.argtypes = [p, i, p, sz]
+    lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [p, i, p, sz, ctypes.POINTER(sz)]
+
+
+def cap_list(lib, algo, attr) -> list[int]:
+    size = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.addressof(algo), attr, None, 0, ctypes.byref(size)) or not size.value:
+        return []
+    buf = (ctypes.c_uint32 * (size.value // 4))()
+    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.addressof(algo), attr, buf, size.value, ctypes.byref(size))
+    return list(buf)
+
+
+def cap_int(lib, algo, attr) -> int:
+    v, size = ctypes.c_int32(0), ctypes.c_size_t(0)
+    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.addressof(algo), attr, ctypes.byref(v), 4, ctypes.byref(size))
+    return v.value
+
+
+def config_of(lib, algo) -> dict:
+    out = {}
+    for attr, name in CONFIG_NAMES.items():
+        v = (ctypes.c_uint16 if attr in CFG_U16 else ctypes.c_uint32)(0)
+        size = ctypes.c_size_t(0)
+        lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.addressof(algo), attr, ctypes.byref(v), ctypes.sizeof(v),
+                                                 ctypes.byref(size))
+        out[name] = int(v.value)
+    return out
+
+
+def set_config(lib, algo, attr, value) -> None:
+    v = (ctypes.c_uint16 if attr in CFG_U16 else ctypes.c_uint32)(value)
+    lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.addressof(algo), attr, ctypes.byref(v), ctypes.sizeof(v))
+
+
+class Product:
+    """One recorded product, runnable through cuBLASLt with any algorithm struct."""
+
+    def __init__(self, lt, args, kw, plain: bool):
+        from andrea.engines.cublas import Cublas
+
+        self.lt, self.args, self.kw, self.plain = lt, args, dict(kw), plain
+        planned = {k: v for k, v in kw.items() if k not in ("alpha", "beta", "algo")}
+        self.key, plan = lt._plan_for(*args, **planned)
+        self.plan = plan
+        c, a, b = args[:3]
+        t = lt.TYPES
+        # cuBLAS's A is our b, its B our a
+        self.types = (t[self.key[2]], t[self.key[1]], t[self.key[0]], t[self.key[0]])
+        self.compute = Cublas.COMPUTE_32F
+
+    def run(self, result) -> None:
+        lt = self.lt
+        c, a, b = self.args[:3]
+        desc, lay_b, lay_a, lay_c, _ = self.plan
+        aux = self.kw.get("aux")
+        if aux is not None and self.kw.get("epilogue") in lt.AUX_EPILOGUES:
+            lt._set(desc, lt.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
+        if self.kw.get("a_scale") is not None:
+            lt._set_scales(desc, self.kw["a_scale"], self.kw["b_scale"])
+        status = lt.lib.cublasLtMatmul(
+            lt.handle, desc, lt._scalar(self.kw.get("alpha", 1.0)), b.data.ptr, lay_b, a.data.ptr, lay_a,
+            lt._scalar(self.kw.get("beta", 0.0)), c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(result),
+            lt.workspace.data.ptr, lt.workspace.nbytes, cupy.cuda.get_current_stream().ptr)
+        if status:
+            raise RuntimeError(f"cublasLtMatmul status {status}")
+
+    def check(self, algo) -> bool:
+        lt = self.lt
+        desc, lay_b, lay_a, lay_c, _ = self.plan
+        res = lt._Heuristic()
+        st = lt.lib.cublasLtMatmulAlgoCheck(lt.handle, desc, lay_b, lay_a, lay_c, lay_c, ctypes.addressof(algo),
+                                            ctypes.byref(res))
+        return st == 0 and res.workspace_size <= lt.workspace.nbytes
+
+
+def ms_of(fn, inner: int = 20, reps: int = 3) -> float:
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / inner)
+    return statistics.median(times)
+
+
+def step_calls(name: str, precision: str):
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.model import Model, init_params
+
+    engine = CudaEngine(precision=precision)
+    lt, blas = engine.blas_lt, engine.blas
+    calls: dict = {}
+    run_lt, run_blas = lt.gemm, blas.gemm
+
+    def rec_lt(*args, **kw):
+        from andrea.engines.cublas import product_name
+        planned = {k: v for k, v in kw.items() if k not in ("alpha", "beta", "algo")}
+        key, _ = lt._plan_for(*args, **planned)
+        calls.setdefault(("lt", product_name(key)), (args, kw))
+        return run_lt(*args, **kw)
+
+    def rec_blas(*args, **kw):
+        c, a, b, m, n, k = args[:6]
+        name = ("plain", repr((c.dtype.name, a.dtype.name, m, n, k, kw.get("trans_a", False), kw.get("trans_b", False),
+                               kw.get("batch", 1), kw.get("lda"), kw.get("ldb"), kw.get("beta", 0.0) != 0)))
+        calls.setdefault(name, (args, kw))
+        return run_blas(*args, **kw)
+
+    lt.gemm, blas.gemm = rec_lt, rec_blas
+    shape, micro = EXPERIMENTS[name].model, BENCH[name]
+    model = Model(engine, shape, micro, graphs=False, **options(name))
+    model.load_state(init_params(model.layout, 0))
+    model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
+    lt.gemm, blas.gemm = run_lt, run_blas
+    return engine, model, calls
+
+
+def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr) -> dict:
+    lib = lt.lib
+    ref_in = out_arr.copy()
+    aux = prod.kw.get("aux")
+    aux_in = aux.copy() if aux is not None else None
+
+    def restore():
+        out_arr[...] = ref_in
+        if aux_in is not None:
+            aux[...] = aux_in
+
+    def output():
+        # gelu_aux writes aux too: compare both
+        return out_arr.astype(cupy.float64), (aux.astype(cupy.float64) if aux is not None else None)
+
+    restore()
+    run_default()
+    ref = output()
+    restore()
+    today = ms_of(run_default)
+    rows = []
+
+    def rel(x, y):
+        n = float(cupy.linalg.norm(y))
+        return float(cupy.linalg.norm(x - y)) / (n if n else 1.0)
+
+    def try_algo(label, algo, cfg):
+        restore()
+        prod.run(algo)
+        got = output()
+        err = rel(got[0], ref[0])
+        if ref[1] is not None and prod.kw.get("epilogue") == "gelu_aux":
+            err = max(err, rel(got[1], ref[1]))
+        ms = ms_of(lambda: prod.run(algo))
+        rows.append({"label": label, "ms": round(ms, 5), "rel_err": err, "config": cfg})
+        return ms
+
+    # the heuristic's list, long
+    desc, lay_b, lay_a, lay_c, _ = prod.plan
+    pref = ctypes.c_void_p()
+    lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref))
+    limit = ctypes.c_uint64(lt.workspace.nbytes)
+    lib.cublasLtMatmulPreferenceSetAttribute(pref, lt.PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8)
+    results, found = (lt._Heuristic * heuristics)(), ctypes.c_int(0)
+    lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, heuristics, results,
+                                       ctypes.byref(found))
+    seen = set()
+    for i in range(found.value):
+        algo = results[i]
+        cfg = config_of(lib, algo)
+        seen.add(tuple(sorted(cfg.items())))
+        try_algo(f"heuristic {i}", algo, cfg)
+
+    # configurations by hand
+    n_ids, ids = ctypes.c_int(0), (ctypes.c_int * 256)()
+    lib.cublasLtMatmulAlgoGetIds(lt.handle, prod.compute, lt.SCALE_32F, *prod.types, 256, ids, ctypes.byref(n_ids))
+    cands = []
+    for algo_id in ids[:n_ids.value]:
+        base = lt._Heuristic()
+        if lib.cublasLtMatmulAlgoInit(lt.handle, prod.compute, lt.SCALE_32F, *prod.types, algo_id,
+                                      ctypes.addressof(base)):
+            continue
+        tiles = cap_list(lib, base, CAP_TILE_IDS) or [0]
+        stages = cap_list(lib, base, CAP_STAGES_IDS) or [0]
+        for tile in tiles:
+            for stage in stages:
+                algo = lt._Heuristic()
+                ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(base), ctypes.sizeof(algo))
+                set_config(lib, algo, CFG_TILE, tile)
+                set_config(lib, algo, CFG_STAGES, stage)
+                set_config(lib, algo, CFG_SPLITK, 1)
+                if prod.check(algo):
+                    cfg = config_of(lib, algo)
+                    if tuple(sorted(cfg.items())) not in seen:
+                        seen.add(tuple(sorted(cfg.items())))
+                        cands.append((algo, cfg, base))
+    timed = 0
+    first = []
+    for algo, cfg, base in cands[:budget]:
+        first.append((try_algo("config", algo, cfg), algo, cfg, base))
+        timed += 1
+    first.sort(key=lambda r: r[0])
+    for _, algo0, cfg0, base in first[:6]:
+        swz = [0, 1] if cap_int(lib, base, CAP_SWIZZLE) else [0]
+        custom = range(min(cap_int(lib, base, CAP_CUSTOM_MAX), 7) + 1)
+        for s in swz:
+            for cu in custom:
+                for cl in range(0, 25):
+                    algo = lt._Heuristic()
+                    ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(algo0), ctypes.sizeof(algo))
+                    set_config(lib, algo, CFG_SWIZZLE, s)
+                    set_config(lib, algo, CFG_CUSTOM, cu)
+                    set_config(lib, algo, CFG_CLUSTER, cl)
+                    if not prod.check(algo):
+                        continue
+                    cfg = config_of(lib, algo)
+                    if tuple(sorted(cfg.items())) in seen:
+                        continue
+                    seen.add(tuple(sorted(cfg.items())))
+                    if timed >= 2 * budget:
+                        break
+                    try_algo("config+", algo, cfg)
+                    timed += 1
+    restore()
+    good = [r for r in rows if r["rel_err"] < 2e-2]
+    best = min(good, key=lambda r: r["ms"]) if good else None
+    return {"today_ms": round(today, 5), "heuristics_found": found.value, "configs_checked": len(cands),
+            "timed": len(rows), "best": best, "rows": sorted(rows, key=lambda r: r["ms"])[:40]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="120M,12M")
+    ap.add_argument("--precisions", default="bf16")
+    ap.add_argument("--heuristics", type=int, default=64, help="algorithms asked of the heuristic (default 64)")
+    ap.add_argument("--budget", type=int, default=400, help="hand-built configurations timed a product (default 400)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/lt_search")))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report, lines = {}, []
+    for name in args.shapes.split(","):
+        for precision in args.precisions.split(","):
+            engine, model, calls = step_calls(name, precision)
+            lt = engine.blas_lt
+            bind(lt.lib)
+            print(f"{name}/{precision}: {len(calls)} products", flush=True)
+            for (kind, pname), (cargs, kw) in calls.items():
+                t0 = time.time()
+                if kind == "plain":
+                    if kw.get("lda") or kw.get("ldb") or kw.get("ldc"):
+                        continue
+                    lt_kw = {k: v for k, v in kw.items() if k in ("trans_a", "trans_b", "alpha", "beta", "batch",
+                                                                    "stride_a", "stride_b", "stride_c")}
+                    prod = Product(lt, cargs, lt_kw, plain=True)
+                    run_default = lambda cargs=cargs, kw=kw: engine.blas.gemm(*cargs, **kw)  # noqa: E731
+                else:
+                    prod = Product(lt, cargs, kw, plain=False)
+                    run_default = lambda cargs=cargs, kw=kw: lt.gemm(*cargs, **kw)  # noqa: E731
+                if prod.plan is None:
+                    print(f"  {kind} {pname}: no cuBLASLt plan", flush=True)
+                    continue
+                res = search(lt, prod, args.heuristics, args.budget, run_default, cargs[0])
+                c, a, b, m, n, k = cargs[:6]
+                res.update(kind=kind, product=pname, mnk=[m, n, k], gflop=2 * m * n * k * kw.get("batch", 1) / 1e9)
+                report[f"{name}/{precision} {kind} {pname}"] = res
+                best = res["best"]
+                gain = res["today_ms"] - best["ms"] if best else 0.0
+                line = (f"{name:5} {precision:5} {kind:5} {m:>6}x{n:<6}x{k:<6} b{kw.get('batch', 1)} "
+                        f"{kw.get('epilogue', 'none'):8} today {res['today_ms']:.4f} best {best['ms'] if best else 0:.4f} "
+                        f"({gain:+.4f}) {best['label'] if best else '-'} {best['config'] if best else ''} "
+                        f"err {best['rel_err'] if best else 0:.1e} h{res['heuristics_found']} c{res['configs_checked']} "
+                        f"[{time.time() - t0:.0f}s]")
+                print(line, flush=True)
+                lines.append(line)
+                (args.out / "lt_search.json").write_text(json.dumps(report, indent=1))
+            del model, engine
+            cupy.get_default_memory_pool().free_all_blocks()
+    print("\n".join(["", "product                          today -> best"] + lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
