@@ -218,6 +218,7 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
         stat("v", (n,), "optimizer")
         stat("grad_norm_partials", (GRAD_NORM_PARTIALS,), "scratch")
         stat("grad_norm", (1,), "scratch")
+        stat("grad_gate", (2,), "scratch")  # the clipping scale and whether the step updates (ops/grad_norm.py)
     add("tokens", (B, T), "io", "int32")
     add("targets", (B, T), "io", "int32")
     # The targets' loss weights (a loss mask), read only by a weighted loss; always planned: B * T floats.

@@ -17,6 +17,7 @@ from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
 from andrea.memory import layer_buffer, loss_piece, plan_model, recomputing_layers
 from andrea.ops import attn_qkv, fp8
+from andrea.ops.loss import LOSS_SLOTS, weighted_mean
 
 INIT_STD = 0.02
 
@@ -333,10 +334,14 @@ class Model:
     # ---- optimizer step --------------------------------------------------------------------
     def grad_norm(self, scale: float = 1.0) -> float:
         """The global norm of the gradient times `scale` (the gradient itself unchanged)."""
+        self._grad_norm_launch(scale)
+        return float(self.engine.to_host(self.buf["grad_norm"])[0])
+
+    def _grad_norm_launch(self, scale: float) -> None:
+        """grad_norm's launches, into buf["grad_norm"], not read."""
         e, b = self.engine, self.buf
         e.grad_norm_partial(b["grad_norm_partials"], b["grads"], scale=scale)
         e.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])
-        return float(e.to_host(b["grad_norm"])[0])
 
     def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict,
                    weights: list[np.ndarray] | None = None, sources=None) -> tuple[float, float]:
@@ -366,36 +371,64 @@ class Model:
                 raise EmptyStep("no target counts in this step's batch (every loss weight is 0"
                                 f"{' on every rank' if self.data_parallel is not None else ''}): "
                                 "the step made no update")
+        n = len(micro_batches)
+        # On one GPU the whole step is launched before the host reads anything: each micro-batch's loss sums go to
+        # a slot of their own, and the clipping and the decision to update (a finite norm and loss) are made on the
+        # engine (grad_gate), which AdamW reads. Data-parallel ranks decide on the host, from the ranks' losses.
+        deferred = self.data_parallel is None and n <= LOSS_SLOTS
         losses = []
         per_source = None if sources is None else np.zeros((2, sources[1]), dtype=np.float64)
         for i, (tokens, targets) in enumerate(micro_batches):
             w = None if weights is None else weights[i]
             self._upload(tokens, targets, w)
             # the last micro-batch's backward also sums the gradient over the data-parallel ranks
-            self._forward_backward(reduce=self.data_parallel is not None and i == len(micro_batches) - 1,
-                                   weighted=w is not None)
+            self._forward_backward(reduce=self.data_parallel is not None and i == n - 1, weighted=w is not None)
             if per_source is not None:
                 self._add_source_losses(per_source, sources[0][i], w)
-            if w is None:
+            if deferred:
+                e.loss_sums(b["losses"], None if w is None else b["loss_weights"], slot=i)
+            elif w is None:
                 losses.append(e.mean_loss(b["losses"]))
             elif counted[i]:  # sum(w * loss) of the micro-batch
                 losses.append(counted[i] * e.mean_loss(b["losses"], b["loss_weights"]))
         if weights is None:
-            loss = float(np.mean(losses))
-            n = len(micro_batches)
-            if self.data_parallel is not None:
-                loss = self.data_parallel.reduce_loss(loss)
-                n *= self.data_parallel.world
-            unscale = 1.0 / (n * self._scale)
+            ranks = 1 if self.data_parallel is None else self.data_parallel.world
+            unscale = 1.0 / (n * ranks * self._scale)
         else:
-            loss = self._rank_sum(sum(losses)) / total
             # each micro-batch's backward ran at loss scale / (B * T) (_loss_grad_scale)
             unscale = self.micro_batch * self.shape.seq_len / (total * self._scale)
         if per_source is not None:
             self.source_loss_sums = per_source if self.data_parallel is None else \
                 self.data_parallel.sum_vector(per_source.reshape(-1)).reshape(per_source.shape)
+        clip = optimizer["grad_clip"]
+        beta1, beta2 = optimizer["betas"]
+
+        def update(clip_scale: float = 1.0, gate=None):
+            e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
+                         eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
+                         decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"),
+                         grad_scales=(unscale, clip_scale), gate=gate)
+            self._weights_changed()
+
         # The step's gradient is unscale x grads: the norm and AdamW read it so, and grads are never rewritten.
-        norm = self.grad_norm(unscale)
+        if deferred:
+            self._grad_norm_launch(unscale)
+            e.grad_gate(b["grad_gate"], b["grad_norm"], n, clip)
+            update(gate=b["grad_gate"])  # a gate that says no (a non-finite norm or loss) leaves the weights as they are
+            sums = e.read_loss_sums(n)  # the host's one wait for the device
+            norm = float(e.to_host(b["grad_norm"])[0])
+            if weights is None:
+                losses = [weighted_mean(*row) for row in sums]
+            else:
+                losses = [counted[i] * weighted_mean(*sums[i]) for i in range(n) if counted[i]]
+        if weights is None:
+            loss = float(np.mean(losses))
+            if self.data_parallel is not None:
+                loss = self.data_parallel.reduce_loss(loss)
+        else:
+            loss = self._rank_sum(sum(losses)) / total
+        if not deferred:
+            norm = self.grad_norm(unscale)
         if self.loss_scale is not None and math.isfinite(loss):
             self.loss_scale.update(overflow=not math.isfinite(norm))
             if not math.isfinite(norm):
@@ -407,14 +440,8 @@ class Model:
             e.zero_grads(b["grads"])
             raise NonFiniteStep(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
                                 f"(loss {loss}, grad norm {norm}; non-finite gradients in: {', '.join(bad) or 'none'})")
-        clip = optimizer["grad_clip"]
-        clip_scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-        beta1, beta2 = optimizer["betas"]
-        e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
-                     eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
-                     decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"),
-                     grad_scales=(unscale, clip_scale))
-        self._weights_changed()
+        if not deferred:
+            update(clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0)
         e.zero_grads(b["grads"])
         return loss, norm
 

@@ -6,6 +6,8 @@
 // LayerNorm gamma/beta), found by binary search, so the whole update is one launch.
 // The gradient is read as (g scale0) scale1 (the step's mean over micro-batches or a loss scale's undoing, then the
 // clipping), each product rounded to float32 on its own: the values scaling passes over g would have stored.
+// With a gate (k_grad_gate's: the clipping scale, whether the step updates) scale1 is read from it, and a gate that
+// says no leaves everything as it is.
 // Under mixed precision the same pass writes params_lp, the act_t copy the matrix products read (a pure
 // function of the fp32 weights, so a resumed run rebuilds it exactly); k_cast_params builds it at load.
 #include "common.cuh"
@@ -39,7 +41,11 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
                                    const long long* decay_ranges, int n_ranges, float lr, float beta1,
                                    float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                                    float weight_decay, float bc1, float bc2, act_t* params_lp, int write_lp,
-                                   float scale0, float scale1) {
+                                   float scale0, float scale1, const float* gate) {
+    if (gate != nullptr) {
+        if (gate[1] == 0.0f) return;
+        scale1 = gate[0];
+    }
     const bool vec = aligned16(params, grads, m) && aligned16(v) && (!write_lp || sizeof(act_t) == 4 ||
                                                                      (reinterpret_cast<unsigned long long>(params_lp) & 7) == 0);
     const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;

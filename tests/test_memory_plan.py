@@ -95,11 +95,12 @@ def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     from andrea import ops
     from andrea.engines.cuda_engine import CUBLAS_WORKSPACE_BYTES
     from andrea.ops import fp8
+    from andrea.ops.loss import LOSS_SLOTS
 
     own = CUBLAS_WORKSPACE_BYTES + sum(b.nbytes for b in ops.engine_buffers())
-    # decay ranges, LayerNorm partials, the FP8 scales, the embedding backward's sorted keys, the mean loss's sums
+    # decay ranges, LayerNorm partials, the FP8 scales, the embedding backward's sorted keys, a step's loss sums
     assert own == (CUBLAS_WORKSPACE_BYTES + 2 * 1024 * 8 + 2 * 128 * 4096 * 4 + fp8.SLOT_FLOATS * fp8.SCALE_SLOTS * 4
-                   + 2 * 4 * 32768 + 2 * 8)
+                   + 2 * 4 * 32768 + 2 * 8 * LOSS_SLOTS)
     big_exp, small_exp = (load_experiment(EXPERIMENTS / f"ANDREA-{n}-TRAIN.json") for n in ("120M", "12M"))
     assert (big_exp.model, small_exp.model) == (SHAPE_120M, SHAPE_12M)
     big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=big_exp.recompute,

@@ -25,10 +25,15 @@ class NumpyOps:
         dst[...] = src
 
     def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
-                   params_lp=None, grad_scales=(1.0, 1.0)):
+                   params_lp=None, grad_scales=(1.0, 1.0), gate=None):
         """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges.
         `params_lp`, when given, receives the updated weights in its own dtype. The gradient is read as
-        grads x grad_scales[0] x grad_scales[1] (the step's mean, then the clipping), each product rounded."""
+        grads x grad_scales[0] x grad_scales[1] (the step's mean, then the clipping), each product rounded.
+        `gate` (grad_gate's): grad_scales[1] is gate[0], and gate[1] == 0 leaves everything as it is."""
+        if gate is not None:
+            if gate[1] == 0:
+                return
+            grad_scales = (grad_scales[0], float(gate[0]))
         t = self.dtype.type
         for scale in grad_scales:
             if scale != 1.0:
@@ -54,11 +59,12 @@ class CudaOps:
                      dst, src, np.int64(dst.size))
 
     def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
-                   params_lp=None, grad_scales=(1.0, 1.0)):
+                   params_lp=None, grad_scales=(1.0, 1.0), gate=None):
         """One AdamW update; `step` is 1-based (bias correction); decay only inside decay_ranges.
         `params_lp`, when given, receives the updated weights in its own dtype in the same pass. The gradient
         is read as grads x grad_scales[0] x grad_scales[1], each product rounded: the bits of scaling passes
-        over grads before the update, without them."""
+        over grads before the update, without them. `gate` (grad_gate's, on the device): the kernel reads
+        grad_scales[1] from gate[0], and leaves everything as it is where gate[1] == 0."""
         table = self.own["decay_ranges"]
         ranges = tuple((int(s), int(e)) for s, e in decay_ranges)
         if ranges != self._decay_ranges:
@@ -73,7 +79,7 @@ class CudaOps:
                      f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
                      f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),
                      params if params_lp is None else params_lp, np.int32(params_lp is not None),
-                     *(f32(x) for x in grad_scales))
+                     *(f32(x) for x in grad_scales), np.uint64(0) if gate is None else gate)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -7,7 +7,9 @@ separate `dlogits`; the scale enters the products as alpha.
 Loss weights (a loss mask over the targets, or any non-negative per-position weights): loss_bwd given
 `weights` [B, T] makes the gradient of scale * sum(weights * losses), each row of d_logits times its
 weight; loss_fwd is the same either way (per-position losses), and mean_loss takes the weighted mean in
-float64 (the NumPy engine on the host, the CUDA engine on the device: the host reads its two sums).
+float64 (the NumPy engine on the host, the CUDA engine on the device: the host reads its two sums). A training
+step keeps each micro-batch's two sums in a slot of its own (loss_sums) and reads them all once, after its update
+is launched (read_loss_sums): the host waits for the device once a step.
 
 Precision fp8 (andrea/ops/fp8.py): the logits' product and the input gradient's run on FP8 operands, the
 latter on an E5M2 copy of the unweighted d_logits that the forward's softmax writes at a fixed scale
@@ -42,9 +44,18 @@ def softmax_threads(V: int, act_vec: int) -> int:
     return threads
 
 
+LOSS_SLOTS = 1024  # micro-batches a step at most: each keeps its loss sums in a slot until the step reads them
+
+
 def engine_buffers() -> tuple:
-    """k_loss_sums' two float64 sums (the CUDA engine's mean_loss)."""
-    return (BufferSpec("loss_sums", (2,), "float64", "engine"),)
+    """k_loss_sums' two float64 sums a micro-batch (loss_sums' slots; mean_loss uses the first)."""
+    return (BufferSpec("loss_sums", (2 * LOSS_SLOTS,), "float64", "engine"),)
+
+
+def _slot(slot: int) -> int:
+    if not 0 <= slot < LOSS_SLOTS:
+        raise ValueError(f"loss slot {slot}: a step keeps at most {LOSS_SLOTS} micro-batches' losses")
+    return slot
 
 
 class NumpyOps:
@@ -88,16 +99,33 @@ class NumpyOps:
     def mean_loss(self, losses, weights=None) -> float:
         return mean_loss(losses, weights)
 
+    def loss_sums(self, losses, weights=None, slot: int = 0) -> None:
+        """Keep sum(w * losses) and sum(w) in `slot` (read_loss_sums), the sums whose quotient is mean_loss."""
+        if getattr(self, "_loss_sums", None) is None:
+            self._loss_sums = np.zeros((LOSS_SLOTS, 2), dtype=np.float64)
+        self._loss_sums[_slot(slot)] = loss_sums(losses, weights)
 
-def mean_loss(losses: np.ndarray, weights: np.ndarray | None = None) -> float:
-    """The mean of the per-position losses, or sum(w * losses) / sum(w), in float64 (NumPy's pairwise sums:
-    the same bits every run). Positions of weight 0 are left out, not multiplied by 0: they count for
-    nothing even where their loss is not finite."""
+    def read_loss_sums(self, n: int) -> np.ndarray:
+        """float64 [n, 2]: the sums kept in slots 0 .. n - 1."""
+        if getattr(self, "_loss_sums", None) is None:
+            self._loss_sums = np.zeros((LOSS_SLOTS, 2), dtype=np.float64)
+        return self._loss_sums[:n].copy()
+
+
+def loss_sums(losses: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float]:
+    """(sum(w * losses), sum(w)) in float64 (NumPy's pairwise sums: the same bits every run); unweighted, (sum of
+    the losses, their count). Positions of weight 0 are left out, not multiplied by 0: they count for nothing
+    even where their loss is not finite."""
     if weights is None:
-        return float(losses.mean(dtype=np.float64))
+        return float(losses.sum(dtype=np.float64)), float(losses.size)
     counted = weights != 0
     w = weights[counted].astype(np.float64)
-    return weighted_mean(np.sum(w * losses[counted]), w.sum())
+    return float(np.sum(w * losses[counted])), float(w.sum())
+
+
+def mean_loss(losses: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """The mean of the per-position losses, or sum(w * losses) / sum(w), in float64 (loss_sums)."""
+    return weighted_mean(*loss_sums(losses, weights))
 
 
 def weighted_mean(weighted_sum: float, total: float) -> float:
@@ -186,10 +214,20 @@ class CudaOps:
         reading the losses and weights and summing them there took about 0.2 ms a masked 12M micro-batch."""
         if not (losses.flags.c_contiguous and (weights is None or weights.flags.c_contiguous)):
             raise ValueError("mean_loss: the losses and weights must be contiguous")
-        sums = self.own["loss_sums"]
+        self.loss_sums(losses, weights, slot=0)
+        return weighted_mean(*self.read_loss_sums(1)[0])  # unweighted, total is the count
+
+    def loss_sums(self, losses, weights=None, slot: int = 0) -> None:
+        """k_loss_sums into `slot` of the engine's loss_sums: launched, not read (read_loss_sums)."""
+        if not (losses.flags.c_contiguous and (weights is None or weights.flags.c_contiguous)):
+            raise ValueError("loss_sums: the losses and weights must be contiguous")
+        sums = self.own["loss_sums"][2 * _slot(slot):][:2]
         self._launch("k_loss_sums", 1, kernel_defines("loss")["LOSS_SUM_THREADS"], sums, losses,
                      np.uint64(0) if weights is None else weights, np.int64(losses.size))
-        return weighted_mean(*self.to_host(sums))  # unweighted, total is the count
+
+    def read_loss_sums(self, n: int) -> np.ndarray:
+        """float64 [n, 2]: the sums of slots 0 .. n - 1, read once the launches before it are done."""
+        return self.to_host(self.own["loss_sums"][:2 * n]).reshape(n, 2)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
