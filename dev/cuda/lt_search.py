@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python3 dev/cuda/lt_search.py [--shapes 120M,12M] [--precisions bf16] [--out DIR]
 
-One eager training step of each shape records every product it runs: the cuBLASLt ones (GELU epilogues, the
-classifier, FP8) and the plain cublasGemmEx ones (run here through cuBLASLt too, where they pass no leading
-dimensions of their own). For each product it times, alone, on the step's own buffers:
-  - the engine's algorithm today (the table's choice or the heuristic's first; cublasGemmEx for a plain one);
+One eager training step of each shape records every product it runs (scripts/tune_gemm.py's step_products): the
+cuBLASLt ones (GELU epilogues, the classifier, FP8) and the plain ones that pass no leading dimensions of their own
+(which cuBLASLt can run). For each product it times, alone, on the step's own buffers:
+  - the engine's route today (the table's choice or the heuristic's first; a plain product the table does not
+    name, cublasGemmEx), launched from the host: for the smallest products, the launch rate;
   - every algorithm the heuristic offers when asked for up to --heuristics of them;
   - configurations built by hand: every algorithm id cuBLASLt has for the types, each tile and stage count it
     reports, then for the fastest few every CTA swizzle, custom option and cluster shape that cublasLtMatmulAlgoCheck
@@ -32,7 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import cupy  # noqa: E402
 
-from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options, synthetic_micro_batches  # noqa: E402
+from tune_gemm import step_products  # noqa: E402
 
 # cublasLtMatmulAlgoCapAttributes_t and cublasLtMatmulAlgoConfigAttributes_t (cublasLt.h)
 CAP_SPLITK, CAP_SWIZZLE, CAP_TILE_IDS, CAP_CUSTOM_MAX, CAP_STAGES_IDS = 0, 2, 6, 7, 13
@@ -137,38 +138,6 @@ def ms_of(fn, inner: int = 20, reps: int = 3) -> float:
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / inner)
     return statistics.median(times)
-
-
-def step_calls(name: str, precision: str):
-    from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
-
-    engine = CudaEngine(precision=precision)
-    lt, blas = engine.blas_lt, engine.blas
-    calls: dict = {}
-    run_lt, run_blas = lt.gemm, blas.gemm
-
-    def rec_lt(*args, **kw):
-        from andrea.engines.cublas import product_name
-        planned = {k: v for k, v in kw.items() if k not in ("alpha", "beta", "algo")}
-        key, _ = lt._plan_for(*args, **planned)
-        calls.setdefault(("lt", product_name(key)), (args, kw))
-        return run_lt(*args, **kw)
-
-    def rec_blas(*args, **kw):
-        c, a, b, m, n, k = args[:6]
-        name = ("plain", repr((c.dtype.name, a.dtype.name, m, n, k, kw.get("trans_a", False), kw.get("trans_b", False),
-                               kw.get("batch", 1), kw.get("lda"), kw.get("ldb"), kw.get("beta", 0.0) != 0)))
-        calls.setdefault(name, (args, kw))
-        return run_blas(*args, **kw)
-
-    lt.gemm, blas.gemm = rec_lt, rec_blas
-    shape, micro = EXPERIMENTS[name].model, BENCH[name]
-    model = Model(engine, shape, micro, graphs=False, **options(name))
-    model.load_state(init_params(model.layout, 0))
-    model.train_step(synthetic_micro_batches(shape, micro, 1, 0), step=0, lr=lr_at(0), optimizer=OPTIMIZER)
-    lt.gemm, blas.gemm = run_lt, run_blas
-    return engine, model, calls
 
 
 def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr) -> dict:
@@ -294,22 +263,16 @@ def main() -> int:
     report, lines = {}, []
     for name in args.shapes.split(","):
         for precision in args.precisions.split(","):
-            engine, model, calls = step_calls(name, precision)
+            engine, model, calls = step_products(name, precision)
             lt = engine.blas_lt
             bind(lt.lib)
             print(f"{name}/{precision}: {len(calls)} products", flush=True)
-            for (kind, pname), (cargs, kw) in calls.items():
+            for pname, (kind, cargs, kw) in calls.items():
                 t0 = time.time()
-                if kind == "plain":
-                    if kw.get("lda") or kw.get("ldb") or kw.get("ldc"):
-                        continue
-                    lt_kw = {k: v for k, v in kw.items() if k in ("trans_a", "trans_b", "alpha", "beta", "batch",
-                                                                    "stride_a", "stride_b", "stride_c")}
-                    prod = Product(lt, cargs, lt_kw, plain=True)
-                    run_default = lambda cargs=cargs, kw=kw: engine.blas.gemm(*cargs, **kw)  # noqa: E731
-                else:
-                    prod = Product(lt, cargs, kw, plain=False)
-                    run_default = lambda cargs=cargs, kw=kw: lt.gemm(*cargs, **kw)  # noqa: E731
+                prod = Product(lt, cargs, kw, plain=kind == "plain")
+                # today: the engine's own route (a plain product through the table where it names it)
+                run = engine.blas.gemm if kind == "plain" else lt.gemm
+                run_default = lambda run=run, cargs=cargs, kw=kw: run(*cargs, **kw)  # noqa: E731
                 if prod.plan is None:
                     print(f"  {kind} {pname}: no cuBLASLt plan", flush=True)
                     continue
