@@ -72,6 +72,7 @@ def poison(model, value: float) -> None:
     model.load_state(params)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy on the poisoned weight
 @pytest.mark.parametrize("make", ENGINES)
 def test_a_step_that_is_not_finite_changes_no_weight(make):
     model = new_model(make())
