@@ -101,15 +101,16 @@ class NumpyOps:
 
     def loss_sums(self, losses, weights=None, slot: int = 0) -> None:
         """Keep sum(w * losses) and sum(w) in `slot` (read_loss_sums), the sums whose quotient is mean_loss."""
-        if getattr(self, "_loss_sums", None) is None:
-            self._loss_sums = np.zeros((LOSS_SLOTS, 2), dtype=np.float64)
-        self._loss_sums[_slot(slot)] = loss_sums(losses, weights)
+        self._loss_slots()[_slot(slot)] = loss_sums(losses, weights)
 
     def read_loss_sums(self, n: int) -> np.ndarray:
         """float64 [n, 2]: the sums kept in slots 0 .. n - 1."""
-        if getattr(self, "_loss_sums", None) is None:
+        return self._loss_slots()[:n].copy()
+
+    def _loss_slots(self) -> np.ndarray:
+        if getattr(self, "_loss_sums", None) is None:  # the engine's, made on first use
             self._loss_sums = np.zeros((LOSS_SLOTS, 2), dtype=np.float64)
-        return self._loss_sums[:n].copy()
+        return self._loss_sums
 
 
 def loss_sums(losses: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float]:
