@@ -17,6 +17,7 @@ from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
 from andrea.memory import layer_buffer, loss_piece, plan_model, recomputing_layers
 from andrea.ops import attn_qkv, fp8
+from andrea.ops.grad_norm import clip_scale
 from andrea.ops.loss import LOSS_SLOTS, weighted_mean
 
 INIT_STD = 0.02
@@ -403,11 +404,11 @@ class Model:
         clip = optimizer["grad_clip"]
         beta1, beta2 = optimizer["betas"]
 
-        def update(clip_scale: float = 1.0, gate=None):
+        def update(scale: float = 1.0, gate=None):  # scale: the clipping's (gate: read from it instead)
             e.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=lr, beta1=beta1, beta2=beta2,
                          eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
                          decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"),
-                         grad_scales=(unscale, clip_scale), gate=gate)
+                         grad_scales=(unscale, scale), gate=gate)
             self._weights_changed()
 
         # The step's gradient is unscale x grads: the norm and AdamW read it so, and grads are never rewritten.
@@ -441,7 +442,7 @@ class Model:
             raise NonFiniteStep(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
                                 f"(loss {loss}, grad norm {norm}; non-finite gradients in: {', '.join(bad) or 'none'})")
         if not deferred:
-            update(clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0)
+            update(clip_scale(norm, clip))
         e.zero_grads(b["grads"])
         return loss, norm
 

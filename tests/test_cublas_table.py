@@ -86,6 +86,7 @@ BF16 = ml_dtypes.bfloat16
 
 def test_a_plain_product_is_tabled_under_the_name_the_tuner_gives_it():
     lt = object.__new__(CublasLt)  # no library: the table lookup alone
+    lt._tabled = {}
     c, a, b = _array(BF16, 1 << 20), _array(BF16, 2 << 20), _array(BF16, 3 << 20)
     key = CublasLt._key(c, a, b, 8192, 768, 768, trans_b=True)
     lt.choices = {product_name(key): 1}

@@ -222,6 +222,7 @@ class CublasLt:
         Cublas._check("cublasLtCreate", lib.cublasLtCreate(ctypes.byref(handle)))
         self.handle = handle.value
         self._plans: dict = {}
+        self._tabled: dict = {}  # plan key -> whether the table names the product (tabled)
         self._scalar = _HostScalars()
         lib.cublasLtGetVersion.restype = ctypes.c_size_t
         self.version = int(lib.cublasLtGetVersion())
@@ -315,8 +316,12 @@ class CublasLt:
                 accumulation, algo, (batch, stride_a, stride_b, stride_c), *aligns)
 
     def tabled(self, c, a, b, m, n, k, **kw) -> bool:
-        """Whether the algorithm table names this product (Cublas.gemm then runs it here)."""
-        return product_name(self._key(c, a, b, m, n, k, **kw)) in self.choices
+        """Whether the algorithm table names this product (Cublas.gemm then runs it here): looked up once a
+        shape, as the plans are, since every plain product of an eager pass asks."""
+        key = self._key(c, a, b, m, n, k, **kw)
+        if key not in self._tabled:
+            self._tabled[key] = product_name(key) in self.choices
+        return self._tabled[key]
 
     def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
                   a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,

@@ -26,6 +26,12 @@ def engine_buffers() -> tuple:
     return ()
 
 
+def clip_scale(norm: float, clip: float) -> float:
+    """Global-norm clipping's scale of the gradient: clip / (norm + 1e-6) where clip > 0 and norm > clip, else 1
+    (k_grad_gate computes the same, in double from the float norm)."""
+    return clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+
+
 class NumpyOps:
     def grad_norm_partial(self, partials, grads, scale=1.0):
         chunk = -(-grads.size // partials.size)
@@ -44,7 +50,7 @@ class NumpyOps:
         the norm and the loss sums of slots 0 .. n_losses - 1 are finite (the step updates), else 0."""
         g = float(norm[0])
         finite = math.isfinite(g) and bool(np.isfinite(self.read_loss_sums(n_losses)[:, 0]).all())
-        gate[0] = clip / (g + 1e-6) if clip > 0 and g > clip else 1.0
+        gate[0] = clip_scale(g, clip)
         gate[1] = 1.0 if finite else 0.0
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import cupy  # noqa: E402
 
-from tune_gemm import step_products  # noqa: E402
+from tune_gemm import planned, step_products  # noqa: E402
 
 # cublasLtMatmulAlgoCapAttributes_t and cublasLtMatmulAlgoConfigAttributes_t (cublasLt.h)
 CAP_SPLITK, CAP_SWIZZLE, CAP_TILE_IDS, CAP_CUSTOM_MAX, CAP_STAGES_IDS = 0, 2, 6, 7, 13
@@ -87,12 +87,11 @@ def set_config(lib, algo, attr, value) -> None:
 class Product:
     """One recorded product, runnable through cuBLASLt with any algorithm struct."""
 
-    def __init__(self, lt, args, kw, plain: bool):
+    def __init__(self, lt, args, kw):
         from andrea.engines.cublas import Cublas
 
-        self.lt, self.args, self.kw, self.plain = lt, args, dict(kw), plain
-        planned = {k: v for k, v in kw.items() if k not in ("alpha", "beta", "algo")}
-        self.key, plan = lt._plan_for(*args, **planned)
+        self.lt, self.args, self.kw = lt, args, dict(kw)
+        self.key, plan = lt._plan_for(*args, **planned(kw))
         self.plan = plan
         c, a, b = args[:3]
         t = lt.TYPES
@@ -269,7 +268,7 @@ def main() -> int:
             print(f"{name}/{precision}: {len(calls)} products", flush=True)
             for pname, (kind, cargs, kw) in calls.items():
                 t0 = time.time()
-                prod = Product(lt, cargs, kw, plain=kind == "plain")
+                prod = Product(lt, cargs, kw)
                 # today: the engine's own route (a plain product through the table where it names it)
                 run = engine.blas.gemm if kind == "plain" else lt.gemm
                 run_default = lambda run=run, cargs=cargs, kw=kw: run(*cargs, **kw)  # noqa: E731
