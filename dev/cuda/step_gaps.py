@@ -1,0 +1,132 @@
+"""Where a recorded step's device time goes between kernels: each kernel's start and end inside one replay of
+the micro-batch graph and the optimizer, read by CUPTI (through PyTorch's profiler, which records every kernel of
+the process, CuPy's and cuBLAS's too), then the span, the time some kernel ran, and the gaps between them.
+
+    PYTHONPATH=. [ANDREA_PDL=1] python3 dev/cuda/step_gaps.py [--runs 120M/bf16,12M/bf16,120M/fp8] [--out DIR]
+
+One line a run (the step's time and its weights' digest after 8 steps, kernels, span, busy, gaps) and the
+transitions that lose the most (ANDREA_PDL=1: recorded with programmatic dependent launches, andrea/engines/launch.py); the whole timeline goes to
+DIR/step_gaps.json. Exits 1 when the profiler saw no kernel (nothing to judge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import cupy  # noqa: E402
+
+from bench import BENCH, EXPERIMENTS, options, per_step_ms  # noqa: E402
+
+
+def short(name: str) -> str:
+    """A kernel's family: ours by name, cuBLAS's by its library prefix."""
+    name = name.split("(")[0]
+    for lib in ("cutlass", "sm90_xmma", "sm80_xmma", "nvjet", "gemm", "gemv", "cublas"):
+        if lib in name.lower():
+            return f"blas:{name[:40]}"
+    return name[:48]
+
+
+def timeline(fn) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel fn() runs on the device, in start order."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        cupy.cuda.get_current_stream().synchronize()
+        torch.cuda.synchronize()
+    out = []
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.name and not ev.name.startswith(("Memcpy", "Memset", "cuda")):
+            start = ev.time_range.start
+            out.append((ev.name, float(start), float(start + ev.time_range.elapsed_us())))
+    out.sort(key=lambda k: k[1])
+    return out
+
+
+def analyse(kernels) -> dict:
+    """Span, busy time (some kernel running), gaps (none running) and the transitions that lose the most."""
+    span = kernels[-1][2] - kernels[0][1]
+    busy, end, last = 0.0, kernels[0][1], kernels[0][0]
+    gaps = defaultdict(lambda: [0, 0.0])
+    hist = defaultdict(int)
+    for name, start, stop in kernels:
+        if start > end:
+            gap = start - end
+            key = f"{short(last)} -> {short(name)}"
+            gaps[key][0] += 1
+            gaps[key][1] += gap
+            hist["<1us" if gap < 1 else "1-2us" if gap < 2 else "2-4us" if gap < 4 else ">=4us"] += 1
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "gap_ms": (span - busy) / 1e3,
+            "histogram": dict(hist), "top": [(k, n, round(t, 1)) for k, (n, t) in top],
+            "blas_kernels": sum(1 for k in kernels if short(k[0]).startswith("blas:"))}
+
+
+def main() -> int:
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.model import Model, init_params
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="120M/bf16,12M/bf16,120M/fp8", help="shape/precision, comma-separated")
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/step_gaps"))
+    args = ap.parse_args()
+    report, seen_any = {}, False
+    for run in args.runs.split(","):
+        name, precision = run.split("/")
+        engine = CudaEngine(precision=precision)
+        model = Model(engine, EXPERIMENTS[name].model, BENCH[name], graphs=True, **options(name))
+        model.load_state(init_params(model.layout, 0))
+        step = per_step_ms(model, steps=8, warm=3)
+        digest = hashlib.sha256(cupy.asnumpy(model.buf["params"]).tobytes()).hexdigest()[:16]  # the weights after 8 steps
+        (graph,) = model._step_graphs.values()
+        b, layout = model.buf, model.layout
+
+        def whole():
+            engine.replay(graph)
+            engine.grad_norm_partial(b["grad_norm_partials"], b["grads"], scale=0.5)
+            engine.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])
+            engine.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=1e-9, beta1=0.9, beta2=0.95, eps=1e-8,
+                              weight_decay=0.1, step=5, decay_ranges=layout.decay_ranges(),
+                              params_lp=b.get("params_lp"), grad_scales=(0.5, 1.0))
+            model._weights_changed()
+            engine.zero_grads(b["grads"])
+
+        kernels = timeline(whole)
+        if not kernels:
+            print(f"{run}: the profiler saw no kernel", flush=True)
+            continue
+        seen_any = True
+        a = analyse(kernels)
+        a["step_ms"], a["params_sha256"] = step, digest
+        report[run] = {**a, "timeline": kernels}
+        print(f"{run} (ANDREA_PDL={os.environ.get('ANDREA_PDL', '0')}): step {step:.3f} ms, weights {digest}; {a['kernels']} kernels ({a['blas_kernels']} cuBLAS), span {a['span_ms']:.3f} "
+              f"ms, busy {a['busy_ms']:.3f}, gaps {a['gap_ms']:.3f} ({a['gap_ms'] / a['span_ms']:.1%}); "
+              f"gaps {a['histogram']}", flush=True)
+        for key, n, us in a["top"]:
+            print(f"    {us:8.1f} us  {n:4d}x  {key}")
+        del model, engine
+        cupy.get_default_memory_pool().free_all_blocks()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"step_gaps-pdl{os.environ.get('ANDREA_PDL', '0')}.json").write_text(json.dumps(report))
+    return 0 if seen_any else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
