@@ -5,8 +5,9 @@ the process, CuPy's and cuBLAS's too), then the span, the time some kernel ran, 
     PYTHONPATH=. [ANDREA_PDL=1] python3 dev/cuda/step_gaps.py [--runs 120M/bf16,12M/bf16,120M/fp8] [--out DIR]
 
 One line a run (the step's time and its weights' digest after 8 steps, kernels, span, busy, gaps) and the
-transitions that lose the most (ANDREA_PDL=1: recorded with programmatic dependent launches, andrea/engines/launch.py); the whole timeline goes to
-DIR/step_gaps.json. Exits 1 when the profiler saw no kernel (nothing to judge).
+transitions that lose the most; ANDREA_PDL=1 records the step with programmatic dependent launches
+(andrea/engines/launch.py). The whole timeline goes to DIR/step_gaps-pdl0.json (or -pdl1). Exits 1 when the
+profiler saw no kernel (nothing to judge).
 """
 
 from __future__ import annotations
