@@ -83,7 +83,7 @@ def _load_kernels(precision: str) -> dict:
             functions[name].preferred_shared_memory_carveout = 100
     # each kernel launched through launch.Kernel: recorded into a graph as a programmatic dependent launch on Hopper
     dependent = pdl_wanted(cupy.cuda.Device().compute_capability)
-    return {name: Kernel(f, dependent) if isinstance(f, cupy.cuda.function.Function) else f
+    return {name: Kernel(f, dependent) if isinstance(f, cupy.RawKernel) else f
             for name, f in functions.items()}
 
 

@@ -75,7 +75,7 @@ def _launch_kernel_ex():
 
 
 def launch_dependent(function, grid, block, args, shared_mem: int = 0, stream=None) -> None:
-    """function(*args) (a CuPy Function) launched with programmatic stream serialization on `stream` (the current
+    """function(*args) (a CuPy RawKernel) launched with programmatic stream serialization on `stream` (the current
     one by default); the kernel must wait (PDL_WAIT) before it touches memory."""
     stream = stream or cupy.cuda.get_current_stream()
     attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
@@ -84,14 +84,14 @@ def launch_dependent(function, grid, block, args, shared_mem: int = 0, stream=No
                            stream.ptr, ctypes.pointer(attr), 1)
     values = [_c_arg(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
-    status = _launch_kernel_ex()(ctypes.byref(config), function.ptr, params, None)
+    status = _launch_kernel_ex()(ctypes.byref(config), function.kernel.ptr, params, None)
     if status:
         raise AndreaError(f"cuLaunchKernelEx failed (CUresult {status}) for a kernel of grid {_dims(grid)}, "
                           f"block {_dims(block)}, {shared_mem} bytes of shared memory")
 
 
 class Kernel:
-    """A kernel of the engine's build, called as CuPy's Function is (grid, block, args, shared_mem=0): a launch
+    """A kernel of the engine's build, called as CuPy's RawKernel is (grid, block, args, shared_mem=0): a launch
     recorded into a graph goes as a programmatic dependent launch where `dependent`, any other through CuPy."""
 
     __slots__ = ("function", "dependent")
