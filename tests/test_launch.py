@@ -72,3 +72,13 @@ def test_a_step_recorded_with_dependent_launches_has_the_plain_launches_bits(pre
     assert n_dependent > 0 and n_plain == 0  # the recorded step took them, the switch turned them off
     assert losses == plain_losses
     assert dependent == plain
+
+
+def test_the_launch_attribute_is_laid_out_as_cuda_h_and_set_in_place():
+    assert ctypes.sizeof(launch._LaunchAttribute) == 72 and launch._LaunchAttribute.value.offset == 8
+    attr = launch._LaunchAttribute(id=launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmatic_stream_serialization_allowed = 1
+    raw = bytes(attr)
+    assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little") and not any(raw[12:])
+    config = launch._LaunchConfig()
+    assert ctypes.sizeof(config) == 56 and launch._LaunchConfig.stream.offset == 32

@@ -26,8 +26,12 @@ from andrea.errors import AndreaError
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h, CUlaunchAttributeID
 
 
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes; the member this module sets
+    _fields_ = [("bytes", ctypes.c_ubyte * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, the value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4), ("value", _LaunchAttributeValue)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -79,7 +83,7 @@ def launch_dependent(function, grid, block, args, shared_mem: int = 0, stream=No
     one by default); the kernel must wait (PDL_WAIT) before it touches memory."""
     stream = stream or cupy.cuda.get_current_stream()
     attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
+    attr.value.programmatic_stream_serialization_allowed = 1  # a Union field: set in attr's own memory
     config = _LaunchConfig((ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block)), shared_mem,
                            stream.ptr, ctypes.pointer(attr), 1)
     values = [_c_arg(a) for a in args]
