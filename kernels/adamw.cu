@@ -42,7 +42,6 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
                                    float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                                    float weight_decay, float bc1, float bc2, act_t* params_lp, int write_lp,
                                    float scale0, float scale1, const float* gate) {
-    PDL_WAIT();
     if (gate != nullptr) {
         if (gate[1] == 0.0f) return;
         scale1 = gate[0];
@@ -88,6 +87,5 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
 }
 
 extern "C" __global__ void k_cast_params(act_t* params_lp, const float* params, long long n) {
-    PDL_WAIT();
     GRID_STRIDE_LOOP(i, n) store(params_lp + i, params[i]);
 }

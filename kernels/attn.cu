@@ -293,7 +293,6 @@ __device__ __forceinline__ void attn_fwd(act_t* out, float* lse, const act_t* qk
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_FWD_BLOCKS)
 k_attn_fwd(act_t* out, float* lse, const act_t* qkv, int B, int T, int C, int H, float scale, int split) {
-    PDL_WAIT();
     extern __shared__ float4 smem_fwd[];
     if (split) attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
     else attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, reinterpret_cast<float*>(smem_fwd));
@@ -430,7 +429,6 @@ __device__ __forceinline__ void attn_bwd_kv(act_t* dqkv, const float* delta, con
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
 k_attn_bwd_dq(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, const act_t* qkv, const float* lse,
               int B, int T, int C, int H, float scale, int split, int add, int dld, int dplane) {
-    PDL_WAIT();
     extern __shared__ float4 smem_dq[];
     float* smem = reinterpret_cast<float*>(smem_dq);
     if (split) attn_bwd_q<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, smem, add, dld, dplane);
@@ -441,7 +439,6 @@ k_attn_bwd_dq(act_t* dqkv, float* delta, const act_t* dout, const act_t* y, cons
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BWD_BLOCKS)
 k_attn_bwd(act_t* dqkv, const float* delta, const act_t* dout, const act_t* qkv, const float* lse,
            int B, int T, int C, int H, float scale, int split, int add, int dld, int dplane) {
-    PDL_WAIT();
     extern __shared__ float4 smem_dkv[];
     float* smem = reinterpret_cast<float*>(smem_dkv);
     if (split) attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, smem, add, dld, dplane);

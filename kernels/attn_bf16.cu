@@ -643,13 +643,11 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax) {
-    PDL_WAIT();
     attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, amax);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax) {
-    PDL_WAIT();
     attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, amax);
 }
 #endif
@@ -850,14 +848,12 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
                    int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    PDL_WAIT();
     attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
                  int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    PDL_WAIT();
     attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #endif
@@ -1101,7 +1097,6 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    PDL_WAIT();
     attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #ifdef ATTN_WGMMA
@@ -1111,7 +1106,6 @@ extern "C" __constant__ int attn_wg_kv_smem = ATTN_BF16_WG_KV_SMEM;
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
                  int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    PDL_WAIT();
     attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
 }
 #endif

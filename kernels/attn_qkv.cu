@@ -8,7 +8,6 @@
 // row (l, i, c), 16 bytes a lane where every row starts 16-byte aligned.
 extern "C" __global__ void k_qkv_rows(act_t* __restrict__ rows, const act_t* __restrict__ W, long long layer, int L,
                                       int C) {
-    PDL_WAIT();
     const int lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const bool vec = aligned16(rows, W) && C % ACT_VEC == 0 && layer % ACT_VEC == 0;
     const long long n = 3LL * L * C;

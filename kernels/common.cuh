@@ -8,15 +8,6 @@
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 
-// Programmatic dependent launch (Hopper; andrea/engines/launch.py): a kernel recorded so may start while the one
-// before it on the stream drains. Every kernel waits here, its first statement, until that one's stores are
-// visible, so it reads and writes memory in the plain launch's order; in a plain launch the wait returns at once.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#else
-#define PDL_WAIT() ((void)0)
-#endif
-
 // Butterfly sums: every lane ends with the same bits, since each step adds a commuting pair.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);

@@ -23,7 +23,6 @@
 // where C is a whole number of ACT_VEC groups and the rows are aligned, else one element.
 extern "C" __global__ void k_embed_fwd(act_t* out, const int* tokens, const float* wte, const float* wpe,
                                        long long n_pos, int T, int C) {
-    PDL_WAIT();
     for (long long n = blockIdx.x; n < n_pos; n += gridDim.x) {
         const float* e = wte + (long long)tokens[n] * C;
         const float* p = wpe + (n % T) * C;
@@ -59,7 +58,6 @@ __device__ __forceinline__ void embed_bwd_wpe(float* dwpe, const float* dout, lo
 // memory (bitonic; pad keys sort last) into chunks.
 extern "C" __global__ void __launch_bounds__(EMBED_SORT_THREADS)
 k_embed_sort(unsigned* chunks, const int* tokens, int n_pos) {
-    PDL_WAIT();
     __shared__ unsigned keys[EMBED_SORT_CHUNK];
     const int first = blockIdx.x * EMBED_SORT_CHUNK;
     for (int i = threadIdx.x; i < EMBED_SORT_CHUNK; i += blockDim.x) {
@@ -86,7 +84,6 @@ k_embed_sort(unsigned* chunks, const int* tokens, int n_pos) {
 // k_embed_merge: each key's place in the whole order is its place in its chunk plus, in every other chunk, the
 // number of keys below it (a binary search); one thread a key.
 extern "C" __global__ void k_embed_merge(unsigned* sorted, const unsigned* chunks, int n_pos) {
-    PDL_WAIT();
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= n_pos) return;
     const unsigned key = chunks[n];
@@ -214,12 +211,10 @@ __device__ __forceinline__ void embed_bwd(float* dwte, float* dwpe, const float*
     extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)                                               \
     k_embed_bwd_sorted##J(float* dwte, float* dwpe, const float* dout, const unsigned* sorted, long long n_pos,     \
                           int T, int C) {                                                                           \
-        PDL_WAIT();                                                                                                 \
         embed_bwd_sorted<J>(dwte, dwpe, dout, sorted, n_pos, T, C);                                                 \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)                                               \
     k_embed_bwd##J(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C) { \
-        PDL_WAIT();                                                                                                 \
         embed_bwd<J>(dwte, dwpe, dout, tokens, n_pos, T, C);                                                        \
     }
 EMBED_BWD(1)

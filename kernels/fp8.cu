@@ -33,7 +33,6 @@ __device__ __forceinline__ float amax_span(const act_t* __restrict__ x, long lon
 // amax of n activations into *amax (block_amax, kernels/common.cuh; the launcher clears it), grid-stride.
 extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsigned int* amax, const act_t* __restrict__ x,
                                                                           long long n) {
-    PDL_WAIT();
     const long long lanes = static_cast<long long>(gridDim.x) * blockDim.x;
     // the values are stored ones already: as_stored leaves them as they are
     block_amax(amax, amax_span(x, 0, n, blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x, lanes));
@@ -140,7 +139,6 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
            float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
-    PDL_WAIT();
     cast_tile<false>(q, ldq, q_batch, qt, ldqt, qt_batch, descale, fp8_scale_exponent(*amax, e5m2 ? 15 : 8),
                      const_cast<act_t*>(x), nullptr, rows, cols, e5m2, blockIdx.x, blockIdx.y, blockIdx.z);
 }
@@ -154,7 +152,6 @@ k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_cast_dgelu(unsigned char* q, unsigned char* qt, float* descale, act_t* dpre, const act_t* __restrict__ pre,
                  int rows, int cols, const float* dout_descale, const float* w_descale, float factor, int store) {
-    PDL_WAIT();
     const float bound = factor * *dout_descale * *w_descale;
     cast_tile<true>(q, cols, 0, qt, rows, 0, descale, fp8_scale_exponent(__float_as_uint(bound), 15), dpre, pre, rows,
                     cols, 1, blockIdx.x, blockIdx.y, 0, store != 0);
@@ -179,7 +176,6 @@ __device__ __forceinline__ int table_find(const long long* table, int n, int col
 
 // Each matrix's amax into its slot's amax word (cleared by the launcher): a block per FP8_MANY_CHUNK activations.
 extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(const long long* __restrict__ table, int n) {
-    PDL_WAIT();
     const int i = table_find(table, n, 11, blockIdx.x);
     const long long* t = table + i * FP8_TABLE_WORDS;
     const act_t* x = reinterpret_cast<const act_t*>(t[0]);
@@ -192,7 +188,6 @@ extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(c
 
 // Each matrix cast with its slot's amax: a block per 64 x 64 tile of each batch of each matrix.
 extern "C" __global__ void __launch_bounds__(FP8_THREADS) k_fp8_cast_many(const long long* __restrict__ table, int n) {
-    PDL_WAIT();
     const int i = table_find(table, n, 12, blockIdx.x);
     const long long* t = table + i * FP8_TABLE_WORDS;
     const int rows = static_cast<int>(t[1]), cols = static_cast<int>(t[2]);

@@ -9,7 +9,6 @@
 
 extern "C" __global__ void k_grad_norm_partial(float* partials, const float* grads, float scale, long long n,
                                                long long chunk) {
-    PDL_WAIT();
     __shared__ float scratch[WARP_SIZE];
     const long long start = blockIdx.x * chunk;
     const long long end = min(start + chunk, n);
@@ -23,7 +22,6 @@ extern "C" __global__ void k_grad_norm_partial(float* partials, const float* gra
 }
 
 extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials, int n_partials) {
-    PDL_WAIT();
     __shared__ float scratch[WARP_SIZE];
     float sum = 0.0f;
     for (int i = threadIdx.x; i < n_partials; i += blockDim.x) sum += partials[i];
@@ -35,7 +33,6 @@ extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials,
 // arithmetic on the float norm); gate[1] = 1 where the norm and every micro-batch's loss sum (sums[2 i]) are
 // finite, else 0: AdamW then leaves the weights and moments as they are (a non-finite step makes no update).
 extern "C" __global__ void k_grad_gate(float* gate, const float* norm, const double* sums, int n_sums, double clip) {
-    PDL_WAIT();
     int finite = 1;
     for (int i = threadIdx.x; i < n_sums; i += blockDim.x) finite &= isfinite(sums[2 * i]) ? 1 : 0;
     finite = __syncthreads_and(finite);

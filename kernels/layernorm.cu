@@ -105,7 +105,6 @@ __device__ __forceinline__ float layernorm_fwd_row(act_t* out, float* mean, floa
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* gamma, const float* beta,
                 long long n_rows, int C, const act_t* a, const act_t* residual, int fused, unsigned* amax) {
-    PDL_WAIT();
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const float top = row < n_rows ? layernorm_fwd_row(out, mean, rstd, inp, gamma, beta, row, C, a, residual, fused) : 0.0f;
     if (amax != nullptr) block_amax(amax, top);
@@ -192,7 +191,6 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp, const float* gamma,
                 const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused, unsigned* amax) {
-    PDL_WAIT();
     if (blockIdx.x < row_blocks)
         layernorm_bwd_row(dinp, dbranch, dout, inp, gamma, mean, rstd, n_rows, C, fused, amax);
     else
@@ -371,7 +369,6 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
     k_layernorm_bwd_cached##J(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp,    \
                               const float* gamma, const float* mean, const float* rstd, long long n_rows, int C,    \
                               int rows_per_chunk, int n_chunks, int fused, unsigned* amax) {                         \
-        PDL_WAIT();                                                                                                  \
         layernorm_bwd_cached<J>(dinp, dbranch, partials, dout, inp, gamma, mean, rstd, n_rows, C, rows_per_chunk,    \
                                 n_chunks, fused, amax);                                                              \
     }
@@ -384,7 +381,6 @@ LN_BWD_CACHED(4)
 // adds chunks ly, ly + LN_SUM_LANES, ..., then the lanes are added in a fixed tree.
 extern "C" __global__ void __launch_bounds__(LN_SUM_THREADS)
 k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, int n_chunks) {
-    PDL_WAIT();
     __shared__ float part[2][LN_SUM_LANES][WARP_SIZE + 1];
     const int cx = threadIdx.x % WARP_SIZE, ly = threadIdx.x / WARP_SIZE;
     const int c = blockIdx.x * WARP_SIZE + cx;

@@ -48,7 +48,6 @@ __device__ __forceinline__ void online_add(float& m, float& sum, const float* v,
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_fwd(float* losses, act_t* probs, const int* targets, unsigned char* dq, float* dq_descale, long long n_rows,
            int V) {
-    PDL_WAIT();
     __shared__ float scratch[WARP_SIZE];
     const long long row = blockIdx.x;
     act_t* x = probs + row * V;
@@ -110,7 +109,6 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, unsigned char* dq, f
 // dlogits is a buffer of its own: copy the probabilities, less one at the target.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_bwd(act_t* dlogits, const act_t* probs, const int* targets, long long n_rows, int V) {
-    PDL_WAIT();
     const long long row = blockIdx.x;
     const int target = targets[row];
     const act_t* p = probs + row * V;
@@ -120,7 +118,6 @@ k_loss_bwd(act_t* dlogits, const act_t* probs, const int* targets, long long n_r
 
 // dlogits is probs: only each row's target entry changes.
 extern "C" __global__ void k_loss_bwd_in_place(act_t* probs, const int* targets, long long n_rows, int V) {
-    PDL_WAIT();
     GRID_STRIDE_LOOP(row, n_rows) {
         act_t* p = probs + row * V + targets[row];
         store(p, to_f32(*p) - 1.0f);
@@ -149,7 +146,6 @@ __device__ __forceinline__ void weighted_row(act_t* d, const act_t* p, int targe
 // dlogits is a buffer of its own, rows weighted: one block a row.
 extern "C" __global__ void __launch_bounds__(LOSS_WEIGHTED_THREADS)
 k_loss_bwd_weighted(act_t* dlogits, const act_t* probs, const int* targets, const float* weights, int V) {
-    PDL_WAIT();
     const long long row = blockIdx.x;
     weighted_row(dlogits + row * V, probs + row * V, targets[row], weights[row], V);
 }
@@ -158,7 +154,6 @@ k_loss_bwd_weighted(act_t* dlogits, const act_t* probs, const int* targets, cons
 // k_loss_bwd_in_place, the same bits); any other weight scales the row whole.
 extern "C" __global__ void __launch_bounds__(LOSS_WEIGHTED_THREADS)
 k_loss_bwd_in_place_weighted(act_t* probs, const int* targets, const float* weights, int V) {
-    PDL_WAIT();
     const long long row = blockIdx.x;
     const float w = weights[row];
     const int target = targets[row];
@@ -175,7 +170,6 @@ k_loss_bwd_in_place_weighted(act_t* probs, const int* targets, const float* weig
 // row's weight scales its row of the product alike). One block a row (grid-stride), its threads along the row.
 extern "C" __global__ void k_loss_dinp_weighted(float* dinp, const float* p, const float* weights, float scale,
                                                 float beta, long long n_rows, int C) {
-    PDL_WAIT();
     for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
         const float w = weights[row];
         float* d = dinp + row * C;
@@ -195,7 +189,6 @@ extern "C" __global__ void k_loss_dinp_weighted(float* dinp, const float* p, con
 #define LOSS_SUM_THREADS 1024
 extern "C" __global__ void __launch_bounds__(LOSS_SUM_THREADS)
 k_loss_sums(double* sums, const float* losses, const float* weights, long long n) {
-    PDL_WAIT();
     __shared__ double part[2][LOSS_SUM_THREADS];
     const int t = threadIdx.x;
     double s = 0.0, total = 0.0;

@@ -11,7 +11,6 @@
 // Also the backward's recomputation of act when only pre is kept (recompute "gelu"). With `amax` (precision
 // fp8; else null) also the amax of act as stored (block_amax).
 extern "C" __global__ void k_mlp_fwd(act_t* act, const act_t* pre, long long n, unsigned* amax) {
-    PDL_WAIT();
     float m = 0.0f;
     elementwise(n, aligned16(act, pre),
         [&](long long i) {
@@ -34,7 +33,6 @@ extern "C" __global__ void k_mlp_fwd(act_t* act, const act_t* pre, long long n, 
 
 // dpre holds dout @ W_2^T on entry and the gradient at pre on return; with `amax`, its amax as stored.
 extern "C" __global__ void k_mlp_bwd(act_t* dpre, const act_t* pre, long long n, unsigned* amax) {
-    PDL_WAIT();
     float m = 0.0f;
     elementwise(n, aligned16(dpre, pre),
         [&](long long i) {

@@ -5,7 +5,6 @@
 #include "common.cuh"
 
 extern "C" __global__ void k_residual_add(act_t* out, const act_t* a, const act_t* b, long long n) {
-    PDL_WAIT();
     elementwise(n, aligned16(out, a, b),
         [&](long long i) {
             float x[ACT_VEC], y[ACT_VEC];
@@ -19,7 +18,6 @@ extern "C" __global__ void k_residual_add(act_t* out, const act_t* a, const act_
 }
 
 extern "C" __global__ void k_residual_add_bwd(float* da, act_t* db, const float* dout, long long n) {
-    PDL_WAIT();
     elementwise(n, aligned16(da, db, dout),
         [&](long long i) {
             float d[ACT_VEC], x[ACT_VEC], y[ACT_VEC];

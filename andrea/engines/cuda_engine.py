@@ -26,7 +26,6 @@ import numpy as np
 
 from andrea import ops
 from andrea.engines.cublas import Cublas, CublasLt
-from andrea.engines.launch import Kernel, pdl_wanted
 from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
 from andrea.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
@@ -81,10 +80,7 @@ def _load_kernels(precision: str) -> dict:
     for name in (*attn.KERNELS[attn.MMA16_KERNEL_FILE], *attn.HOPPER_KERNELS[attn.MMA16_KERNEL_FILE]):
         if name in functions:
             functions[name].preferred_shared_memory_carveout = 100
-    # each kernel launched through launch.Kernel: recorded into a graph as a programmatic dependent launch on Hopper
-    dependent = pdl_wanted(cupy.cuda.Device().compute_capability)
-    return {name: Kernel(f, dependent) if isinstance(f, cupy.RawKernel) else f
-            for name, f in functions.items()}
+    return functions
 
 
 class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOps, attn_out.CudaOps,

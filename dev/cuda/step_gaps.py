@@ -2,12 +2,12 @@
 the micro-batch graph and the optimizer, read by CUPTI (through PyTorch's profiler, which records every kernel of
 the process, CuPy's and cuBLAS's too), then the span, the time some kernel ran, and the gaps between them.
 
-    PYTHONPATH=. [ANDREA_PDL=1] python3 dev/cuda/step_gaps.py [--runs 120M/bf16,12M/bf16,120M/fp8] [--out DIR]
+    PYTHONPATH=. python3 dev/cuda/step_gaps.py [--runs 120M/bf16,12M/bf16,120M/fp8] [--out DIR]
 
-One line a run (the step's time and its weights' digest after 8 steps, kernels, span, busy, gaps) and the
-transitions that lose the most; ANDREA_PDL=1 records the step with programmatic dependent launches
-(andrea/engines/launch.py). The whole timeline goes to DIR/step_gaps-pdl0.json (or -pdl1). Exits 1 when the
-profiler saw no kernel (nothing to judge).
+One line a run (the step's time and its weights' digest after 8 steps; kernels and the graph's memset nodes, the
+span from the first to the last, the time some kernel ran, the gaps) and the transitions that lose the most, a
+memset node named as itself. The whole timeline goes to DIR/step_gaps.json. Exits 1 when the profiler saw no
+kernel (nothing to judge).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def short(name: str) -> str:
 
 
 def timeline(fn) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of every kernel fn() runs on the device, in start order."""
+    """(name, start us, end us) of every kernel and memset or copy node fn() runs on the device, in start order."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -77,7 +77,8 @@ def analyse(kernels) -> dict:
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]
     return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "gap_ms": (span - busy) / 1e3,
             "histogram": dict(hist), "top": [(k, n, round(t, 1)) for k, (n, t) in top],
-            "blas_kernels": sum(1 for k in kernels if short(k[0]).startswith("blas:"))}
+            "blas_kernels": sum(1 for k in kernels if short(k[0]).startswith("blas:")),
+            "memsets": sum(1 for k in kernels if k[0].startswith(("Memset", "memset")))}
 
 
 def main() -> int:
@@ -117,7 +118,8 @@ def main() -> int:
         a = analyse(kernels)
         a["step_ms"], a["params_sha256"] = step, digest
         report[run] = {**a, "timeline": kernels}
-        print(f"{run} (ANDREA_PDL={os.environ.get('ANDREA_PDL', '0')}): step {step:.3f} ms, weights {digest}; {a['kernels']} kernels ({a['blas_kernels']} cuBLAS), span {a['span_ms']:.3f} "
+        print(f"{run}: step {step:.3f} ms, weights {digest}; {a['kernels'] - a['memsets']} kernels "
+              f"({a['blas_kernels']} cuBLAS) and {a['memsets']} memsets, span {a['span_ms']:.3f} "
               f"ms, busy {a['busy_ms']:.3f}, gaps {a['gap_ms']:.3f} ({a['gap_ms'] / a['span_ms']:.1%}); "
               f"gaps {a['histogram']}", flush=True)
         for key, n, us in a["top"]:
@@ -125,7 +127,7 @@ def main() -> int:
         del model, engine
         cupy.get_default_memory_pool().free_all_blocks()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"step_gaps-pdl{os.environ.get('ANDREA_PDL', '0')}.json").write_text(json.dumps(report))
+    (Path(args.out) / "step_gaps.json").write_text(json.dumps(report))
     return 0 if seen_any else 1
 
 
