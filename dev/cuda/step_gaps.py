@@ -26,7 +26,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import cupy  # noqa: E402
 
-from bench import BENCH, EXPERIMENTS, options, per_step_ms  # noqa: E402
+from bench import per_step_ms  # noqa: E402
+from step_idle import bench_model, optimizer_launches  # noqa: E402  (this script's folder is on sys.path)
 
 
 def short(name: str) -> str:
@@ -82,9 +83,6 @@ def analyse(kernels) -> dict:
 
 
 def main() -> int:
-    from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default="120M/bf16,12M/bf16,120M/fp8", help="shape/precision, comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "results/step_gaps"))
@@ -92,25 +90,12 @@ def main() -> int:
     report, seen_any = {}, False
     for run in args.runs.split(","):
         name, precision = run.split("/")
-        engine = CudaEngine(precision=precision)
-        model = Model(engine, EXPERIMENTS[name].model, BENCH[name], graphs=True, **options(name))
-        model.load_state(init_params(model.layout, 0))
+        engine, model = bench_model(name, precision)
         step = per_step_ms(model, steps=8, warm=3)
         digest = hashlib.sha256(cupy.asnumpy(model.buf["params"]).tobytes()).hexdigest()[:16]  # the weights after 8 steps
         (graph,) = model._step_graphs.values()
-        b, layout = model.buf, model.layout
-
-        def whole():
-            engine.replay(graph)
-            engine.grad_norm_partial(b["grad_norm_partials"], b["grads"], scale=0.5)
-            engine.grad_norm_final(b["grad_norm"], b["grad_norm_partials"])
-            engine.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=1e-9, beta1=0.9, beta2=0.95, eps=1e-8,
-                              weight_decay=0.1, step=5, decay_ranges=layout.decay_ranges(),
-                              params_lp=b.get("params_lp"), grad_scales=(0.5, 1.0))
-            model._weights_changed()
-            engine.zero_grads(b["grads"])
-
-        kernels = timeline(whole)
+        optimizer = optimizer_launches(engine, model)
+        kernels = timeline(lambda: (engine.replay(graph), optimizer()))
         if not kernels:
             print(f"{run}: the profiler saw no kernel", flush=True)
             continue
