@@ -78,7 +78,8 @@ def analyse(kernels) -> dict:
             end, last = stop, name
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]
     memsets = sum(1 for k in kernels if k[0].startswith(("Memset", "memset")))
-    return {"kernels": len(kernels) - memsets, "memsets": memsets, "span_ms": span / 1e3, "busy_ms": busy / 1e3, "gap_ms": (span - busy) / 1e3,
+    return {"kernels": len(kernels) - memsets, "memsets": memsets, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+            "gap_ms": (span - busy) / 1e3,
             "histogram": dict(hist), "top": [(k, n, round(t, 1)) for k, (n, t) in top],
             "blas_kernels": sum(1 for k in kernels if short(k[0]).startswith("blas:"))}
 
@@ -93,7 +94,8 @@ def main() -> int:
         name, precision = run.split("/")
         engine, model = bench_model(name, precision)
         step = per_step_ms(model, steps=8, warm=3)
-        digest = hashlib.sha256(model.host_state()[0].tobytes()).hexdigest()[:16]  # the weights after 8 steps, as kernels_ab
+        # the weights after 8 steps, hashed as kernels_ab.py hashes them
+        digest = hashlib.sha256(model.host_state()[0].tobytes()).hexdigest()[:16]
         (graph,) = model._step_graphs.values()
         optimizer = optimizer_launches(engine, model)
         kernels = timeline(lambda: (engine.replay(graph), optimizer()))
