@@ -97,7 +97,7 @@ class Model:
         # A micro-batch's forward and backward run as one recorded launch sequence (a CUDA graph) where the
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and engine.traits.graphs
-        self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted) -> recorded micro-batch
+        self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted, first) -> recorded micro-batch
         self._prepare_graph = None  # the weight copies' launches, recorded (_weights_changed)
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
@@ -175,7 +175,8 @@ class Model:
         return self.engine.mean_loss(self.buf["losses"], None if weights is None else self.buf["loss_weights"])
 
     def forward_backward(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        """Forward and backward of one micro-batch: adds its gradient into grads; returns the mean loss."""
+        """Forward and backward of one micro-batch: adds its gradient into grads (zero after load_state; after a
+        train_step, that step's gradient); returns the mean loss."""
         self._upload(tokens, targets)
         self._forward_backward()
         return self.engine.mean_loss(self.buf["losses"])
@@ -186,9 +187,9 @@ class Model:
         if weights is not None:
             self.engine.upload(self.buf["loss_weights"], weights)
 
-    def _forward_ops(self, backward: bool = False, weighted: bool = False) -> None:
+    def _forward_ops(self, backward: bool = False, weighted: bool = False, first: bool = False) -> None:
         """The forward; with `backward`, each classifier piece's backward right after its loss (_classifier),
-        `weighted` by the loss weights in their buffer."""
+        `weighted` by the loss weights in their buffer, `first` writing wte's gradient instead of adding."""
         e, b, P, W, H = self.engine, self.buf, self.P, self.W, self.shape.n_head
         res, L = b["residual"], self.shape.n_layer
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
@@ -210,14 +211,15 @@ class Model:
             else:
                 e.residual_layernorm_fwd(res[L], b["lnf"], b["lnf_mean"], b["lnf_rstd"], b["residual_mid"][l], b["branch"],
                                          P["LNf.gamma"], P["LNf.beta"])
-        self._classifier(backward, weighted)
+        self._classifier(backward, weighted, first)
 
-    def _classifier(self, backward: bool, weighted: bool = False) -> None:
+    def _classifier(self, backward: bool, weighted: bool = False, first: bool = False) -> None:
         """The tied classifier and loss over the micro-batch, a piece of probs.shape[0] sequences at a time
         through the one probs buffer; with `backward`, each piece's loss_bwd follows its loss_fwd at once (it
         needs nothing later in the forward), adding that piece's share of wte's gradient and writing its rows
         of d_ln, the gradient at LNf's output. The piece's d_logits is `probs` itself, turned into the gradient
-        in place (it is not read again); `weighted`: each row of it times the row's loss weight."""
+        in place (it is not read again); `weighted`: each row of it times the row's loss weight; `first`: the
+        first piece writes wte's gradient (a step's first micro-batch), the others add theirs."""
         e, b, W = self.engine, self.buf, self.W
         rows = b["probs"].shape[0]
         for start in range(0, self.micro_batch, rows):
@@ -227,7 +229,7 @@ class Model:
             if backward:
                 e.loss_bwd(b["d_ln"][piece], self.G["wte"], probs, b["lnf"][piece], W["wte"], b["targets"][piece],
                            self._loss_grad_scale(), overwrite=True,
-                           weights=b["loss_weights"][piece] if weighted else None)
+                           weights=b["loss_weights"][piece] if weighted else None, overwrite_weights=first and start == 0)
 
     def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
@@ -238,9 +240,11 @@ class Model:
         return option in self.recompute and l < self.recompute_layers
 
     # ---- backward --------------------------------------------------------------------------
-    def _backward(self, reduce: bool = False) -> None:
+    def _backward(self, reduce: bool = False, first: bool = False) -> None:
         """Add this micro-batch's gradient of its mean loss into grads (the same list, reversed), from the
-        gradient at LNf's output that the classifier's pieces left in d_ln (_classifier, in the forward).
+        gradient at LNf's output that the classifier's pieces left in d_ln (_classifier, in the forward);
+        `first` (a step's first micro-batch): write it instead, every weight's gradient by its first op (wte's
+        by the classifier, before), so that grads are never zeroed.
 
         `d_residual` is the residual stream's gradient, one buffer from the top to the embedding: a residual
         connection passes it on unchanged, so each one's backward is the copy into `d_branch` that the
@@ -255,7 +259,7 @@ class Model:
         # stream's starts at zero, the LayerNorm backwards add into it.
         e.zero(dres)
         e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
-                                 b["lnf_mean"], b["lnf_rstd"])
+                                 b["lnf_mean"], b["lnf_rstd"], overwrite_weights=first)
         dp, grads, lay = self.data_parallel if reduce else None, b["grads"], self.layout
         d_qkv = b["d_qkv"].transpose(2, 0, 1, 3)  # [3, B, T, C] over its rows [B, T, 3, C] (memory.py)
         if dp:
@@ -269,23 +273,24 @@ class Model:
             dpre = b["mlp_act_layer"] if "gelu" in self.recompute else b["d_mlp_pre"]
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, d_branch, self.saved("ln2", l), self.saved("mlp_pre", l),
                       self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=self.recomputes("gelu", l), overwrite=True,
-                      keep_dpre=False)
+                      keep_dpre=False, overwrite_weights=first)
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
-                                     p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l])
+                                     p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l], overwrite_weights=first)
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
-            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True)
+            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True, overwrite_weights=first)
             e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
             if self.recomputes("layernorm", l):
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
-            e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], d_qkv, self.saved("ln1", l), w["W_QKV"], overwrite=True)
+            e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], d_qkv, self.saved("ln1", l), w["W_QKV"], overwrite=True,
+                           overwrite_weights=first)
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])
             if l > 0:  # the previous layer's MLP branch joined the stream here
-                e.layernorm_residual_bwd(dres, d_branch, *ln1)
+                e.layernorm_residual_bwd(dres, d_branch, *ln1, overwrite_weights=first)
             else:  # below layer 0 the stream is the embedding's output
-                e.layernorm_bwd(dres, *ln1)
+                e.layernorm_bwd(dres, *ln1, overwrite_weights=first)
             if dp:
                 dp.reduce_async(grads[lay.layer_span(l)])
-        e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"])
+        e.embed_bwd(G["wte"], G["wpe"], dres, b["tokens"], overwrite_weights=first)  # adds into wte's, written above
         if dp:
             dp.reduce_async(grads[lay.span("wte", "wpe")])
             dp.wait()
@@ -307,29 +312,30 @@ class Model:
         mean), so that no recording depends on a step's weights."""
         return self._scale / (self.micro_batch * self.shape.seq_len)
 
-    def _forward_backward(self, reduce: bool = False, weighted: bool = False) -> None:
+    def _forward_backward(self, reduce: bool = False, weighted: bool = False, first: bool = False) -> None:
         """Forward and backward of the micro-batch in the token buffers (and, `weighted`, the loss weights):
         recorded once, then replayed (again after the loss scale, which the recorded backward holds, changes).
         `reduce`: the gradient's sums over data-parallel ranks run inside the backward (a recording of its own).
+        `first`: the step's first micro-batch, which writes grads where the others add (a recording of its own).
 
         A weighted step's loss is divided by its total weight, which changes every step; recording that
         divisor would record the step again every step, so the recorded backward runs at the unweighted
         micro-batch's constant scale and the divisor goes into the step's one unscale (train_step). The
-        recordings are thus one per (reduce, weighted) at the current loss scale: four at most. The constant
+        recordings are thus one per (reduce, weighted, first) at the current loss scale: eight at most. The constant
         scale also keeps each counted target's gradient in the backward as large as in an unweighted step,
         the range the fp16 loss scale is set for (1 / total weight would grow it as a mask counts fewer)."""
         if not self.graphs:
             with self._pass():
-                self._forward_ops(backward=True, weighted=weighted)
-                self._backward(reduce)
+                self._forward_ops(backward=True, weighted=weighted, first=first)
+                self._backward(reduce, first)
             return
-        key = self._loss_grad_scale(), reduce, weighted
+        key = self._loss_grad_scale(), reduce, weighted, first
         if key not in self._step_graphs:
             if any(k[0] != key[0] for k in self._step_graphs):  # the fp16 loss scale moved: drop stale recordings
                 self._step_graphs.clear()
             with self._pass():
                 self._step_graphs[key] = self.engine.capture(
-                    lambda: (self._forward_ops(backward=True, weighted=weighted), self._backward(reduce)))
+                    lambda: (self._forward_ops(backward=True, weighted=weighted, first=first), self._backward(reduce, first)))
         self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------
@@ -347,7 +353,8 @@ class Model:
     def train_step(self, micro_batches, *, step: int, lr: float, optimizer: dict,
                    weights: list[np.ndarray] | None = None, sources=None) -> tuple[float, float]:
         """Accumulate over micro-batches (and data-parallel ranks), scale to the step's mean, clip the
-        global norm, AdamW, zero.
+        global norm, AdamW. The first micro-batch writes grads and the others add into them: nothing zeroes
+        them, and after the step (whatever it raised) they hold its gradient, unscaled, until the next one.
 
         `weights`: None, every target counts (the loss is the mean over the step's targets), or one float32
         [B, T] array per micro-batch, aligned with its targets (0/1 from a loss mask, or any non-negative
@@ -383,7 +390,8 @@ class Model:
             w = None if weights is None else weights[i]
             self._upload(tokens, targets, w)
             # the last micro-batch's backward also sums the gradient over the data-parallel ranks
-            self._forward_backward(reduce=self.data_parallel is not None and i == n - 1, weighted=w is not None)
+            self._forward_backward(reduce=self.data_parallel is not None and i == n - 1, weighted=w is not None,
+                                   first=i == 0)
             if per_source is not None:
                 self._add_source_losses(per_source, sources[0][i], w)
             if deferred:
@@ -433,17 +441,14 @@ class Model:
         if self.loss_scale is not None and math.isfinite(loss):
             self.loss_scale.update(overflow=not math.isfinite(norm))
             if not math.isfinite(norm):
-                e.zero_grads(b["grads"])
                 raise LossScaleOverflow(f"gradients overflowed at loss scale {2 * self.loss_scale.scale:g}; "
                                         f"the scale is now {self.loss_scale.scale:g}")
         if not (math.isfinite(loss) and math.isfinite(norm)):
             bad = self.nonfinite_grad_tensors()
-            e.zero_grads(b["grads"])
             raise NonFiniteStep(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
                                 f"(loss {loss}, grad norm {norm}; non-finite gradients in: {', '.join(bad) or 'none'})")
         if not deferred:
             update(clip_scale(norm, clip))
-        e.zero_grads(b["grads"])
         return loss, norm
 
     def _weights_changed(self) -> None:

@@ -1,7 +1,7 @@
 // embed: token + position embedding.
 //   forward:  out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]
 //   backward: dwte[v, :] += sum of dout[n, :] over the positions n whose token is v
-//             dwpe[t, :] += sum over b of dout[b, t, :]
+//             dwpe[t, :] += sum over b of dout[b, t, :]   (add_wpe 0: written, a step's first micro-batch)
 // The backward sums run in a fixed order with no atomics, so repeated tokens give the same bits on
 // every run: one block owns each token that occurs and adds its occurrences' rows in ascending position
 // order, from 0, then adds that sum into dwte. The owners come from a sort of the keys token << 16 |
@@ -42,13 +42,15 @@ extern "C" __global__ void k_embed_fwd(act_t* out, const int* tokens, const floa
     }
 }
 
-// dwpe[t] += the sum over b of dout[b, t], b ascending.
-__device__ __forceinline__ void embed_bwd_wpe(float* dwpe, const float* dout, long long n_pos, int T, int C, int t) {
+// dwpe[t] += the sum over b of dout[b, t], b ascending; add 0: dwpe[t] = that sum (a step's first micro-batch).
+__device__ __forceinline__ void embed_bwd_wpe(float* dwpe, const float* dout, long long n_pos, int T, int C, int t,
+                                              int add) {
     const long long B = n_pos / T;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float sum = 0.0f;
         for (long long b = 0; b < B; b++) sum += dout[(b * T + t) * C + c];
-        dwpe[(long long)t * C + c] += sum;
+        float* d = dwpe + (long long)t * C + c;
+        *d = add ? *d + sum : sum;
     }
 }
 
@@ -110,9 +112,9 @@ extern "C" __global__ void k_embed_merge(unsigned* sorted, const unsigned* chunk
 #define EMBED_GATHER 4
 template <int J>
 __device__ __forceinline__ void embed_bwd_sorted(float* dwte, float* dwpe, const float* dout, const unsigned* sorted,
-                                                 long long n_pos, int T, int C) {
+                                                 long long n_pos, int T, int C, int add_wpe) {
     if (blockIdx.x >= n_pos) {
-        embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos));
+        embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos), add_wpe);
         return;
     }
     const long long i = blockIdx.x;
@@ -158,10 +160,10 @@ __device__ __forceinline__ void embed_bwd_sorted(float* dwte, float* dwpe, const
 // Blocks [0, n_pos) own token rows of dwte; blocks [n_pos, n_pos + T) own rows of dwpe.
 template <int J>
 __device__ __forceinline__ void embed_bwd(float* dwte, float* dwpe, const float* dout, const int* tokens,
-                                          long long n_pos, int T, int C) {
+                                          long long n_pos, int T, int C, int add_wpe) {
     const int tid = threadIdx.x;
     if (blockIdx.x >= n_pos) {
-        embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos));
+        embed_bwd_wpe(dwpe, dout, n_pos, T, C, (int)(blockIdx.x - n_pos), add_wpe);
         return;
     }
     const long long n = blockIdx.x;
@@ -210,12 +212,13 @@ __device__ __forceinline__ void embed_bwd(float* dwte, float* dwpe, const float*
 #define EMBED_BWD(J)                                                                                                \
     extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)                                               \
     k_embed_bwd_sorted##J(float* dwte, float* dwpe, const float* dout, const unsigned* sorted, long long n_pos,     \
-                          int T, int C) {                                                                           \
-        embed_bwd_sorted<J>(dwte, dwpe, dout, sorted, n_pos, T, C);                                                 \
+                          int T, int C, int add_wpe) {                                                              \
+        embed_bwd_sorted<J>(dwte, dwpe, dout, sorted, n_pos, T, C, add_wpe);                                        \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(EMBED_BWD_THREADS)                                               \
-    k_embed_bwd##J(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C) { \
-        embed_bwd<J>(dwte, dwpe, dout, tokens, n_pos, T, C);                                                        \
+    k_embed_bwd##J(float* dwte, float* dwpe, const float* dout, const int* tokens, long long n_pos, int T, int C,   \
+                   int add_wpe) {                                                                                   \
+        embed_bwd<J>(dwte, dwpe, dout, tokens, n_pos, T, C, add_wpe);                                               \
     }
 EMBED_BWD(1)
 EMBED_BWD(2)

@@ -2,7 +2,8 @@
 //   forward:  out = (x - mean) * rstd * gamma + beta,   rstd = 1 / sqrt(var + eps)
 //   backward: xhat = (x - mean) * rstd,  dxhat = dout * gamma
 //             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-//             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout
+//             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout   (or, add 0, written:
+//             a step's first micro-batch)
 // Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
 // The forward also takes the residual connection in front of it (residual_add then layernorm_fwd, one
 // pass): inp = a + residual, written and normalised.
@@ -377,10 +378,10 @@ LN_BWD_CACHED(2)
 LN_BWD_CACHED(3)
 LN_BWD_CACHED(4)
 
-// dgamma += the n_chunks chunks' partial sums (likewise dbeta): 32 columns a block of LN_SUM_THREADS; lane ly of a column
-// adds chunks ly, ly + LN_SUM_LANES, ..., then the lanes are added in a fixed tree.
+// dgamma += the n_chunks chunks' partial sums (likewise dbeta; add 0: dgamma = them): 32 columns a block of
+// LN_SUM_THREADS; lane ly of a column adds chunks ly, ly + LN_SUM_LANES, ..., then the lanes are added in a fixed tree.
 extern "C" __global__ void __launch_bounds__(LN_SUM_THREADS)
-k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, int n_chunks) {
+k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, int n_chunks, int add) {
     __shared__ float part[2][LN_SUM_LANES][WARP_SIZE + 1];
     const int cx = threadIdx.x % WARP_SIZE, ly = threadIdx.x / WARP_SIZE;
     const int c = blockIdx.x * WARP_SIZE + cx;
@@ -394,7 +395,7 @@ k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, i
     }
     fold_lanes(part, ly, cx, dg, db);
     if (ly == 0 && c < C) {
-        dgamma[c] += part[0][0][cx];
-        dbeta[c] += part[1][0][cx];
+        dgamma[c] = add ? dgamma[c] + part[0][0][cx] : part[0][0][cx];
+        dbeta[c] = add ? dbeta[c] + part[1][0][cx] : part[1][0][cx];
     }
 }

@@ -197,15 +197,16 @@ class RecordingEngine(NumpyEngine):
 
 
 def test_recordings_do_not_grow_with_the_steps_weights_and_the_loss_scale_changes_no_bit():
-    """Weighted steps of ever different total weight replay one recording (unweighted steps another); a moved
-    loss scale records them again. In float64 a power-of-two loss scale changes no bit of training."""
+    """Weighted steps of ever different total weight replay one recording a micro-batch place (unweighted steps
+    others); a moved loss scale records them again. In float64 a power-of-two loss scale changes no bit of training."""
     engine = RecordingEngine()
     recorded, plain = new_model(engine), new_model(NumpyEngine("float64"))
     assert recorded.loss_scale is not None and recorded.graphs
     rng = np.random.default_rng(6)
-    # recordings so far after each step: the weighted one, the unweighted one (step 2), the weighted one again
-    # at the moved scale (step 4)
-    for step, captures in enumerate((1, 1, 2, 2, 3, 3)):
+    # recordings so far after each step, each a pair (the first micro-batch, which writes the gradient, and the
+    # others, which add): the weighted pair, the unweighted pair (step 2), the weighted pair again at the moved
+    # scale (step 4)
+    for step, captures in enumerate((2, 2, 4, 4, 6, 6)):
         batches = synthetic_micro_batches(SHAPE, 2, 2, step)
         weights = None if step == 2 else masks(rng, 2, SHAPE.seq_len, 2)
         if step == 4:

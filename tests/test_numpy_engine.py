@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from andrea.config import load_experiment
+from andrea.engines.crosscheck import train_run
 from andrea.engines.numpy_engine import NumpyEngine
 from andrea.model import Model, init_params
 from conftest import EXPERIMENTS
@@ -373,7 +374,20 @@ def test_two_micro_batches_equal_one_batch():
     assert ns == pytest.approx(nw, rel=1e-12)
     for k in ("params", "m", "v"):
         np.testing.assert_allclose(split.buf[k], whole.buf[k], rtol=1e-10, atol=1e-14)
-    assert not split.buf["grads"].any()
+    # grads keep the step's gradient, unscaled: the two micro-batches' means add up to twice the whole batch's
+    np.testing.assert_allclose(split.buf["grads"], 2 * whole.buf["grads"], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("loss_chunks", [1, 2])
+def test_each_step_writes_its_gradient_whole(loss_chunks):
+    """Nothing zeroes the gradient between steps: each step's first micro-batch writes every element of it (the
+    others add). NaN left in grads before every step changes no bit of the run, with wte's gradient from one
+    classifier piece or two and the embedding's share added after it."""
+    shape = load_experiment(EXPERIMENTS / "ANDREA-tiny-TRAIN.json").model
+    runs = [train_run(NumpyEngine(), shape, micro_batch=2, n_micro=2, steps=3, loss_chunks=loss_chunks,
+                      poison_grads=poison) for poison in (False, True)]
+    assert all(np.isfinite(run.losses).all() for run in runs)
+    assert runs[0].digest == runs[1].digest
 
 
 def test_loss_gradient_in_place_matches_a_separate_buffer():

@@ -145,15 +145,19 @@ class TrainRun:
 
 def train_run(engine, shape: ModelShape, micro_batch: int, n_micro: int, steps: int, seed: int = 1337,
               recompute: tuple[str, ...] = (), loss_chunks: int = 1, stream=None, held_out=(),
-              recompute_layers: int | None = None) -> TrainRun:
+              recompute_layers: int | None = None, poison_grads: bool = False) -> TrainRun:
     """`steps` optimizer steps from init_params(seed) on the batches stream(step) (default: the synthetic
-    stream), then the mean loss over the `held_out` micro-batches ((tokens, targets) pairs), if any."""
+    stream), then the mean loss over the `held_out` micro-batches ((tokens, targets) pairs), if any.
+    `poison_grads`: NaN into the gradient buffer before every step, which a step's first micro-batch must write
+    whole (no bit of the run may change)."""
     model = Model(engine, shape, micro_batch, recompute=recompute, recompute_layers=recompute_layers,
                   loss_chunks=loss_chunks)
     model.load_state(init_params(model.layout, seed))
     stream = stream or (lambda step: synthetic_micro_batches(shape, micro_batch, n_micro, step, seed))
     losses, norms = [], []
     for step in range(steps):
+        if poison_grads:
+            model.engine.upload(model.buf["grads"], np.full(model.buf["grads"].shape, np.nan, dtype=np.float32))
         loss, norm = model.train_step(stream(step), step=step, lr=lr_at(step), optimizer=OPTIMIZER)
         losses.append(loss)
         norms.append(norm)

@@ -50,8 +50,9 @@ def op_cost(call: str, shape, B: int, n_params: int, act_bytes: int = 4) -> tupl
 
 
 def case_names() -> tuple[str, ...]:
-    """Every cross-check case: each op's, then the backward ops that write their input's gradient
-    (`name/overwrite`: it starts as NaN, so an element the op fails to write shows)."""
+    """Every cross-check case: each op's, then the backward ops that write their gradients instead of adding
+    into them (`name/overwrite`: overwrite and overwrite_weights on, each gradient the op writes starts as NaN,
+    so an element it fails to write shows)."""
     plain = tuple(c for m in MODULES for c in m.CASES)
     return plain + tuple(f"{c}/overwrite" for m in MODULES for c in m.OVERWRITE_CASES)
 

@@ -16,8 +16,9 @@ class NumpyOps:
     def attn_out_fwd(self, out, inp, W_O):
         self.mm(inp, W_O, out=out)
 
-    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False, overwrite_weights=False):
         start_grad(dinp, overwrite)
+        start_grad(dW_O, overwrite_weights)
         C = inp.shape[-1]
         dW_O += self.mm(inp.reshape(-1, C).T, dout.reshape(-1, dout.shape[-1]))
         dinp += self.mm(dout, W_O.T)
@@ -30,11 +31,12 @@ class CudaOps:
         self._fp8_wrote(out)
         self._linear_fwd(out, inp, W_O, N, C, C, fp8=False)
 
-    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False):
+    def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False, overwrite_weights=False):
         C = inp.shape[-1]
         N = inp.size // C
         self._fp8_wrote(dinp)
-        self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0, fp8=False)
+        self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0, fp8=False,
+                         beta_w=0.0 if overwrite_weights else 1.0)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
@@ -50,10 +52,11 @@ OVERWRITE_CASES = ("attn_out",)
 def case(name: str, s, draw: Draw) -> OpCase:
     B, T, C = s.B, s.T, s.C
     a = {"inp": draw.randn(B, T, C), "W_O": draw.randn(C, C, scale=C**-0.5), "out": draw.nan(B, T, C),
-         "dinp": draw.grad_in(B, T, C), "dW_O": draw.randn(C, C), "dout": draw.randn(B, T, C)}
+         "dinp": draw.grad_in(B, T, C), "dW_O": draw.grad_weight(C, C), "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.attn_out_fwd(x["out"], x["inp"], x["W_O"])
-        E.attn_out_bwd(x["dinp"], x["dW_O"], x["dout"], x["inp"], x["W_O"], overwrite=draw.overwrite)
+        E.attn_out_bwd(x["dinp"], x["dW_O"], x["dout"], x["inp"], x["W_O"], overwrite=draw.overwrite,
+                       overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("out", "dinp", "dW_O"), act=("inp", "W_O", "out", "dinp", "dout"))

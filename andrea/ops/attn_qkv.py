@@ -29,8 +29,9 @@ class NumpyOps:
         for i in range(3):
             self.mm(x, W[i], out=qkv[i])
 
-    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
+    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False):
         start_grad(dinp, overwrite)
+        start_grad(dW_QKV, overwrite_weights)
         C = inp.shape[-1]
         x2 = self.fp8_operand(inp, "e4m3").reshape(-1, C)
         dq, W = self.fp8_operand(dqkv, "e5m2"), self.fp8_operand(W_QKV, "e4m3")
@@ -68,16 +69,17 @@ class CudaOps:
                      np.int64(layer), np.int32(L), np.int32(C))
         self._qkv_rows = {W.data.ptr: (W, w_qkv_rows[l]) for l, W in enumerate(Ws)}
 
-    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False):
+    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False):
         C = inp.shape[-1]
         N = inp.size // C
         self._fp8_wrote(dinp)
         ld, plane = grad_rows(dqkv)
         rows = self.xp.moveaxis(dqkv, 0, -2).reshape(N, 3 * C) if plane == C else None  # [dQ dK dV] a row
-        done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, N, C)
+        beta_w = 0.0 if overwrite_weights else 1.0
+        done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, beta_w, N, C)
                               if self._fp8_ok(N, C) else (False, False))
         if not done_dW:  # the three C x C weight gradients as one batched product
-            self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, ldb=ld, beta=1.0, batch=3, stride_b=plane,
+            self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, ldb=ld, beta=beta_w, batch=3, stride_b=plane,
                            stride_c=C * C)
         if done_dinp:
             return
@@ -89,8 +91,8 @@ class CudaOps:
             self.blas.gemm(dinp, dqkv[i], W_QKV[i], N, C, C, trans_b=True, lda=ld,
                            beta=0.0 if overwrite and i == 0 else 1.0)
 
-    def _attn_qkv_bwd_fp8(self, dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, N, C) -> tuple[bool, bool]:
-        """dW_i += X^T dq_i (X^T [C, N] and each dq_i^T [C, N]: one batched product), and dinp = [dq_0 dq_1 dq_2]
+    def _attn_qkv_bwd_fp8(self, dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, beta_w, N, C) -> tuple[bool, bool]:
+        """dW_i = X^T dq_i + beta_w dW_i (X^T [C, N] and each dq_i^T [C, N]: one batched product), and dinp = [dq_0 dq_1 dq_2]
         @ [W_0; W_1; W_2]^T as one product over 3C (dqkv cast as [N, 3C], W_QKV as [C, 3C]). `rows`: dqkv as that
         [N, 3C] matrix where it is laid out so (else its planes are cast side by side). Which of the two ran."""
         xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
@@ -100,7 +102,7 @@ class CudaOps:
         else:
             sd = self._fp8_cast(dqkv, N, C, "e5m2", 1, q=dq, ldq=3 * C, q_batch=C, qt=dqt, qt_batch=C * N, batch=3)
         w, sw = self._fp8_weight(W_QKV, "input_grad", C, C, 2, into=w, ldq=3 * C, q_batch=C, batch=3)
-        return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=1.0, batch=3, stride_b=C * N,
+        return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=beta_w, batch=3, stride_b=C * N,
                                stride_c=C * C),
                 self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))
 
@@ -128,7 +130,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     w = C**-0.5
     rows = name == "attn_qkv_rows"
     a = {"inp": draw.randn(B, T, C), "W_QKV": draw.randn(3, C, C, scale=w), "qkv": draw.nan(3, B, T, C),
-         "dinp": draw.grad_in(B, T, C), "dW_QKV": draw.randn(3, C, C),
+         "dinp": draw.grad_in(B, T, C), "dW_QKV": draw.grad_weight(3, C, C),
          "dqkv": draw.randn(B, T, 3, C) if rows else draw.randn(3, B, T, C), "w_qkv_rows": draw.nan(1, C, 3 * C)}
 
     def run(E, x):
@@ -136,6 +138,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
         if rows and E.traits.qkv_weight_rows:
             E.prepare_qkv_rows(x["w_qkv_rows"], [{"W_QKV": x["W_QKV"]}])
         dqkv = x["dqkv"].transpose(2, 0, 1, 3) if rows else x["dqkv"]
-        E.attn_qkv_bwd(x["dinp"], x["dW_QKV"], dqkv, x["inp"], x["W_QKV"], overwrite=draw.overwrite)
+        E.attn_qkv_bwd(x["dinp"], x["dW_QKV"], dqkv, x["inp"], x["W_QKV"], overwrite=draw.overwrite,
+                       overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("qkv", "dinp", "dW_QKV"), act=("inp", "W_QKV", "qkv", "dqkv", "w_qkv_rows"))

@@ -25,10 +25,11 @@ ELEMENTWISE_THREADS = 256
 
 
 # ---- NumPy -----------------------------------------------------------------------------------
-def start_grad(grad_input, overwrite: bool) -> None:
-    """A backward op's input gradient: added into, or with `overwrite` written (started from zero here)."""
+def start_grad(grad, overwrite: bool) -> None:
+    """A backward op's input or weight gradient: added into, or with `overwrite` written (started from zero
+    here)."""
     if overwrite:
-        grad_input[...] = 0
+        grad[...] = 0
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -107,6 +108,11 @@ class Draw:
 
     def grad_in(self, *shape):
         """An input gradient: added into (random start) or, for an overwrite case, written (NaN start)."""
+        return self.nan(*shape) if self.overwrite else self.randn(*shape)
+
+    def grad_weight(self, *shape):
+        """A weight gradient: added into (random start) or, for an overwrite case, written (NaN start): the
+        first micro-batch of a step writes its weight gradients (overwrite_weights)."""
         return self.nan(*shape) if self.overwrite else self.randn(*shape)
 
     def tokens(self, B, T, V):

@@ -6,7 +6,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
-from andrea.ops.base import Draw, OpCase, kernel_defines
+from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
 
 # The backward's builds: J columns a thread (the EMBED_BWD instances at kernels/embed.cu's end).
 EMBED_BWD_J = (1, 2, 3, 4, 8, 16)
@@ -29,8 +29,11 @@ class NumpyOps:
         T = tokens.shape[1]
         np.add(wte[tokens], wpe[:T], out=out)
 
-    def embed_bwd(self, dwte, dwpe, dout, tokens):
+    def embed_bwd(self, dwte, dwpe, dout, tokens, overwrite_weights=False):
+        """dwte's share is always added (loss_bwd writes the tied wte's gradient first); `overwrite_weights`
+        writes dwpe."""
         T = tokens.shape[1]
+        start_grad(dwpe, overwrite_weights)
         # np.add.at accumulates repeated token ids in index order: deterministic.
         np.add.at(dwte, tokens.reshape(-1), dout.reshape(-1, dout.shape[-1]))
         dwpe[:T] += dout.sum(axis=0)
@@ -45,7 +48,7 @@ class CudaOps:
         self._launch("k_embed_fwd", n_pos, EMBED_FWD_THREADS, out, tokens, wte, wpe, np.int64(n_pos), np.int32(T),
                      np.int32(C))
 
-    def embed_bwd(self, dwte, dwpe, dout, tokens):
+    def embed_bwd(self, dwte, dwpe, dout, tokens, overwrite_weights=False):
         B, T = tokens.shape
         C = dwte.shape[1]
         k = kernel_defines("embed")
@@ -54,6 +57,9 @@ class CudaOps:
             raise AndreaError(f"d_model {C} is wider than the embedding backward kernel's {threads * max(EMBED_BWD_J)} "
                               "columns")
         n_pos = B * T
+        if overwrite_weights and T < dwpe.shape[0]:  # positions no micro-batch reaches: the kernel writes rows < T
+            self.zero(dwpe[T:])
+        add_wpe = np.int32(not overwrite_weights)
         j = min(j for j in EMBED_BWD_J if threads * j >= C)  # the fewest registers that cover the row
         most = k["EMBED_SORT_MAX"]
         if n_pos <= most and dwte.shape[0] <= 2**16:  # the sort's keys: token << 16 | position
@@ -63,10 +69,10 @@ class CudaOps:
                          np.int32(n_pos))
             self._launch("k_embed_merge", -(-n_pos // threads), threads, sorted_keys, chunks, np.int32(n_pos))
             self._launch(f"k_embed_bwd_sorted{j}", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
-                         np.int32(T), np.int32(C))
+                         np.int32(T), np.int32(C), add_wpe)
             return
         self._launch(f"k_embed_bwd{j}", n_pos + T, threads, dwte, dwpe, dout, tokens, np.int64(n_pos), np.int32(T),
-                     np.int32(C))
+                     np.int32(C), add_wpe)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
@@ -76,16 +82,16 @@ def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
 
 
 CASES = ("embed",)
-OVERWRITE_CASES = ()
+OVERWRITE_CASES = CASES
 
 
 def case(name: str, s, draw: Draw) -> OpCase:
     B, T, C, V = s.B, s.T, s.C, s.V
     a = {"tokens": draw.tokens(B, T, V), "wte": draw.randn(V, C), "wpe": draw.randn(T, C),
-         "out": draw.nan(B, T, C), "dwte": draw.randn(V, C), "dwpe": draw.randn(T, C), "dout": draw.randn(B, T, C)}
+         "out": draw.nan(B, T, C), "dwte": draw.randn(V, C), "dwpe": draw.grad_weight(T, C), "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.embed_fwd(x["out"], x["tokens"], x["wte"], x["wpe"])
-        E.embed_bwd(x["dwte"], x["dwpe"], x["dout"], x["tokens"])
+        E.embed_bwd(x["dwte"], x["dwpe"], x["dout"], x["tokens"], overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("out", "dwte", "dwpe"), act=("out",))

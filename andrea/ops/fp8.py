@@ -408,20 +408,20 @@ class CudaOps:
             self.blas.gemm(out, inp, W, N, M, K)
 
     def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True, cast=None,
-                    unfinished=None) -> None:
-        """dW [K, M] += inp^T @ dout and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where the op
+                    unfinished=None, beta_w: float = 1.0) -> None:
+        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where the op
         takes them, else (each product on its own) the plain products (`fp8=False`: in every precision). `cast`:
         as _linear_bwd_fp8's (the caller gives it only where _fp8_ok); `unfinished()` makes dout what the plain
         products read where that cast left it otherwise."""
         on_fp8 = fp8 and self._fp8_ok(N, K, M)
         if cast is not None and not on_fp8:
             raise RuntimeError("_linear_bwd: a cast of dout given for products that do not run on FP8 operands")
-        done_dW, done_dinp, *_ = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta, cast)
+        done_dW, done_dinp, *_ = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta, cast, beta_w)
                                   if on_fp8 else (False, False))
         if unfinished is not None and not (done_dW and done_dinp):
             unfinished()
         if not done_dW:
-            self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=1.0)
+            self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=beta_w)
         if not done_dinp:
             self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
 
@@ -449,8 +449,8 @@ class CudaOps:
         wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
-    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None) -> tuple:
-        """dW [K, M] += inp^T @ dout and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
+    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None, beta_w: float = 1.0) -> tuple:
+        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
         (the forward's where it saved it) and dout^T for the first, dout and W as stored for the second. `cast`:
         cast(dq, dt) writes dout's E5M2 layouts and returns their descale, in place of dout's own cast (the MLP's
         dgelu cast, which finishes dout too). Which ran, and the descales of dout and W (device words)."""
@@ -458,7 +458,7 @@ class CudaOps:
         xt, sx = self._fp8_transpose(inp, N, K, xt)
         sd = cast(dq, dt) if cast is not None else self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
         w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
-        return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=1.0),
+        return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=beta_w),
                 self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta), sd, sw)
 
     def _fp8_gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, *, fast: bool = False, **kw) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
 from andrea.ops.fp8 import amax_arg
-from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr
+from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr, start_grad
 
 LN_EPS = 1e-5
 KERNELS = {"layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum",
@@ -39,8 +39,10 @@ class NumpyOps:
         self.residual_add(res_out, a, b)
         self.layernorm_fwd(out, mean, rstd, res_out, gamma, beta)
 
-    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite_weights=False):
         xhat = (inp - mean[..., None]) * rstd[..., None]
+        start_grad(dgamma, overwrite_weights)
+        start_grad(dbeta, overwrite_weights)
         dbeta += dout.sum(axis=(0, 1))
         dgamma += (dout * xhat).sum(axis=(0, 1))
         dxhat = dout * gamma
@@ -48,11 +50,12 @@ class NumpyOps:
             dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
         )
 
-    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd,
+                               overwrite_weights=False):
         """layernorm_bwd, then the backward of the residual connection in front of it, in place: the
         stream's gradient dinp flows on unchanged (x_out = x_in + branch gives d x_in = d x_out) and the
         branch's gradient dbranch is overwritten with it (an engine may run both as one pass)."""
-        self.layernorm_bwd(dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd)
+        self.layernorm_bwd(dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite_weights)
         dbranch[...] = dinp
 
 
@@ -74,15 +77,16 @@ class CudaOps:
         self._launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
                      out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused), amax)
 
-    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd):
-        self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0)
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite_weights=False):
+        self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0, overwrite_weights)
 
-    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd):
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd,
+                               overwrite_weights=False):
         """layernorm_bwd, then the residual connection in front of it in place: dinp (the stream's gradient)
         flows on unchanged and dbranch (overwritten) receives it, in one pass."""
-        self._layernorm_bwd(dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, 1)
+        self._layernorm_bwd(dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, 1, overwrite_weights)
 
-    def _layernorm_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, fused):
+    def _layernorm_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, fused, overwrite_weights):
         k = kernel_defines("layernorm")
         C = inp.shape[-1]
         if C > LN_MAX_C:
@@ -107,7 +111,7 @@ class CudaOps:
                          dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
                          np.int32(row_blocks), np.int32(fused), amax)
         self._launch("k_layernorm_bwd_sum", blocks(C, 32), k["LN_SUM_THREADS"], dgamma, dbeta, partials,
-                     np.int32(C), np.int32(chunks))
+                     np.int32(C), np.int32(chunks), np.int32(not overwrite_weights))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
@@ -119,7 +123,7 @@ def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
 
 
 CASES = ("layernorm", "residual_layernorm", "layernorm_residual")
-OVERWRITE_CASES = ()
+OVERWRITE_CASES = ("layernorm", "layernorm_residual")  # the weights' gradients written; dinp is added into
 
 
 def case(name: str, s, draw: Draw) -> OpCase:
@@ -127,11 +131,13 @@ def case(name: str, s, draw: Draw) -> OpCase:
     if name == "layernorm":
         a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
              "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T),
-             "dinp": draw.randn(B, T, C), "dgamma": draw.randn(C), "dbeta": draw.randn(C), "dout": draw.randn(B, T, C)}
+             "dinp": draw.randn(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
+             "dout": draw.randn(B, T, C)}
 
         def run(E, x):
             E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
-            E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"])
+            E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"],
+                            overwrite_weights=draw.overwrite)
 
         return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out"))
     if name == "residual_layernorm":  # residual_add and the layernorm_fwd after it, as one call
@@ -146,11 +152,12 @@ def case(name: str, s, draw: Draw) -> OpCase:
     # layernorm_residual: layernorm_bwd and the residual connection's backward, as one call
     a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
          "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T), "dinp": draw.randn(B, T, C),
-         "dbranch": draw.nan(B, T, C), "dgamma": draw.randn(C), "dbeta": draw.randn(C), "dout": draw.randn(B, T, C)}
+         "dbranch": draw.nan(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
+         "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
         E.layernorm_residual_bwd(x["dinp"], x["dbranch"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"],
-                                 x["mean"], x["rstd"])
+                                 x["mean"], x["rstd"], overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch"))

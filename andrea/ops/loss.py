@@ -67,13 +67,15 @@ class NumpyOps:
         picked = np.take_along_axis(probs, targets[..., None], axis=-1)[..., 0]
         losses[...] = -np.log(picked)
 
-    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
+    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None,
+                 overwrite_weights=False):
         """Gradient of scale * sum(losses): scale = 1 / (B * T) gives the mean's gradient; with `weights`
         [B, T], of scale * sum(weights * losses).
 
         d_logits = probs - onehot(targets), the gradient of sum(losses) (scale enters the products), each
         row times its weight when weighted: in `dlogits` when given, else in probs itself."""
         start_grad(dinp, overwrite)
+        start_grad(dwte, overwrite_weights)
         picked = np.take_along_axis(probs, targets[..., None], -1)
         if dlogits is None:
             dlogits = probs
@@ -181,7 +183,8 @@ class CudaOps:
                      dinp, p, weights, np.float32(scale), np.float32(beta), np.int64(N), np.int32(C))
         return True
 
-    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None):
+    def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None,
+                 overwrite_weights=False):
         self._fp8_wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
         V, C = wte.shape
         N = inp.size // C
@@ -199,7 +202,8 @@ class CudaOps:
         else:
             self._launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
                          np.int64(N), np.int32(V))
-        self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale, beta=1.0)
+        self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale,
+                                 beta=0.0 if overwrite_weights else 1.0)
         beta = 0.0 if overwrite else 1.0
         if not self._dinp_fp8(dinp, probs, wte, N, C, V, scale, beta, weights):
             self._classifier_product(dinp, dlogits, wte, N, C, V, alpha=scale, beta=beta)
@@ -257,7 +261,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     weighted = name.startswith("loss_weighted")
     a = {"inp": draw.randn(B, T, C), "wte": draw.randn(V, C, scale=2 * C**-0.5),
          "targets": draw.rng.integers(0, V, (B, T)).astype(np.int32), "losses": draw.nan(B, T),
-         "probs": draw.nan(B, T, V), "dinp": draw.grad_in(B, T, C), "dwte": draw.randn(V, C), "dlogits": draw.nan(B, T, V)}
+         "probs": draw.nan(B, T, V), "dinp": draw.grad_in(B, T, C), "dwte": draw.grad_weight(V, C), "dlogits": draw.nan(B, T, V)}
     if weighted:
         a["weights"] = loss_weights(draw, B, T)
 
@@ -266,7 +270,8 @@ def case(name: str, s, draw: Draw) -> OpCase:
         E.loss_fwd(x["losses"], x["probs"], x["inp"], x["wte"], x["targets"])
         mean = E.mean_loss(x["losses"], weights)
         E.loss_bwd(x["dinp"], x["dwte"], x["probs"], x["inp"], x["wte"], x["targets"], 1.0 / (B * T),
-                   dlogits=None if in_place else x["dlogits"], overwrite=draw.overwrite, weights=weights)
+                   dlogits=None if in_place else x["dlogits"], overwrite=draw.overwrite, weights=weights,
+                   overwrite_weights=draw.overwrite)
         return {"mean_loss": mean}
 
     checked = ("losses", "probs", "dinp", "dwte") + (() if in_place else ("dlogits",))

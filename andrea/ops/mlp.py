@@ -44,10 +44,12 @@ class NumpyOps:
         act[...] = _gelu(pre)
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
-                keep_dpre=True):
+                keep_dpre=True, overwrite_weights=False):
         """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt from inp.
         `keep_dpre`: as CudaOps' (here dpre is always written)."""
         start_grad(dinp, overwrite)
+        start_grad(dW_1, overwrite_weights)
+        start_grad(dW_2, overwrite_weights)
         C, F = W_1.shape
         q = self.fp8_operand
         if recompute:
@@ -123,7 +125,7 @@ class CudaOps:
         self._launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
-                keep_dpre=True):
+                keep_dpre=True, overwrite_weights=False):
         """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt with the
         forward's bits by its product. `keep_dpre` False (the model's backward, which reads dpre no more): on FP8
         operands dpre may be left holding dout @ W_2^T, the gradient at pre going to the products as E5M2 only (a
@@ -135,10 +137,11 @@ class CudaOps:
             self._mlp_up(pre, act, inp, W_1)
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
         # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
-        done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0)
+        beta_w = 0.0 if overwrite_weights else 1.0
+        done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, beta_w=beta_w)
                                       if self._fp8_ok(N, C) else (False, False, None, None))
         if not done_dW:
-            self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=1.0)
+            self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=beta_w)
         # on FP8 operands GELU' is applied by the pass that casts dpre for the products below
         cast = (lambda dq, dt: self._fp8_cast_dgelu(dpre, pre, N, F, C, sd, sw, dq, dt, keep_dpre)) if done_dpre else None
         if not done_dpre and not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True,
@@ -147,7 +150,8 @@ class CudaOps:
             self._gelu_grad(dpre, pre)
         # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T (a cast that left dpre unfinished finishes it for a plain product)
         unfinished = (lambda: self._gelu_grad(dpre, pre)) if done_dpre and not keep_dpre else None
-        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast, unfinished=unfinished)
+        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast, unfinished=unfinished,
+                         beta_w=beta_w)
 
     def _fp8_cast_dgelu(self, dpre, pre, N, F, C, dout_descale, w_descale, dq, dt, store: bool = True):
         """dpre [N, F] * GELU'(pre) as E5M2 into dq and dt ([F, N]) in one pass, at the scale of a bound of |dpre|
@@ -176,7 +180,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     recompute = name == "mlp_recompute"
     a = {"inp": draw.randn(B, T, C), "W_1": draw.randn(C, F, scale=C**-0.5), "W_2": draw.randn(F, C, scale=F**-0.5),
          "out": draw.nan(B, T, C), "pre": draw.nan(B, T, F), "act": draw.nan(B, T, F), "dinp": draw.grad_in(B, T, C),
-         "dW_1": draw.randn(C, F), "dW_2": draw.randn(F, C), "dpre": draw.nan(B, T, F), "dout": draw.randn(B, T, C)}
+         "dW_1": draw.grad_weight(C, F), "dW_2": draw.grad_weight(F, C), "dpre": draw.nan(B, T, F), "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.mlp_fwd(x["out"], x["pre"], x["act"], x["inp"], x["W_1"], x["W_2"], recompute=recompute)
@@ -184,7 +188,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
             for name in ("pre", "act"):
                 E.upload(x[name], np.full(x[name].shape, np.nan, dtype=np.float32))
         E.mlp_bwd(x["dinp"], x["dW_1"], x["dW_2"], x["dpre"], x["dout"], x["inp"], x["pre"], x["act"], x["W_1"],
-                  x["W_2"], recompute=recompute, overwrite=draw.overwrite)
+                  x["W_2"], recompute=recompute, overwrite=draw.overwrite, overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("out", "pre", "act", "dinp", "dW_1", "dW_2", "dpre"),
                   act=("inp", "W_1", "W_2", "out", "pre", "act", "dpre", "dout"))

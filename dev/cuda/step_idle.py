@@ -1,5 +1,5 @@
 """How long the GPU idles in a benchmark step: the step's host time (scripts/bench.py's per_step_ms) minus its
-micro-batch graph replayed back to back minus its optimizer (norm, AdamW, the weight copies, zeroing) launched
+micro-batch graph replayed back to back minus its optimizer (norm, AdamW, the weight copies) launched
 back to back, each timed by device events over 20 runs.
 
     PYTHONPATH=. python3 dev/cuda/step_idle.py [--runs 12M/bf16,120M/bf16,120M/fp8,12M/fp8]
@@ -47,7 +47,7 @@ def bench_model(name: str, precision: str):
 
 def optimizer_launches(engine, model):
     """A function launching a step's optimizer on the model's buffers, as train_step does after the micro-batches:
-    the gradient's norm, AdamW (a tiny learning rate), the weight copies, the gradient's zeroing."""
+    the gradient's norm, AdamW (a tiny learning rate), the weight copies."""
     b, layout = model.buf, model.layout
 
     def optimizer():
@@ -57,7 +57,6 @@ def optimizer_launches(engine, model):
                           weight_decay=0.1, step=5, decay_ranges=layout.decay_ranges(),
                           params_lp=b.get("params_lp"), grad_scales=(0.5, 1.0))
         model._weights_changed()
-        engine.zero_grads(b["grads"])
     return optimizer
 
 
