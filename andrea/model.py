@@ -255,11 +255,10 @@ class Model:
         embedding; the sums run beside the rest of the backward, which waits for them only at its end."""
         e, b, P, W, G, H = self.engine, self.buf, self.P, self.W, self.G, self.shape.n_head
         res, dres, d_branch = b["residual"], b["d_residual"], b["d_branch"]
-        # Activation gradients are written by their first op (overwrite), not zeroed and added into; the residual
-        # stream's starts at zero, the LayerNorm backwards add into it.
-        e.zero(dres)
+        # Activation gradients are written by their first op (overwrite), not zeroed and added into: the residual
+        # stream's by LNf's backward, the LayerNorm backwards below add into it.
         e.layernorm_residual_bwd(dres, d_branch, G["LNf.gamma"], G["LNf.beta"], b["d_ln"], res[-1], P["LNf.gamma"],
-                                 b["lnf_mean"], b["lnf_rstd"], overwrite_weights=first)
+                                 b["lnf_mean"], b["lnf_rstd"], overwrite=True, overwrite_weights=first)
         dp, grads, lay = self.data_parallel if reduce else None, b["grads"], self.layout
         d_qkv = b["d_qkv"].transpose(2, 0, 1, 3)  # [3, B, T, C] over its rows [B, T, 3, C] (memory.py)
         if dp:

@@ -1,7 +1,7 @@
 // layernorm: over the last axis (C) of each row, eps 1e-5; the forward saves mean and rstd.
 //   forward:  out = (x - mean) * rstd * gamma + beta,   rstd = 1 / sqrt(var + eps)
 //   backward: xhat = (x - mean) * rstd,  dxhat = dout * gamma
-//             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+//             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   (add 0: written)
 //             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout   (or, add 0, written:
 //             a step's first micro-batch)
 // Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
@@ -114,7 +114,7 @@ k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* g
 // The rows that do not fit the cached kernels below (wider than 4 groups a lane, or not 16-byte aligned):
 // elementwise reads, two passes over the row.
 __device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout, const act_t* inp, const float* gamma,
-                                  const float* mean, const float* rstd, long long n_rows, int C, int fused,
+                                  const float* mean, const float* rstd, long long n_rows, int C, int fused, int add,
                                   unsigned* amax) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -134,7 +134,7 @@ __device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout
     float top = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
         const float xhat = (to_f32(x[c]) - m) * r;
-        const float d = dx[c] + r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
+        const float d = (add ? dx[c] : 0.0f) + r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
         dx[c] = d;
         if (fused) store(dbranch + row * C + c, d);
         top = fmaxf(top, fabsf(d));
@@ -191,11 +191,22 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
 // chunks, 32 columns a block. k_layernorm_bwd_sum then adds the chunks in a fixed order.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
 k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp, const float* gamma,
-                const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused, unsigned* amax) {
+                const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused, int add,
+                unsigned* amax) {
     if (blockIdx.x < row_blocks)
-        layernorm_bwd_row(dinp, dbranch, dout, inp, gamma, mean, rstd, n_rows, C, fused, amax);
+        layernorm_bwd_row(dinp, dbranch, dout, inp, gamma, mean, rstd, n_rows, C, fused, add, amax);
     else
         layernorm_bwd_params(partials, dout, inp, mean, rstd, n_rows, C, blockIdx.x - row_blocks);
+}
+
+// A lane's ACT_VEC floats of dinp, the sum the backward adds to (add 0: written, no read: zeros).
+__device__ __forceinline__ void load_dinp(const float* p, float (&d)[ACT_VEC], int add) {
+    if (add) {
+        load_f32(p, d);
+    } else {
+#pragma unroll
+        for (int k = 0; k < ACT_VEC; k++) d[k] = 0.0f;
+    }
 }
 
 // The cached backward: a lane's part of a row is J groups of ACT_VEC columns, (lane + 32 j) * ACT_VEC onwards,
@@ -213,7 +224,7 @@ template <int J>
 __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch, float* partials, const float* dout,
                                                      const act_t* inp, const float* gamma, const float* mean,
                                                      const float* rstd, long long n_rows, int C, int rows_per_chunk,
-                                                     int n_chunks, int fused, unsigned* amax) {
+                                                     int n_chunks, int fused, int add, unsigned* amax) {
     constexpr int Q = ACT_VEC / 4;  // float4s of a group
     constexpr int W = J * Q * WARP_SIZE;  // float4s of a warp's sums (dgamma or dbeta)
     constexpr bool SHARED = J * ACT_VEC > 16 && LN_BWD_WARPS * 2 * W * sizeof(float4) <= 48 * 1024;
@@ -249,7 +260,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
             float g[ACT_VEC], xhat[ACT_VEC];
             load_f32(dout + row * C + c, dy[j]);
             x[j] = *reinterpret_cast<const uint4*>(inp + row * C + c);
-            if (EARLY) load_f32(dinp + row * C + c, d[j]);
+            if (EARLY) load_dinp(dinp + row * C + c, d[j], add);
             load_f32(gamma + c, g);
             unpack_vec(x[j], xhat);
 #pragma unroll
@@ -289,7 +300,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
                 unpack_vec(x[j], xhat);
             } else {  // read again (from L1): the registers go to the sums
                 load_vec(inp + row * C + c, xhat);
-                load_f32(dinp + row * C + c, d[j]);
+                load_dinp(dinp + row * C + c, d[j], add);
             }
 #pragma unroll
             for (int k = 0; k < ACT_VEC; k++) {
@@ -369,9 +380,9 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
     extern "C" __global__ void __launch_bounds__(LN_BWD_THREADS, 2)                                              \
     k_layernorm_bwd_cached##J(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp,    \
                               const float* gamma, const float* mean, const float* rstd, long long n_rows, int C,    \
-                              int rows_per_chunk, int n_chunks, int fused, unsigned* amax) {                         \
+                              int rows_per_chunk, int n_chunks, int fused, int add, unsigned* amax) {                \
         layernorm_bwd_cached<J>(dinp, dbranch, partials, dout, inp, gamma, mean, rstd, n_rows, C, rows_per_chunk,    \
-                                n_chunks, fused, amax);                                                              \
+                                n_chunks, fused, add, amax);                                                         \
     }
 LN_BWD_CACHED(1)
 LN_BWD_CACHED(2)

@@ -78,8 +78,8 @@ def test_sigterm_is_acted_on_while_every_step_is_skipped(tmp_path, experiment, r
     original = NumpyEngine.embed_bwd
     calls = {"n": 0}
 
-    def embed_bwd(self, dwte, dwpe, dout, tokens):
-        original(self, dwte, dwpe, dout, tokens)
+    def embed_bwd(self, dwte, dwpe, dout, tokens, **kw):
+        original(self, dwte, dwpe, dout, tokens, **kw)
         dwte[0, 0] = np.nan  # every step non-finite
         calls["n"] += 1
         if calls["n"] == 3:

@@ -39,8 +39,9 @@ class NumpyOps:
         self.residual_add(res_out, a, b)
         self.layernorm_fwd(out, mean, rstd, res_out, gamma, beta)
 
-    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite_weights=False):
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False, overwrite_weights=False):
         xhat = (inp - mean[..., None]) * rstd[..., None]
+        start_grad(dinp, overwrite)
         start_grad(dgamma, overwrite_weights)
         start_grad(dbeta, overwrite_weights)
         dbeta += dout.sum(axis=(0, 1))
@@ -50,12 +51,13 @@ class NumpyOps:
             dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
         )
 
-    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd,
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False,
                                overwrite_weights=False):
         """layernorm_bwd, then the backward of the residual connection in front of it, in place: the
         stream's gradient dinp flows on unchanged (x_out = x_in + branch gives d x_in = d x_out) and the
-        branch's gradient dbranch is overwritten with it (an engine may run both as one pass)."""
-        self.layernorm_bwd(dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite_weights)
+        branch's gradient dbranch is overwritten with it (an engine may run both as one pass). `overwrite`:
+        dinp starts here (the top of the stream, LNf), written instead of added into."""
+        self.layernorm_bwd(dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite, overwrite_weights)
         dbranch[...] = dinp
 
 
@@ -77,16 +79,17 @@ class CudaOps:
         self._launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
                      out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused), amax)
 
-    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite_weights=False):
-        self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0, overwrite_weights)
+    def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False, overwrite_weights=False):
+        self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0, overwrite, overwrite_weights)
 
-    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd,
+    def layernorm_residual_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False,
                                overwrite_weights=False):
         """layernorm_bwd, then the residual connection in front of it in place: dinp (the stream's gradient)
         flows on unchanged and dbranch (overwritten) receives it, in one pass."""
-        self._layernorm_bwd(dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, 1, overwrite_weights)
+        self._layernorm_bwd(dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, 1, overwrite, overwrite_weights)
 
-    def _layernorm_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, fused, overwrite_weights):
+    def _layernorm_bwd(self, dinp, dbranch, dgamma, dbeta, dout, inp, gamma, mean, rstd, fused, overwrite,
+                       overwrite_weights):
         k = kernel_defines("layernorm")
         C = inp.shape[-1]
         if C > LN_MAX_C:
@@ -103,13 +106,13 @@ class CudaOps:
             chunks = -(-rows // per_chunk)
             self._launch(f"k_layernorm_bwd_cached{groups}", chunks, k["LN_BWD_WARPS"] * 32,
                          dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                         np.int32(per_chunk), np.int32(chunks), np.int32(fused), amax)
+                         np.int32(per_chunk), np.int32(chunks), np.int32(fused), np.int32(not overwrite), amax)
         else:
             chunks = k["LN_CHUNKS"]
             row_blocks = blocks(rows, k["LN_THREADS"] // 32)
             self._launch("k_layernorm_bwd", row_blocks + chunks * blocks(C, 32), k["LN_THREADS"],
                          dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                         np.int32(row_blocks), np.int32(fused), amax)
+                         np.int32(row_blocks), np.int32(fused), np.int32(not overwrite), amax)
         self._launch("k_layernorm_bwd_sum", blocks(C, 32), k["LN_SUM_THREADS"], dgamma, dbeta, partials,
                      np.int32(C), np.int32(chunks), np.int32(not overwrite_weights))
 
@@ -123,7 +126,7 @@ def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:
 
 
 CASES = ("layernorm", "residual_layernorm", "layernorm_residual")
-OVERWRITE_CASES = ("layernorm", "layernorm_residual")  # the weights' gradients written; dinp is added into
+OVERWRITE_CASES = ("layernorm", "layernorm_residual")
 
 
 def case(name: str, s, draw: Draw) -> OpCase:
@@ -131,13 +134,13 @@ def case(name: str, s, draw: Draw) -> OpCase:
     if name == "layernorm":
         a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
              "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T),
-             "dinp": draw.randn(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
+             "dinp": draw.grad_in(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
              "dout": draw.randn(B, T, C)}
 
         def run(E, x):
             E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
             E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"],
-                            overwrite_weights=draw.overwrite)
+                            overwrite=draw.overwrite, overwrite_weights=draw.overwrite)
 
         return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out"))
     if name == "residual_layernorm":  # residual_add and the layernorm_fwd after it, as one call
@@ -151,13 +154,13 @@ def case(name: str, s, draw: Draw) -> OpCase:
         return OpCase(a, run, ("res", "out", "mean", "rstd"), act=("a", "b", "res", "out"))
     # layernorm_residual: layernorm_bwd and the residual connection's backward, as one call
     a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
-         "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T), "dinp": draw.randn(B, T, C),
+         "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T), "dinp": draw.grad_in(B, T, C),
          "dbranch": draw.nan(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
          "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.layernorm_fwd(x["out"], x["mean"], x["rstd"], x["inp"], x["gamma"], x["beta"])
         E.layernorm_residual_bwd(x["dinp"], x["dbranch"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"],
-                                 x["mean"], x["rstd"], overwrite_weights=draw.overwrite)
+                                 x["mean"], x["rstd"], overwrite=draw.overwrite, overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch"))
