@@ -229,7 +229,8 @@ class Model:
             if backward:
                 e.loss_bwd(b["d_ln"][piece], self.G["wte"], probs, b["lnf"][piece], W["wte"], b["targets"][piece],
                            self._loss_grad_scale(), overwrite=True,
-                           weights=b["loss_weights"][piece] if weighted else None, overwrite_weights=first and start == 0)
+                           weights=b["loss_weights"][piece] if weighted else None,
+                           overwrite_weights=first and start == 0)
 
     def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
@@ -276,7 +277,8 @@ class Model:
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l], overwrite_weights=first)
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
-            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True, overwrite_weights=first)
+            e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True,
+                           overwrite_weights=first)
             e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
             if self.recomputes("layernorm", l):
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
@@ -334,7 +336,8 @@ class Model:
                 self._step_graphs.clear()
             with self._pass():
                 self._step_graphs[key] = self.engine.capture(
-                    lambda: (self._forward_ops(backward=True, weighted=weighted, first=first), self._backward(reduce, first)))
+                    lambda: (self._forward_ops(backward=True, weighted=weighted, first=first),
+                             self._backward(reduce, first)))
         self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------

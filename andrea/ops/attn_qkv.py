@@ -92,9 +92,10 @@ class CudaOps:
                            beta=0.0 if overwrite and i == 0 else 1.0)
 
     def _attn_qkv_bwd_fp8(self, dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, beta_w, N, C) -> tuple[bool, bool]:
-        """dW_i = X^T dq_i + beta_w dW_i (X^T [C, N] and each dq_i^T [C, N]: one batched product), and dinp = [dq_0 dq_1 dq_2]
-        @ [W_0; W_1; W_2]^T as one product over 3C (dqkv cast as [N, 3C], W_QKV as [C, 3C]). `rows`: dqkv as that
-        [N, 3C] matrix where it is laid out so (else its planes are cast side by side). Which of the two ran."""
+        """dW_i = X^T dq_i + beta_w dW_i (X^T [C, N] and each dq_i^T [C, N]: one batched product), and dinp =
+        [dq_0 dq_1 dq_2] @ [W_0; W_1; W_2]^T as one product over 3C (dqkv cast as [N, 3C], W_QKV as [C, 3C]).
+        `rows`: dqkv as that [N, 3C] matrix where it is laid out so (else its planes are cast side by side). Which
+        of the two ran."""
         xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
         xt, sx = self._fp8_transpose(inp, N, C, xt)
         if rows is not None:  # its transpose [3C, N] is dq_i^T [C, N] after one another

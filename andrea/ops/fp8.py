@@ -409,8 +409,8 @@ class CudaOps:
 
     def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True, cast=None,
                     unfinished=None, beta_w: float = 1.0) -> None:
-        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where the op
-        takes them, else (each product on its own) the plain products (`fp8=False`: in every precision). `cast`:
+        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where
+        the op takes them, else (each product on its own) the plain products (`fp8=False`: in every precision). `cast`:
         as _linear_bwd_fp8's (the caller gives it only where _fp8_ok); `unfinished()` makes dout what the plain
         products read where that cast left it otherwise."""
         on_fp8 = fp8 and self._fp8_ok(N, K, M)
@@ -450,10 +450,11 @@ class CudaOps:
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
     def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None, beta_w: float = 1.0) -> tuple:
-        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8 operands: inp^T
-        (the forward's where it saved it) and dout^T for the first, dout and W as stored for the second. `cast`:
-        cast(dq, dt) writes dout's E5M2 layouts and returns their descale, in place of dout's own cast (the MLP's
-        dgelu cast, which finishes dout too). Which ran, and the descales of dout and W (device words)."""
+        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8
+        operands: inp^T (the forward's where it saved it) and dout^T for the first, dout and W as stored for the
+        second. `cast`: cast(dq, dt) writes dout's E5M2 layouts and returns their descale, in place of dout's own
+        cast (the MLP's dgelu cast, which finishes dout too). Which ran, and the descales of dout and W (device
+        words)."""
         xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
         xt, sx = self._fp8_transpose(inp, N, K, xt)
         sd = cast(dq, dt) if cast is not None else self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)

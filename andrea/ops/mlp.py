@@ -150,8 +150,8 @@ class CudaOps:
             self._gelu_grad(dpre, pre)
         # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T (a cast that left dpre unfinished finishes it for a plain product)
         unfinished = (lambda: self._gelu_grad(dpre, pre)) if done_dpre and not keep_dpre else None
-        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast, unfinished=unfinished,
-                         beta_w=beta_w)
+        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast,
+                         unfinished=unfinished, beta_w=beta_w)
 
     def _fp8_cast_dgelu(self, dpre, pre, N, F, C, dout_descale, w_descale, dq, dt, store: bool = True):
         """dpre [N, F] * GELU'(pre) as E5M2 into dq and dt ([F, N]) in one pass, at the scale of a bound of |dpre|
@@ -180,7 +180,8 @@ def case(name: str, s, draw: Draw) -> OpCase:
     recompute = name == "mlp_recompute"
     a = {"inp": draw.randn(B, T, C), "W_1": draw.randn(C, F, scale=C**-0.5), "W_2": draw.randn(F, C, scale=F**-0.5),
          "out": draw.nan(B, T, C), "pre": draw.nan(B, T, F), "act": draw.nan(B, T, F), "dinp": draw.grad_in(B, T, C),
-         "dW_1": draw.grad_weight(C, F), "dW_2": draw.grad_weight(F, C), "dpre": draw.nan(B, T, F), "dout": draw.randn(B, T, C)}
+         "dW_1": draw.grad_weight(C, F), "dW_2": draw.grad_weight(F, C), "dpre": draw.nan(B, T, F),
+         "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.mlp_fwd(x["out"], x["pre"], x["act"], x["inp"], x["W_1"], x["W_2"], recompute=recompute)
