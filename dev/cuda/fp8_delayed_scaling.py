@@ -80,20 +80,31 @@ class DelayedScaling(Fp8EmulationEngine):
         return quantize_at(x, fmt, fp8.scale_exponent(used, fmt)).astype(self.dtype)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The run's options, shared with the other CPU studies of fp8's rounding (fp8_act_bound.py)."""
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps of each run (default 200)")
-    ap.add_argument("--history", default="1,16", help="amax history lengths to try, comma-separated (default 1,16)")
     ap.add_argument("--width", type=int, default=64, help="d_model, heads of 16 (default 64: tests/test_fp8.py's)")
     ap.add_argument("--layers", type=int, default=2, help="n_layer (default 2)")
     ap.add_argument("--vocab", type=int, default=512, help="vocab_size (default 512)")
-    args = ap.parse_args(argv)
+
+
+def references(args) -> tuple[dict, float]:
+    """(train_run's arguments of the options, the fp32 run's final loss), after printing it and current scaling's."""
     shape = ModelShape(n_layer=args.layers, d_model=args.width, n_head=args.width // 16, vocab_size=args.vocab,
                        seq_len=64)
     run = dict(shape=shape, micro_batch=8, n_micro=1, steps=args.steps)
     ref = train_run(NumpyEngine(), **run).losses[-1]
     current = train_run(Fp8EmulationEngine(), **run).losses[-1]
     print(f"fp32 {ref:.6f}; fp8, current scaling {current:.6f} ({(current - ref) / ref:+.3%})", flush=True)
+    return run, ref
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(ap)
+    ap.add_argument("--history", default="1,16", help="amax history lengths to try, comma-separated (default 1,16)")
+    args = ap.parse_args(argv)
+    run, ref = references(args)
     worst = 0.0
     for h in (int(x) for x in args.history.split(",")):
         engine = DelayedScaling(h)
