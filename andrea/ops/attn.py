@@ -195,7 +195,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     B, T, C, H = s.B, s.T, s.C, s.H
     rows = name == "attn_rows"
     a = {"qkv": draw.randn(3, B, T, C), "out": draw.nan(B, T, C), "att": draw.nan(B, H, T, T),
-         "dqkv": draw.grad_in(B, T, 3, C) if rows else draw.grad_in(3, B, T, C), "datt": draw.nan(B, H, T, T),
+         "dqkv": draw.grad(B, T, 3, C) if rows else draw.grad(3, B, T, C), "datt": draw.nan(B, H, T, T),
          "dout": draw.randn(B, T, C)}
 
     def run(E, x):

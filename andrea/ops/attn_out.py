@@ -52,7 +52,7 @@ OVERWRITE_CASES = ("attn_out",)
 def case(name: str, s, draw: Draw) -> OpCase:
     B, T, C = s.B, s.T, s.C
     a = {"inp": draw.randn(B, T, C), "W_O": draw.randn(C, C, scale=C**-0.5), "out": draw.nan(B, T, C),
-         "dinp": draw.grad_in(B, T, C), "dW_O": draw.grad_weight(C, C), "dout": draw.randn(B, T, C)}
+         "dinp": draw.grad(B, T, C), "dW_O": draw.grad(C, C), "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.attn_out_fwd(x["out"], x["inp"], x["W_O"])

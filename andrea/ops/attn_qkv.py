@@ -131,7 +131,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     w = C**-0.5
     rows = name == "attn_qkv_rows"
     a = {"inp": draw.randn(B, T, C), "W_QKV": draw.randn(3, C, C, scale=w), "qkv": draw.nan(3, B, T, C),
-         "dinp": draw.grad_in(B, T, C), "dW_QKV": draw.grad_weight(3, C, C),
+         "dinp": draw.grad(B, T, C), "dW_QKV": draw.grad(3, C, C),
          "dqkv": draw.randn(B, T, 3, C) if rows else draw.randn(3, B, T, C), "w_qkv_rows": draw.nan(1, C, 3 * C)}
 
     def run(E, x):

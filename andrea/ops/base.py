@@ -106,13 +106,10 @@ class Draw:
     def nan(*shape):
         return np.full(shape, np.nan)
 
-    def grad_in(self, *shape):
-        """An input gradient: added into (random start) or, for an overwrite case, written (NaN start)."""
-        return self.nan(*shape) if self.overwrite else self.randn(*shape)
-
-    def grad_weight(self, *shape):
-        """A weight gradient: added into (random start) or, for an overwrite case, written (NaN start): the
-        first micro-batch of a step writes its weight gradients (overwrite_weights)."""
+    def grad(self, *shape):
+        """An input or weight gradient: added into (random start) or, for an overwrite case, written (NaN start:
+        overwrite writes the input gradients, overwrite_weights the weight gradients a step's first micro-batch
+        writes)."""
         return self.nan(*shape) if self.overwrite else self.randn(*shape)
 
     def tokens(self, B, T, V):

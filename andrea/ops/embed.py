@@ -88,7 +88,7 @@ OVERWRITE_CASES = CASES
 def case(name: str, s, draw: Draw) -> OpCase:
     B, T, C, V = s.B, s.T, s.C, s.V
     a = {"tokens": draw.tokens(B, T, V), "wte": draw.randn(V, C), "wpe": draw.randn(T, C),
-         "out": draw.nan(B, T, C), "dwte": draw.randn(V, C), "dwpe": draw.grad_weight(T, C), "dout": draw.randn(B, T, C)}
+         "out": draw.nan(B, T, C), "dwte": draw.randn(V, C), "dwpe": draw.grad(T, C), "dout": draw.randn(B, T, C)}
 
     def run(E, x):
         E.embed_fwd(x["out"], x["tokens"], x["wte"], x["wpe"])

@@ -134,7 +134,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     if name == "layernorm":
         a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
              "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T),
-             "dinp": draw.grad_in(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
+             "dinp": draw.grad(B, T, C), "dgamma": draw.grad(C), "dbeta": draw.grad(C),
              "dout": draw.randn(B, T, C)}
 
         def run(E, x):
@@ -154,8 +154,8 @@ def case(name: str, s, draw: Draw) -> OpCase:
         return OpCase(a, run, ("res", "out", "mean", "rstd"), act=("a", "b", "res", "out"))
     # layernorm_residual: layernorm_bwd and the residual connection's backward, as one call
     a = {"inp": draw.randn(B, T, C) * 3 + 1, "gamma": draw.randn(C), "beta": draw.randn(C),
-         "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T), "dinp": draw.grad_in(B, T, C),
-         "dbranch": draw.nan(B, T, C), "dgamma": draw.grad_weight(C), "dbeta": draw.grad_weight(C),
+         "out": draw.nan(B, T, C), "mean": draw.nan(B, T), "rstd": draw.nan(B, T), "dinp": draw.grad(B, T, C),
+         "dbranch": draw.nan(B, T, C), "dgamma": draw.grad(C), "dbeta": draw.grad(C),
          "dout": draw.randn(B, T, C)}
 
     def run(E, x):

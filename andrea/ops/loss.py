@@ -261,7 +261,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
     weighted = name.startswith("loss_weighted")
     a = {"inp": draw.randn(B, T, C), "wte": draw.randn(V, C, scale=2 * C**-0.5),
          "targets": draw.rng.integers(0, V, (B, T)).astype(np.int32), "losses": draw.nan(B, T),
-         "probs": draw.nan(B, T, V), "dinp": draw.grad_in(B, T, C), "dwte": draw.grad_weight(V, C),
+         "probs": draw.nan(B, T, V), "dinp": draw.grad(B, T, C), "dwte": draw.grad(V, C),
          "dlogits": draw.nan(B, T, V)}
     if weighted:
         a["weights"] = loss_weights(draw, B, T)

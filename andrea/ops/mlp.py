@@ -179,8 +179,8 @@ def case(name: str, s, draw: Draw) -> OpCase:
     F = 4 * C
     recompute = name == "mlp_recompute"
     a = {"inp": draw.randn(B, T, C), "W_1": draw.randn(C, F, scale=C**-0.5), "W_2": draw.randn(F, C, scale=F**-0.5),
-         "out": draw.nan(B, T, C), "pre": draw.nan(B, T, F), "act": draw.nan(B, T, F), "dinp": draw.grad_in(B, T, C),
-         "dW_1": draw.grad_weight(C, F), "dW_2": draw.grad_weight(F, C), "dpre": draw.nan(B, T, F),
+         "out": draw.nan(B, T, C), "pre": draw.nan(B, T, F), "act": draw.nan(B, T, F), "dinp": draw.grad(B, T, C),
+         "dW_1": draw.grad(C, F), "dW_2": draw.grad(F, C), "dpre": draw.nan(B, T, F),
          "dout": draw.randn(B, T, C)}
 
     def run(E, x):
