@@ -114,8 +114,16 @@ class Model:
         # buffer the others share (its saved transpose is dropped when the next layer writes it)
         rebuilt_lns = self.recompute_layers if "layernorm" in self.recompute else 0
         kept_lns = 2 * (shape.n_layer - rebuilt_lns) + (1 if rebuilt_lns else 0)
+        # under FP8 rounding a training pass casts act at the scale of an amax history, a row a layer (ops/fp8.py),
+        # and keeps act^T in act's own bytes; data-parallel ranks cast at their own amax (a history would differ
+        # between ranks, and a checkpoint holds one)
+        self.act_history = training and engine.traits.fp8_act_history and data_parallel is None
+        if self.act_history:
+            kept_acts = 0
         copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows,
                                    kept_acts, kept_lns) if engine.traits.fp8_products else ())
+        if self.act_history:
+            copies += fp8.history_buffers(shape.n_layer)
         if training and engine.traits.qkv_weight_rows:
             copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
         self.plan = plan_model(self.layout, micro_batch, training=training,
@@ -159,6 +167,24 @@ class Model:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
             e.zero_grads(self.buf["grads"])
+        if self.act_history:
+            self.load_act_history(None)
+
+    def act_history_state(self) -> list | None:
+        """The act history (ops/fp8.py) as .state.json holds it: a list of float32 values a layer (exact as JSON
+        floats); None without one."""
+        if not self.act_history:
+            return None
+        return self.engine.to_host(self.buf["fp8_act_history"]).astype(np.float32).tolist()
+
+    def load_act_history(self, rows: list | None) -> None:
+        """Restore the act history act_history_state gave (None: a run's start, no pass seen)."""
+        b = self.buf["fp8_act_history"]
+        host = fp8.reset_act_history(np.zeros(b.shape, dtype=np.float32)) if rows is None else \
+            np.asarray(rows, dtype=np.float32)
+        if host.shape != tuple(b.shape):
+            raise ValueError(f"an act history of shape {host.shape} for a model whose rows are {tuple(b.shape)}")
+        self.engine.upload(b, host)
 
     def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         e = self.engine
@@ -203,7 +229,7 @@ class Model:
             e.residual_layernorm_fwd(b["residual_mid"][l], self.saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
                                      res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"])
             e.mlp_fwd(b["branch"], self.saved("mlp_pre", l), self.saved("mlp_act", l), self.saved("ln2", l), w["W_1"],
-                      w["W_2"], recompute=self.recomputes("gelu", l))
+                      w["W_2"], recompute=self.recomputes("gelu", l), act_history=self._act_row(l) if backward else None)
             if l + 1 < L:
                 q = P["layers"][l + 1]
                 e.residual_layernorm_fwd(res[l + 1], self.saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
@@ -235,6 +261,10 @@ class Model:
     def saved(self, name: str, l: int):
         """Layer l's activation `name`: its own slice, or the one-layer buffer the backward recomputes."""
         return layer_buffer(self.buf, name, l, self.recompute, self.recompute_layers)
+
+    def _act_row(self, l: int):
+        """Layer l's row of the act history (None without one)."""
+        return self.buf["fp8_act_history"][l] if self.act_history else None
 
     def recomputes(self, option: str, l: int) -> bool:
         """Whether layer l's backward recomputes what `option` names."""
@@ -273,7 +303,7 @@ class Model:
             dpre = b["mlp_act_layer"] if "gelu" in self.recompute else b["d_mlp_pre"]
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, d_branch, self.saved("ln2", l), self.saved("mlp_pre", l),
                       self.saved("mlp_act", l), w["W_1"], w["W_2"], recompute=self.recomputes("gelu", l), overwrite=True,
-                      keep_dpre=False, overwrite_weights=first)
+                      keep_dpre=False, overwrite_weights=first, act_history=self._act_row(l))
             e.layernorm_residual_bwd(dres, d_branch, g["LN2.gamma"], g["LN2.beta"], b["d_ln"], b["residual_mid"][l],
                                      p["LN2.gamma"], b["ln2_mean"][l], b["ln2_rstd"][l], overwrite_weights=first)
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))

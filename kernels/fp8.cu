@@ -157,6 +157,84 @@ k_fp8_cast_dgelu(unsigned char* q, unsigned char* qt, float* descale, act_t* dpr
                     cols, 1, blockIdx.x, blockIdx.y, 0, store != 0);
 }
 
+// ---- the MLP's act under delayed scaling (andrea/ops/fp8.py: the act history) ----
+// Inside a training pass the MLP's up product writes act = GELU(pre) in E4M3 itself, at a scale known before it
+// runs: the largest power of two that fits the largest amax of the layer's last FP8_ACT_HISTORY passes. A layer's
+// row of FP8_ACT_ROW floats holds, at these offsets:
+#define FP8_ACT_HISTORY 16     // passes in the history
+#define FP8_ACT_ROW 32         // floats of a layer's row (16-byte aligned fields: cuBLASLt's scale pointers)
+#define FP8_ACT_SCALE 0        // s of the next pass (the product's D scale)
+#define FP8_ACT_SCALE_NOW 4    // s of this pass (a recompute's D scale)
+#define FP8_ACT_DESCALE_NOW 8  // 1 / s of this pass (the products that read act)
+#define FP8_ACT_AMAX 12        // amax |act| of the last product (its AMAX_D, before the scale)
+#define FP8_ACT_AT 13          // where the history takes the next amax (a float, 0 .. FP8_ACT_HISTORY - 1)
+#define FP8_ACT_PAST 16        // the history: FP8_ACT_HISTORY amaxes
+
+// The pass's product is done: its scale becomes this pass's, its amax goes into the history, and the next pass's
+// scale is that of the history's largest (NaN passed over). One thread.
+__device__ __forceinline__ void act_fold(float* row) {
+    const float s = row[FP8_ACT_SCALE];
+    const int e = static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;
+    row[FP8_ACT_SCALE_NOW] = s;
+    row[FP8_ACT_DESCALE_NOW] = __int_as_float((127 - e) << 23);
+    const int at = static_cast<int>(row[FP8_ACT_AT]);
+    row[FP8_ACT_PAST + at] = row[FP8_ACT_AMAX];
+    row[FP8_ACT_AT] = static_cast<float>((at + 1) % FP8_ACT_HISTORY);
+    float m = 0.0f;
+    for (int k = 0; k < FP8_ACT_HISTORY; ++k) m = fmaxf(m, row[FP8_ACT_PAST + k]);
+    row[FP8_ACT_SCALE] = __int_as_float((fp8_scale_exponent(__float_as_uint(m), 8) + 127) << 23);
+}
+
+// act's E4M3 bytes q [rows, cols] transposed into qt [cols, rows] (dW_2 = act^T dY reads it K-major), a 64 x 64
+// tile a block; with `fold` the block (0, 0) folds the pass into its row (act_fold) first. A null qt: the fold
+// alone (grid 1). Grid: (ceil(cols / 64), ceil(rows / 64)).
+extern "C" __global__ void __launch_bounds__(FP8_THREADS)
+k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt, int rows, int cols, float* row,
+            int fold) {
+    if (fold && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) act_fold(row);
+    if (qt == nullptr) return;
+    __shared__ unsigned tile[FP8_TILE][FP8_TILE / 4 + 1];  // [row][4 columns a word]; a word of pad a row
+    const int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    const int part = threadIdx.x % 4, line = threadIdx.x / 4;  // 16 bytes a thread: a quarter of a tile line
+    const int r = r0 + line, c = c0 + part * 16;
+    if (r < rows && c + 16 <= cols && (cols % 16) == 0 && (reinterpret_cast<size_t>(q) % 16) == 0) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q + static_cast<long long>(r) * cols + c);
+        tile[line][part * 4] = v.x;
+        tile[line][part * 4 + 1] = v.y;
+        tile[line][part * 4 + 2] = v.z;
+        tile[line][part * 4 + 3] = v.w;
+    } else {
+        for (int w = 0; w < 4; ++w) {
+            unsigned word = 0;
+            for (int j = 0; j < 4; ++j) {
+                const int cj = c + 4 * w + j;
+                if (r < rows && cj < cols) word |= static_cast<unsigned>(q[static_cast<long long>(r) * cols + cj]) << (8 * j);
+            }
+            tile[line][part * 4 + w] = word;
+        }
+    }
+    __syncthreads();
+    // qt's row c0 + line, columns r0 + part * 16 ..: the bytes of tile column `line`, rows part * 16 ..
+    const int out_row = c0 + line, out_col = r0 + part * 16;
+    if (out_row >= cols) return;
+    unsigned words[4];
+    for (int w = 0; w < 4; ++w) {
+        unsigned word = 0;
+        for (int j = 0; j < 4; ++j) {
+            const unsigned b = (tile[part * 16 + 4 * w + j][line / 4] >> (8 * (line % 4))) & 0xffu;
+            word |= b << (8 * j);
+        }
+        words[w] = word;
+    }
+    unsigned char* out = qt + static_cast<long long>(out_row) * rows + out_col;
+    if (out_col + 16 <= rows && (rows % 16) == 0 && (reinterpret_cast<size_t>(qt) % 16) == 0) {
+        *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
+    } else {
+        for (int j = 0; j < 16; ++j)
+            if (out_col + j < rows) out[j] = static_cast<unsigned char>((words[j / 4] >> (8 * (j % 4))) & 0xffu);
+    }
+}
+
 // ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----
 // A table of n matrices, FP8_TABLE_WORDS int64 words each: x, rows, cols, batch, q, ldq, q_batch, qt, ldqt, qt_batch,
 // slot (the descale float, then the amax word), the matrix's first amax block, its first cast tile, then spare. A

@@ -41,8 +41,9 @@ ROUNDS = 3  # turns of timing them again; the median decides
 
 
 def planned(kwargs: dict) -> dict:
-    """A CublasLt.gemm call's keywords that decide its plan (not its scalars, not an algorithm asked for)."""
-    return {k: v for k, v in kwargs.items() if k not in ("alpha", "beta", "algo")}
+    """A CublasLt.gemm call's keywords that decide its plan (not its scalars or device words, not an algorithm
+    asked for)."""
+    return {k: v for k, v in kwargs.items() if k not in ("alpha", "beta", "algo", "d_scale", "amax_d")}
 
 
 def step_products(name: str, precision: str) -> tuple:

@@ -212,6 +212,109 @@ def test_a_training_plan_holds_act_t_for_each_layer_that_keeps_its_act():
     assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T)}
 
 
+def _act_row(history=()):
+    """A layer's act history row at a run's start, with `history` amaxes already folded in (host float32)."""
+    row = fp8.reset_act_history(np.zeros(fp8.act_field("ROW"), dtype=np.float32))
+    for a in history:
+        fp8.fold_act_amax(row, a)
+    return row
+
+
+def test_the_act_history_scales_each_pass_by_the_largest_of_its_last_passes():
+    """A pass's act scale is the largest power of two that fits the largest amax of the layer's last passes (1 at a
+    run's start), the pass before's scale becomes the pass's own (its descale, exact), NaN is passed over, and an
+    amax leaves the history after FP8_ACT_HISTORY passes."""
+    n = fp8.act_field("HISTORY")
+    row = _act_row()
+    assert row[fp8.act_field("SCALE")] == 1.0
+    rng = np.random.default_rng()
+    seen = []
+    for i, a in enumerate([300.0, *rng.uniform(0.5, 4.0, 2 * n), float("nan"), 0.25]):
+        before = float(row[fp8.act_field("SCALE")])
+        fp8.fold_act_amax(row, a)
+        seen.append(a)
+        assert row[fp8.act_field("SCALE_NOW")] == before
+        assert row[fp8.act_field("DESCALE_NOW")] == np.float32(1.0 / before)
+        assert fp8.act_amax_now(row) * before == fp8.FORMATS["e4m3"][1]
+        largest = np.fmax.reduce(np.array(seen[-n:], dtype=np.float32))
+        assert row[fp8.act_field("SCALE")] == 2.0 ** fp8.scale_exponent(largest, "e4m3"), i
+        assert int(row[fp8.act_field("AT")]) == (i + 1) % n
+    assert row[fp8.act_field("SCALE")] > 2.0 ** fp8.scale_exponent(300.0, "e4m3")  # 300 left the history
+
+
+def test_the_fp8_emulation_rounds_act_at_the_history_s_scale():
+    """In a pass with a history row the emulation's MLP multiplies act rounded at the row's scale (not its own
+    amax's), folds act's amax into the row, and its backward reads act at the same scale."""
+    from andrea.engines.fp8_emulation import Fp8EmulationEngine
+
+    E = Fp8EmulationEngine()
+    rng = np.random.default_rng()
+    N, C = 64, 32
+    F = 4 * C
+    inp, W_1, W_2 = (rng.standard_normal(s).astype(np.float32) * f for s, f in
+                     (((N, C), 1.0), ((C, F), C**-0.5), ((F, C), F**-0.5)))
+    dout = rng.standard_normal((N, C)).astype(np.float32)
+    q = E.fp8_operand
+
+    def run(row):
+        out, pre, act = np.zeros((N, C), np.float32), np.zeros((N, F), np.float32), np.zeros((N, F), np.float32)
+        dinp, dW_1, dW_2, dpre = (np.zeros(s, np.float32) for s in ((N, C), (C, F), (F, C), (N, F)))
+        E.mlp_fwd(out, pre, act, inp, W_1, W_2, act_history=row)
+        E.mlp_bwd(dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, act_history=row)
+        return out, dW_2, act
+
+    own_out, own_dW_2, act = run(None)
+    row = _act_row([1e3 * np.abs(act).max()])  # a history far above act: a scale 2^10 below its own
+    at = int(row[fp8.act_field("AT")])
+    out, dW_2, _ = run(row)
+    at_scale = q(act, "e4m3", fp8.act_amax_now(row))
+    np.testing.assert_array_equal(out, E.mm(at_scale, q(W_2, "e4m3")))
+    np.testing.assert_array_equal(dW_2, E.mm(at_scale.T, q(dout, "e5m2")))
+    assert not np.array_equal(out, own_out) and not np.array_equal(dW_2, own_dW_2)
+    assert row[fp8.act_field("PAST") + at] == np.float32(np.abs(act).max())
+
+
+def test_a_resumed_fp8_emulation_run_restores_its_act_history():
+    """Steps, then the weights, m, v and the act history through JSON into a fresh model, then more steps: the
+    bytes of the run without the break. Resuming without the history gives other bytes (it is state)."""
+    import json
+
+    from andrea.config import ModelShape
+    from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
+    from andrea.engines.fp8_emulation import Fp8EmulationEngine
+    from andrea.model import Model, init_params
+
+    shape = ModelShape(n_layer=2, d_model=32, n_head=2, vocab_size=128, seq_len=32)
+
+    def steps(model, first, last):
+        for step in range(first, last):
+            model.train_step(synthetic_micro_batches(shape, 4, 2, step, 3), step=step, lr=lr_at(step),
+                             optimizer=OPTIMIZER)
+
+    def fresh():
+        model = Model(Fp8EmulationEngine(), shape, 4)
+        model.load_state(init_params(model.layout, 3))
+        return model
+
+    whole = fresh()
+    steps(whole, 0, 5)
+    broken = fresh()
+    steps(broken, 0, 3)
+    saved, history = broken.host_state(), json.loads(json.dumps(broken.act_history_state()))
+    assert np.any(np.asarray(history)[:, fp8.act_field("PAST")] > 0)
+    results = []
+    for restore in (True, False):
+        resumed = fresh()
+        resumed.load_state(*saved)
+        if restore:
+            resumed.load_act_history(history)
+        steps(resumed, 3, 5)
+        results.append(resumed.host_state()[0])
+    np.testing.assert_array_equal(results[0], whole.host_state()[0])
+    assert np.asarray(resumed.act_history_state()).shape == (2, fp8.act_field("ROW"))
+    assert not np.array_equal(results[1], results[0])
+
+
 # ---- on the GPU -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine():
@@ -538,9 +641,12 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     """Training with the pass's kept amaxes (the LayerNorms' and the GELU gradient's own, the forward's reused by
     the backward) and with every cast running its own amax pass gives the same bytes, with far fewer passes:
     each scale is the same function of the same tensor. d_model 1040 takes the LayerNorm backward's wide-row
-    kernel, the recompute options the shared scratch buffers."""
+    kernel, the recompute options the shared scratch buffers. Without the act history (which casts act at its
+    scale inside a pass, and at its own amax's outside one), so that act's casts are in the comparison too."""
     from andrea.config import ModelShape
     from andrea.engines.crosscheck import train_run
+
+    _without_act_history(engine, monkeypatch)
 
     shape = ModelShape(n_layer=2, d_model=d_model, n_head=n_head, vocab_size=512, seq_len=64)
     launches, preparing = [], []
@@ -573,22 +679,33 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     assert kept_passes < own_passes / 2, (kept_passes, own_passes)
 
 
+def _without_act_history(engine, monkeypatch) -> None:
+    """Models made on `engine` from here to the test's end keep no act history (act cast at its own amax)."""
+    import dataclasses
+
+    monkeypatch.setattr(engine, "traits", dataclasses.replace(engine.traits, fp8_act_history=False))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("history", [False, True])
 @pytest.mark.parametrize("recompute, recompute_layers", [((), None), (("gelu",), 1), (("gelu",), None),
                                                          (("layernorm",), 1), (("layernorm", "gelu"), None)])
-def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, recompute_layers):
+def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, recompute_layers, history):
     """The X^T that the forward's casts save into fp8_act_t (the MLP's act for dW_2, the two LayerNorm outputs
     for dW_QKV and dW_1) and the backward's products read give the bytes of casting X again in the backward,
     with one cast fewer for each saved X a backward call reads (calls on the host: a recorded micro-batch
     replays without any); the layers that rebuild X (recompute gelu, layernorm) cast it again. The plan holds a
-    place for each kept X and the one LayerNorm buffer that the rebuilding layers share."""
+    place for each kept X and the one LayerNorm buffer that the rebuilding layers share. With the act history,
+    act^T lives in act's own bytes: no place for it, and no cast of act either way."""
     from andrea.config import ModelShape
     from andrea.engines.crosscheck import train_run
 
+    if not history:
+        _without_act_history(engine, monkeypatch)
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     L = shape.n_layer
     r = recompute_layers or L
-    kept_acts = L - (r if "gelu" in recompute else 0)
+    kept_acts = 0 if history else L - (r if "gelu" in recompute else 0)
     kept_lns = L - (r if "layernorm" in recompute else 0)  # layers that keep their two LayerNorm outputs
     calls = {"_fp8_cast": 0, "mlp_bwd": 0}
     for name in calls:
@@ -624,9 +741,10 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
 
 
 @pytest.mark.gpu
-def test_a_forward_alone_saves_nothing_for_a_backward(engine):
+def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
     """Model.forward (evaluation, in the training model's memory) writes neither the classifier's E5M2 d_logits
-    nor the MLP's act^T, which only a backward reads; its loss is the bits of the training pass's forward, and
+    nor the LayerNorm outputs' transposes, which only a backward reads; its loss is the bits of the training pass's
+    forward without an act history (act at its own amax: as an evaluation of the checkpoint in a new process), and
     that pass writes both."""
     import cupy
 
@@ -635,17 +753,116 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine):
     from andrea.model import Model, init_params
 
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
-    model = Model(engine, shape, 4)
-    model.load_state(init_params(model.layout, 5))
     tokens, targets = synthetic_micro_batches(shape, 4, 1, 0, 5)[0]
-    held = [engine.own[k] for k in ("fp8_dlogits", "fp8_act_t")]
-    for h in held:
-        h.fill(0x5A)
 
-    def untouched():
-        return [bool((cupy.asnumpy(h) == 0x5A).all()) for h in held]
+    def run():  # (the forward's loss, the training pass's)
+        model = Model(engine, shape, 4)
+        model.load_state(init_params(model.layout, 5))
+        held = [engine.own[k] for k in ("fp8_dlogits", "fp8_act_t")]
+        for h in held:
+            h.fill(0x5A)
 
-    loss = model.forward(tokens, targets)
-    assert untouched() == [True, True]
-    assert model.forward_backward(tokens, targets) == loss
-    assert untouched() == [False, False]
+        def untouched():
+            return [bool((cupy.asnumpy(h) == 0x5A).all()) for h in held]
+
+        loss = model.forward(tokens, targets)
+        assert untouched() == [True, True]
+        losses = loss, model.forward_backward(tokens, targets)
+        assert untouched() == [False, False]
+        return losses
+
+    with monkeypatch.context() as m:
+        _without_act_history(engine, m)
+        plain = run()
+    delayed = run()
+    # a forward alone casts act at its own amax, with an act history or without; the training pass's forward at
+    # the history's scale where there is one (its first pass: the scale 1)
+    assert plain[0] == plain[1] == delayed[0] != delayed[1]
+    assert abs(delayed[1] / delayed[0] - 1) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, cols", [(128, 192), (100, 72), (37, 24), (64, 64)])
+def test_the_act_transpose_and_the_history_fold_are_the_reference_s(engine, rows, cols):
+    """k_fp8_act_t: every byte of q^T, in ragged tiles and without 16-byte accesses; its fold of a row (random
+    history, amax and scale) the reference's fold_act_amax, every float."""
+    import cupy
+
+    rng = np.random.default_rng()
+    q = rng.integers(0, 256, rows * cols, dtype=np.uint8)
+    row = _act_row(rng.uniform(0.01, 100.0, rng.integers(1, 40)))
+    row[fp8.act_field("AMAX")] = rng.uniform(0.01, 300.0)
+    want = row.copy()
+    fp8.fold_act_amax(want, float(row[fp8.act_field("AMAX")]))
+    dq, dqt, drow = cupy.asarray(q), cupy.full(rows * cols, 0xA5, dtype=np.uint8), cupy.asarray(row)
+    d = fp8.kernel_defines("fp8")
+    grid = (-(-cols // d["FP8_TILE"]), -(-rows // d["FP8_TILE"]))
+    engine.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (dq, dqt, np.int32(rows), np.int32(cols), drow, np.int32(1)))
+    np.testing.assert_array_equal(cupy.asnumpy(dqt).reshape(cols, rows), q.reshape(rows, cols).T)
+    np.testing.assert_array_equal(cupy.asnumpy(drow), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, C", [(128, 64), (208, 48)])
+def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
+    """In a training pass with a history row the GELU_AUX product writes act itself in E4M3 at the row's scale
+    (values past it saturate), act^T beside it, the pass is folded into the row as the reference folds it, and
+    the products that read act take this pass's descale: out and dW_2 against float64 products of those bytes,
+    dinp and dW_1 (which do not read act) as the current scaling's. A recompute gives the same bytes."""
+    import cupy
+
+    rng = np.random.default_rng()
+    F = 4 * C
+    host = {"inp": _bf16(rng.standard_normal((N, C))), "W_1": _bf16(rng.standard_normal((C, F)) * C**-0.5),
+            "W_2": _bf16(rng.standard_normal((F, C)) * F**-0.5), "dout": _bf16(rng.standard_normal((N, C)) * 1e-3)}
+    dev = {k: cupy.asarray(v.astype("bfloat16")) for k, v in host.items()}
+    deq = {k: fp8.dequantize(*fp8.quantize(host[k], "e4m3"), "e4m3") for k in ("inp", "W_1", "W_2")}
+    pre_ref = deq["inp"] @ deq["W_1"]
+    act_ref = 0.5 * pre_ref * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre_ref + 0.044715 * pre_ref**3)))
+    # a history whose scale saturates act's largest values: 448 / s at about 70% of act's amax
+    start = _act_row([0.7 * float(np.abs(act_ref).max())])
+    s = float(start[fp8.act_field("SCALE")])
+
+    def run(row, recompute=False):
+        out, pre, act, dpre = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F), (N, F)))
+        dinp = cupy.full((N, C), np.nan, dtype=np.float32)
+        dW_1, dW_2 = cupy.full((C, F), np.nan, dtype=np.float32), cupy.full((F, C), np.nan, dtype=np.float32)
+        drow = None if row is None else cupy.asarray(row)
+        if drow is not None:
+            drow[fp8.act_field("AMAX")] = 1e30  # the product writes the amax, whatever the word held
+        with engine.fp8_pass():
+            engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=recompute, act_history=drow)
+            if recompute:
+                for b in (pre, act):
+                    b.fill(np.nan)
+            engine.mlp_bwd(dinp, dW_1, dW_2, dpre, dev["dout"], dev["inp"], pre, act, dev["W_1"], dev["W_2"],
+                           recompute=recompute, overwrite=True, overwrite_weights=True, keep_dpre=False,
+                           act_history=drow)
+        got = {k: cupy.asnumpy(v) for k, v in (("out", out), ("dinp", dinp), ("dW_1", dW_1), ("dW_2", dW_2))}
+        got["bytes"] = cupy.asnumpy(act).reshape(-1).view(np.uint8)
+        return got, None if drow is None else cupy.asnumpy(drow)
+
+    current, _ = run(None)
+    delayed, row = run(start.copy())
+    again, row_again = run(start.copy(), recompute=True)
+    q, qt = delayed["bytes"][:N * F].reshape(N, F), delayed["bytes"][N * F:].reshape(F, N)
+    np.testing.assert_array_equal(qt, q.T)
+    act = fp8.dequantize(q, 1.0 / s, "e4m3")
+    largest = fp8.FORMATS["e4m3"][1] / s
+    assert np.isclose(np.abs(act).max(), largest) and (np.abs(act_ref) > largest).any()  # saturated, no NaN
+    near = np.abs(act - np.clip(act_ref, -largest, largest))
+    assert (near <= 0.07 * np.abs(act_ref) + 2.0**-9 / s + 1e-2 * np.abs(act_ref).max() * 2.0**-6).all()
+    want = start.copy()
+    fp8.fold_act_amax(want, float(row[fp8.act_field("AMAX")]))
+    np.testing.assert_array_equal(row, want)
+    assert abs(row[fp8.act_field("AMAX")] / np.abs(act_ref).max() - 1) < 2e-2
+    dout = fp8.dequantize(*fp8.quantize(host["dout"], "e5m2"), "e5m2")
+    for k, ref in (("out", act @ deq["W_2"]), ("dW_2", act.T @ dout)):
+        rel = np.linalg.norm(delayed[k] - ref) / np.linalg.norm(ref)
+        assert rel <= 1e-2, (k, rel)
+    for k in ("dinp", "dW_1"):
+        rel = np.linalg.norm(delayed[k] - current[k]) / np.linalg.norm(current[k])
+        assert rel <= 1e-2, (k, rel)
+    for k in ("out", "dinp", "dW_1", "dW_2"):
+        np.testing.assert_array_equal(again[k].view(np.uint8), delayed[k].view(np.uint8))
+    np.testing.assert_array_equal(row_again, row)

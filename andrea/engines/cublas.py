@@ -190,6 +190,8 @@ class CublasLt:
     TYPES = {**Cublas.TYPES, "e4m3": 28, "e5m2": 29}  # CUDA_R_8F_E4M3, CUDA_R_8F_E5M2
     DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_AUX_POINTER, DESC_AUX_LD = 3, 4, 7, 11, 12
     DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
+    DESC_D_SCALE_POINTER, DESC_AMAX_D_POINTER, DESC_AUX_DATA_TYPE = 20, 21, 22
+    FP8_OUTPUTS = ("e4m3", "e5m2")  # a D of these types comes with C in bf16 (beta 0: C is not read)
     LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
     PREF_MAX_WORKSPACE_BYTES = 1
     PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES (uint32, default 256)
@@ -262,10 +264,14 @@ class CublasLt:
             self._set_scales(desc, *scales)
         if accumulation == "fast":
             self._set(desc, self.DESC_FAST_ACCUM, ctypes.c_int8(1))
+        fp8_out = t_c in self.FP8_OUTPUTS
+        if fp8_out and epilogue in self.AUX_EPILOGUES:  # aux stays bf16 (its default would be D's type)
+            self._set(desc, self.DESC_AUX_DATA_TYPE, ctypes.c_int(self.TYPES["bfloat16"]))
         # column-major: cuBLAS's A is our B (n x k as stored, or k x n transposed), its B our A, C is n x m
         lay_b = self._layout(t_b, k, n, k, batch, stride_b) if trans_b else self._layout(t_b, n, k, n, batch, stride_b)
         lay_a = self._layout(t_a, m, k, m, batch, stride_a) if trans_a else self._layout(t_a, k, m, k, batch, stride_a)
-        lay_c = self._layout(t_c, n, m, n, batch, stride_c)
+        lay_d = self._layout(t_c, n, m, n, batch, stride_c)
+        lay_c = self._layout("bfloat16", n, m, n, batch, stride_c) if fp8_out else lay_d
         pref = ctypes.c_void_p()
         Cublas._check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
         limit = ctypes.c_uint64(self.workspace.nbytes)
@@ -283,16 +289,16 @@ class CublasLt:
             base = self._plans[like] if like in self._plans else self._plan(like, aux, scales)
             checked = self._Heuristic()
             ok = base is not None and lib.cublasLtMatmulAlgoCheck(
-                self.handle, desc, lay_b, lay_a, lay_c, lay_c, ctypes.addressof(base[4]), ctypes.byref(checked)) == 0
-            plan = (desc, lay_b, lay_a, lay_c, base[4]) if ok else None
+                self.handle, desc, lay_b, lay_a, lay_c, lay_d, ctypes.addressof(base[4]), ctypes.byref(checked)) == 0
+            plan = (desc, lay_b, lay_a, lay_c, base[4], lay_d) if ok else None
             self._plans[key] = plan
             return plan
         wanted = max(1, algo_index + 1)
         results, found = (self._Heuristic * wanted)(), ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, wanted,
+        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, lay_b, lay_a, lay_c, lay_d, pref, wanted,
                                                     results, ctypes.byref(found))
         ok = status == 0 and found.value > algo_index
-        plan = (desc, lay_b, lay_a, lay_c, results[algo_index]) if ok else None
+        plan = (desc, lay_b, lay_a, lay_c, results[algo_index], lay_d) if ok else None
         self._plans[key] = plan
         return plan
 
@@ -308,11 +314,12 @@ class CublasLt:
 
     @staticmethod
     def _key(c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None, a_type=None, b_type=None,
-             a_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0, stride_b=0, stride_c=0, **_) -> tuple:
+             a_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0, stride_b=0, stride_c=0, d_type=None,
+             **_) -> tuple:
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
         accumulation = None if a_scale is None else ("fast" if fast_accum else "split")  # FP8 products only
-        return (c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
+        return (d_type or c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
                 accumulation, algo, (batch, stride_a, stride_b, stride_c), *aligns)
 
     def tabled(self, c, a, b, m, n, k, **kw) -> bool:
@@ -325,10 +332,10 @@ class CublasLt:
 
     def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
                   a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
-                  stride_b=0, stride_c=0):
+                  stride_b=0, stride_c=0, d_type=None):
         key = self._key(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux, a_type=a_type,
                         b_type=b_type, a_scale=a_scale, fast_accum=fast_accum, algo=algo, batch=batch,
-                        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
+                        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c, d_type=d_type)
         if key not in self._plans:  # algo None: the table's choice, looked up once a shape
             chosen = chosen_key(key, algo, self.choices)
             if chosen not in self._plans:
@@ -339,7 +346,7 @@ class CublasLt:
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
              a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum: bool = False, alpha: float = 1.0,
              beta: float = 0.0, algo: int | None = None, batch: int = 1, stride_a: int = 0, stride_b: int = 0,
-             stride_c: int = 0) -> bool:
+             stride_c: int = 0, d_type: str | None = None, d_scale=None, amax_d=None) -> bool:
         """Row-major C[m, n] = epilogue(alpha * op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
         epilogues (GELU's input: written by gelu_aux, read by dgelu; "gelu" leaves it as it is, and gives C the
         bits gelu_aux gives it with that aux). FP8 operands: a_type/b_type ("e4m3", "e5m2") and a_scale/b_scale
@@ -347,20 +354,31 @@ class CublasLt:
         sums promoted to FP32 as they go (faster, less exact: andrea/ops/fp8.py). `algo` takes the heuristic's
         algo-th choice (0: its first); None, the algorithm table's choice for the product where it has one
         (ALGORITHMS_FILE), else its first. `batch` products with the operands' strides in elements (0: the same
-        matrix for each), as Cublas.gemm. False (nothing run) where cuBLASLt has no algorithm for it."""
+        matrix for each), as Cublas.gemm. `d_type` ("e4m3", "e5m2"): C (the uint8 `c`) written in FP8, times the
+        device scale `d_scale`, with the largest |value| before that scale into the device float `amax_d`; the
+        product's C operand is then bf16 and not read (beta 0): aux's place where there is one. False (nothing run)
+        where cuBLASLt has no algorithm for it."""
+        if d_type is not None and beta != 0.0:
+            raise ValueError("CublasLt.gemm: an FP8 output (d_type) takes beta 0")
         key, plan = self._plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
                                    a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, fast_accum=fast_accum,
-                                   algo=algo, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c)
+                                   algo=algo, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c,
+                                   d_type=d_type)
         if plan is None:
             return False
-        desc, lay_b, lay_a, lay_c, result = plan
+        desc, lay_b, lay_a, lay_c, result, lay_d = plan
         if aux is not None and epilogue in self.AUX_EPILOGUES:
             self._set(desc, self.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
         if a_scale is not None:
             self._set_scales(desc, a_scale, b_scale)
+        c_in = c
+        if d_type is not None:
+            self._set(desc, self.DESC_D_SCALE_POINTER, ctypes.c_void_p(d_scale.data.ptr))
+            self._set(desc, self.DESC_AMAX_D_POINTER, ctypes.c_void_p(amax_d.data.ptr))
+            c_in = aux if aux is not None else c
         Cublas._check("cublasLtMatmul", self.lib.cublasLtMatmul(
             self.handle, desc, self._scalar(alpha), b.data.ptr, lay_b, a.data.ptr, lay_a, self._scalar(beta),
-            c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(result), self.workspace.data.ptr,
+            c_in.data.ptr, lay_c, c.data.ptr, lay_d, ctypes.byref(result), self.workspace.data.ptr,
             self.workspace.nbytes, cupy.cuda.get_current_stream().ptr))
         return True
 

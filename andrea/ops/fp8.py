@@ -68,7 +68,7 @@ import numpy as np
 from andrea.memory import BufferSpec
 from andrea.ops.base import blocks, kernel_defines, ptr
 
-KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many", "k_fp8_cast_dgelu")}
+KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many", "k_fp8_cast_dgelu", "k_fp8_act_t")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
 GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
@@ -174,6 +174,57 @@ def dgelu_amax(C: int, dout_descale: float, w_descale: float) -> float:
     bound of |dpre| from the product's FP8 operands, whose values are at most 57344 times dout's descale and 448
     times W_2's, C terms a sum. The kernel computes the same float32 products in the same order."""
     return float(dgelu_factor(C) * np.float32(dout_descale) * np.float32(w_descale))
+
+
+# ---- the MLP's act under delayed scaling ------------------------------------------------------
+def act_field(name: str) -> int:
+    """The offset of a field of a layer's act history row (kernels/fp8.cu's FP8_ACT_<NAME>), or its sizes
+    ("HISTORY", "ROW")."""
+    return kernel_defines("fp8")[f"FP8_ACT_{name}"]
+
+
+def history_buffers(L: int) -> tuple:
+    """A training model's act history under fp8 rounding: a row a layer (kernels/fp8.cu), state carried from step
+    to step (and in .state.json), as m and v are."""
+    return (BufferSpec("fp8_act_history", (L, act_field("ROW")), "float32", "optimizer"),)
+
+
+def reset_act_history(rows: np.ndarray) -> np.ndarray:
+    """The rows of a run's start (host float32): no pass seen, the first pass's scale 1 (that of amax 0)."""
+    rows[...] = 0
+    rows[..., act_field("SCALE")] = 1.0
+    return rows
+
+
+def fold_act_amax(row, amax: float) -> None:
+    """The reference of kernels/fp8.cu's act_fold on a row of any float array, after a pass whose act had amax
+    `amax`: the pass's scale becomes this pass's, the amax goes into the history, and the next pass's scale is
+    that of the history's largest (NaN passed over)."""
+    e = int(np.float32(row[act_field("SCALE")]).view(np.uint32) >> 23 & 0xFF) - 127
+    row[act_field("SCALE_NOW")] = row[act_field("SCALE")]
+    row[act_field("DESCALE_NOW")] = np.float32(2.0**-e)
+    at, past, n = int(row[act_field("AT")]), act_field("PAST"), act_field("HISTORY")
+    row[act_field("AMAX")] = np.float32(amax)
+    row[past + at] = row[act_field("AMAX")]
+    row[act_field("AT")] = (at + 1) % n
+    largest = float(np.fmax.reduce(np.asarray(row[past:past + n], dtype=np.float32), initial=0.0))
+    row[act_field("SCALE")] = np.float32(2.0 ** scale_exponent(largest, "e4m3"))
+
+
+def act_amax_now(row) -> float:
+    """The amax whose E4M3 scale is this pass's act scale (row's DESCALE_NOW): quantize / fake_quantize at it cast
+    act as the pass's product did."""
+    return FORMATS["e4m3"][1] * float(row[act_field("DESCALE_NOW")])
+
+
+def delayed_act_amax(row, act, fold: bool) -> float | None:
+    """What the fp8 rounding of act takes as its amax in a pass with the layer's act history `row` (None: act's own
+    amax, no history): the pass's scale; `fold` (the forward's product), after folding act's amax into the row."""
+    if row is None:
+        return None
+    if fold:
+        fold_act_amax(row, own_amax(np, np.asarray(act, dtype=np.float32)))
+    return act_amax_now(row)
 
 
 def ml_dtype(fmt: str):

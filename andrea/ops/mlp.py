@@ -8,8 +8,9 @@ import math
 
 import numpy as np
 
-from andrea.ops.fp8 import AMAX_BLOCKS, DPRE_SLOT, amax_arg, descale, dgelu_amax, dgelu_factor
-from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, start_grad
+from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, act_field, amax_arg, delayed_act_amax, descale, dgelu_amax,
+                            dgelu_factor)
+from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, ptr, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -30,13 +31,15 @@ def _gelu_grad(x):
 
 
 class NumpyOps:
-    """`fp8_operand`: as in attn_qkv (E4M3 activations and weights, E5M2 gradients)."""
+    """`fp8_operand`: as in attn_qkv (E4M3 activations and weights, E5M2 gradients). `act_history`: the layer's
+    row of the act history under fp8 rounding (ops/fp8.py; a training pass's), whose scale act is rounded at
+    instead of its own amax's, and into which the forward folds act's amax."""
 
-    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False):
+    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False, act_history=None):
         """With `recompute`, pre need not be kept (the backward rebuilds it); here it is written anyway."""
         q = self.fp8_operand
         self._mlp_up(pre, act, inp, W_1)
-        self.mm(q(act, "e4m3"), q(W_2, "e4m3"), out=out)
+        self.mm(q(act, "e4m3", delayed_act_amax(act_history, act, fold=True)), q(W_2, "e4m3"), out=out)
 
     def _mlp_up(self, pre, act, inp, W_1):
         q = self.fp8_operand
@@ -44,7 +47,7 @@ class NumpyOps:
         act[...] = _gelu(pre)
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
-                keep_dpre=True, overwrite_weights=False):
+                keep_dpre=True, overwrite_weights=False, act_history=None):
         """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt from inp.
         `keep_dpre`: as CudaOps' (here dpre is always written)."""
         start_grad(dinp, overwrite)
@@ -55,7 +58,8 @@ class NumpyOps:
         if recompute:
             self._mlp_up(pre, act, inp, W_1)
         d = q(dout, "e5m2")
-        dW_2 += self.mm(q(act, "e4m3").reshape(-1, F).T, d.reshape(-1, C))
+        a = q(act, "e4m3", delayed_act_amax(act_history, act, fold=False))
+        dW_2 += self.mm(a.reshape(-1, F).T, d.reshape(-1, C))
         self.mm(d, q(W_2, "e4m3").T, out=dpre)
         dpre *= _gelu_grad(pre)
         # the CUDA cast's scale: a bound of |dpre| from the operands' scales (dgelu_amax); q is the identity
@@ -67,10 +71,20 @@ class NumpyOps:
 
 
 class CudaOps:
-    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False):
-        """With `recompute` (the backward rebuilds pre), act alone where the product can write it alone."""
+    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False, act_history=None):
+        """With `recompute` (the backward rebuilds pre), act alone where the product can write it alone.
+        `act_history` (a training pass under fp8): act in E4M3 at the history's scale (_mlp_up_delayed)."""
         C, F = W_1.shape
         N = inp.size // C
+        if self._act_delayed(act_history, N, C) and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=True,
+                                                                          transpose=not recompute):
+            self._fp8_wrote(out)
+            q, _ = _act_bytes(act)
+            w, sw = self._fp8_weight(W_2, "forward", F, C, 1, into=self._fp8_operands(F * C)[0])
+            if not self._fp8_gemm(out, q, _field(act_history, "DESCALE_NOW"), "e4m3", w, sw, "e4m3", N, C, F, fast=True):
+                raise RuntimeError(f"mlp_fwd: no FP8 algorithm for act @ W_2 ({N} x {F} x {C}) after act was written "
+                                   "in E4M3")
+            return
         if not (recompute and self._gelu_alone(pre, act, inp, W_1)):
             self._mlp_up(pre, act, inp, W_1, save_transpose=True)
         self._fp8_wrote(out)
@@ -84,6 +98,38 @@ class CudaOps:
             C, F = W_1.shape
             self._linear_fwd(pre, inp, W_1, inp.size // C, C, F, save_transpose=save_transpose)
             self._gelu(act, pre)
+
+    def _act_delayed(self, act_history, N: int, C: int) -> bool:
+        """Whether act goes through the delayed path: a history row given, FP8 products for the shape, cuBLASLt, and a
+        pass whose backward reads what the forward saves."""
+        return (act_history is not None and self.blas_lt is not None and self._fp8_ok(N, C)
+                and self._fp8_book is not None and self._fp8_backward_follows())
+
+    def _mlp_up_delayed(self, pre, act, inp, W_1, row, fold: bool, transpose: bool) -> bool:
+        """pre = inp @ W_1 (bf16, GELU_AUX's aux) and act = GELU(pre) written by the product itself in E4M3, into the
+        first half of act's own bytes, at the scale of `row` (ops/fp8.py, the act history: the next pass's where
+        `fold`, the forward's; this pass's, a recompute's); then, `transpose`, act^T into the second half (dW_2's
+        operand, kept for the backward with this pass's descale), and with `fold` the pass folded into the row.
+        False where cuBLASLt has no algorithm for the product (nothing written)."""
+        C, F = W_1.shape
+        N = inp.size // C
+        q, qt = _act_bytes(act)
+        xq, wt = self._fp8_operands(N * C, C * F)
+        sx = self._fp8_cast_saving(inp, N, C, xq, fold)  # the forward keeps inp^T for dW_1
+        wt, sw = self._fp8_weight(W_1, "forward", C, F, 1, into=wt)
+        self._fp8_wrote(pre, act)
+        scale = _field(row, "SCALE" if fold else "SCALE_NOW")
+        if not self.blas_lt.gemm(q, xq, wt, N, F, C, trans_b=True, a_type="e4m3", b_type="e4m3", a_scale=sx,
+                                 b_scale=sw, fast_accum=True, epilogue="gelu_aux", aux=pre, d_type="e4m3",
+                                 d_scale=scale, amax_d=_field(row, "AMAX")):
+            return False
+        tile, threads = kernel_defines("fp8")["FP8_TILE"], kernel_defines("fp8")["FP8_THREADS"]
+        grid = (-(-F // tile), -(-N // tile)) if transpose else (1, 1)
+        self.k["k_fp8_act_t"](grid, (threads,), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F), row,
+                                                 np.int32(fold)))
+        if transpose:
+            self._fp8_book["transposed"][(ptr(act), act.nbytes)] = (qt, _field(row, "DESCALE_NOW"))
+        return True
 
     def _gelu_epilogue(self, pre, act, inp, W_1, save_transpose: bool = False) -> bool:
         """pre = inp @ W_1 and act = GELU(pre) as one cuBLASLt product (GELU_AUX); False where there is none."""
@@ -125,22 +171,30 @@ class CudaOps:
         self._launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
-                keep_dpre=True, overwrite_weights=False):
+                keep_dpre=True, overwrite_weights=False, act_history=None):
         """With `recompute`, pre and act are stale (buffers shared by the layers) and are first rebuilt with the
         forward's bits by its product. `keep_dpre` False (the model's backward, which reads dpre no more): on FP8
         operands dpre may be left holding dout @ W_2^T, the gradient at pre going to the products as E5M2 only (a
-        write of dpre less); the other outputs' bits are the same either way."""
+        write of dpre less); the other outputs' bits are the same either way. `act_history`: the forward's (act as
+        E4M3 bytes, its transpose kept or rebuilt at this pass's scale)."""
         C, F = W_1.shape
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
-        if recompute:
+        delayed = self._act_delayed(act_history, N, C)
+        if recompute and not (delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False,
+                                                               transpose=True)):
             self._mlp_up(pre, act, inp, W_1)
+        if delayed and self._fp8_saved_transpose(act) is None:
+            raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
+                               "of a forward that did not write it)")
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
         # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
         beta_w = 0.0 if overwrite_weights else 1.0
         done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, beta_w=beta_w)
                                       if self._fp8_ok(N, C) else (False, False, None, None))
         if not done_dW:
+            if delayed:
+                raise RuntimeError(f"mlp_bwd: no FP8 algorithm for dW_2 ({F} x {C} x {N}); act holds E4M3 bytes")
             self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=beta_w)
         # on FP8 operands GELU' is applied by the pass that casts dpre for the products below
         cast = (lambda dq, dt: self._fp8_cast_dgelu(dpre, pre, N, F, C, sd, sw, dq, dt, keep_dpre)) if done_dpre else None
@@ -162,6 +216,20 @@ class CudaOps:
             dq, dt, out_descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, dgelu_factor(C),
             np.int32(store)))
         return out_descale
+
+
+def _act_bytes(act) -> tuple:
+    """act's bytes (a 16-bit [N, F]) as two uint8 [N * F] halves: act in E4M3 and act^T in E4M3, under the delayed
+    path."""
+    b = act.reshape(-1).view(np.uint8)
+    half = b.size // 2
+    return b[:half], b[half:]
+
+
+def _field(row, name: str):
+    """A one-float view of a field of a layer's act history row (a device pointer for cuBLASLt or a kernel)."""
+    at = act_field(name)
+    return row[at:at + 1]
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -58,15 +58,15 @@ class ActBound(Fp8EmulationEngine):
     name = "numpy-fp8-act-bound"
 
     def __init__(self, kind: str):
-        super().__init__()
+        super().__init__(act_history=False)  # the bound in place of act's own amax, as the study began
         self.kind = kind
         self._act = self._bound = None
         self.slack: list[float] = []  # log2(bound / amax) of each forward cast
         self.flushed = [0, 0, 0]  # nonzero act values: flushed to 0 at the bound's scale, at their own, all
 
-    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False):
+    def mlp_fwd(self, out, pre, act, inp, W_1, W_2, recompute=False, **kw):
         self._act, self._bound = act, act_bound(inp, W_1, self.kind)
-        super().mlp_fwd(out, pre, act, inp, W_1, W_2, recompute)
+        super().mlp_fwd(out, pre, act, inp, W_1, W_2, recompute, **kw)
         self._act = None
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, **kw):

@@ -102,7 +102,7 @@ class Product:
     def run(self, result) -> None:
         lt = self.lt
         c, a, b = self.args[:3]
-        desc, lay_b, lay_a, lay_c, _ = self.plan
+        desc, lay_b, lay_a, lay_c, *_ = self.plan
         aux = self.kw.get("aux")
         if aux is not None and self.kw.get("epilogue") in lt.AUX_EPILOGUES:
             lt._set(desc, lt.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
@@ -117,7 +117,7 @@ class Product:
 
     def check(self, algo) -> bool:
         lt = self.lt
-        desc, lay_b, lay_a, lay_c, _ = self.plan
+        desc, lay_b, lay_a, lay_c, *_ = self.plan
         res = lt._Heuristic()
         st = lt.lib.cublasLtMatmulAlgoCheck(lt.handle, desc, lay_b, lay_a, lay_c, lay_c, ctypes.addressof(algo),
                                             ctypes.byref(res))
@@ -177,7 +177,7 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
         return ms
 
     # the heuristic's list, long
-    desc, lay_b, lay_a, lay_c, _ = prod.plan
+    desc, lay_b, lay_a, lay_c, *_ = prod.plan
     pref = ctypes.c_void_p()
     lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref))
     limit = ctypes.c_uint64(lt.workspace.nbytes)
