@@ -125,7 +125,7 @@ def _kept(book):
 
 
 def test_the_amax_book_keeps_a_tensor_until_something_writes_over_it():
-    """In a pass a produced tensor is kept (its slot zeroed for the kernel); a write overlapping it, from any
+    """In a pass a produced tensor is kept (in a slot zeroed as the pass opened); a write overlapping it, from any
     side, drops it; writes beside it do not; outside a pass nothing is kept and producers get no slot."""
     book = _Book(slots=8)
     a, b = _Array(0, 256), _Array(256, 256)
@@ -142,7 +142,11 @@ def test_the_amax_book_keeps_a_tensor_until_something_writes_over_it():
         book._fp8_produced(a)
         book._fp8_wrote(_Array(100, 8))  # inside a
         assert _kept(book) == []
-        assert book._fp8_produced(a) is not None and book._fp8_book["slots"][(0, 256)] == 0  # its slot again
+        # a write takes the pass's next slot, never one used before in it: zero since the pass opened
+        before = book.own["fp8_amax"].copy()
+        amax_a = book._fp8_produced(a)
+        assert book._fp8_book["kept"][(0, 256)] == 3 and int(amax_a[0]) == 0
+        np.testing.assert_array_equal(book.own["fp8_amax"], before)  # no word written: no memset a write
         with pytest.raises(RuntimeError):
             with book.fp8_pass():
                 pass
@@ -642,7 +646,8 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     the backward) and with every cast running its own amax pass gives the same bytes, with far fewer passes:
     each scale is the same function of the same tensor. d_model 1040 takes the LayerNorm backward's wide-row
     kernel, the recompute options the shared scratch buffers. Without the act history (which casts act at its
-    scale inside a pass, and at its own amax's outside one), so that act's casts are in the comparison too."""
+    scale inside a pass, and at its own amax's outside one), so that act's casts are in the comparison too. In
+    a pass no amax word is zeroed by a memset of its own (the pass's table is zeroed once as it opens)."""
     from andrea.config import ModelShape
     from andrea.engines.crosscheck import train_run
 
@@ -657,6 +662,13 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
             launches.append(name)
         return launch(self, name, *a)
 
+    zero = type(engine).zero
+
+    def zero_counted(self, buf):  # an amax word alone: a memset for one cast or producer
+        if not preparing and buf.size == 1:
+            launches.append("zero one word")
+        return zero(self, buf)
+
     def prepare_weights(self, *a):
         preparing.append(1)
         try:
@@ -665,6 +677,7 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
             preparing.clear()
 
     monkeypatch.setattr(type(engine), "_launch", counted)
+    monkeypatch.setattr(type(engine), "zero", zero_counted)
     monkeypatch.setattr(type(engine), "prepare_fp8_weights", prepare_weights)
 
     def run():
@@ -673,8 +686,11 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
         return r, launches.count("k_fp8_amax")
 
     kept, kept_passes = run()
+    assert launches.count("zero one word") == 0
+
     monkeypatch.setattr(type(engine), "fp8_pass", lambda self, backward=True: contextlib.nullcontext())
     own, own_passes = run()
+    assert launches.count("zero one word") > 0  # outside a pass each amax pass zeroes its word
     assert kept.digest == own.digest, (kept.losses, own.losses)
     assert kept_passes < own_passes / 2, (kept_passes, own_passes)
 

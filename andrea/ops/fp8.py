@@ -106,10 +106,11 @@ def plan_buffers(B: int, T: int, C: int, L: int, V: int, loss_rows: int | None =
 
 
 def amax_slots(L: int) -> int:
-    """Scale slots of the tensors a pass keeps the amax of: each layer's two LayerNorm outputs and its GELU output
-    (and a spare), then the backward's shared buffers (d_branch, d_mlp_pre, d_qkv, the
-    recomputed LayerNorm), LNf's output and spares. A pass with more falls back to the casts' own passes."""
-    return 4 * L + 8
+    """Scale slots of the writes a pass keeps the amax of, a slot a write: a layer's two LayerNorm outputs (two
+    more where its backward rebuilds them), its GELU output, its two LayerNorm backwards' and its attention
+    backward's outputs, a cast's own amax pass (and spares); then LNf's output and spares. A pass with more
+    falls back to the casts' own passes."""
+    return 10 * L + 16
 
 
 # The layer matrices with FP8 copies (W_O has none: attn_out stays bf16). Each is kept as the forward reads it
@@ -346,7 +347,9 @@ class CudaOps:
     # Inside fp8_pass, `kept` maps a tensor (its pointer and bytes) whose amax is current to its slot in the
     # engine's fp8_amax. The rule that keeps it true: every op that writes a tensor either keeps its amax
     # (_fp8_produced: the LayerNorms, the GELU passes, the bf16 attention) or drops it (_fp8_wrote); a cast's amax
-    # pass keeps it.
+    # pass keeps it. Each write kept takes the pass's next slot, never one used before in the pass, so that one
+    # memset of the whole table as the pass opens zeroes every amax word its producers max into (a memset a
+    # write cost about 4 us of an idle device inside a recorded step, 100 of them at 120M).
     @contextlib.contextmanager
     def fp8_pass(self, backward: bool = True):
         """One pass of a model over its own buffers (a micro-batch's forward and backward, or with `backward`
@@ -354,7 +357,9 @@ class CudaOps:
         cast runs its own amax pass."""
         if self._fp8_book is not None:
             raise RuntimeError("fp8_pass: a pass is already open")
-        self._fp8_book = {"kept": {}, "slots": {}, "transposed": {}, "backward": backward}
+        if self.own.get("fp8_amax") is not None:
+            self.zero(self.own["fp8_amax"])
+        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward}
         try:
             yield
         finally:
@@ -396,32 +401,30 @@ class CudaOps:
         return None if self._fp8_book is None else self._fp8_book["transposed"].get((ptr(x), x.nbytes))
 
     def _fp8_keep(self, x):
-        """x's slot array in fp8_amax, x now kept (what overlapped it dropped); None outside a pass or when the
-        pass has no slot left (its casts then run their own passes)."""
+        """x's slot array in fp8_amax (the pass's next, zeroed as the pass opened), x now kept (what overlapped it
+        dropped); None outside a pass or when the pass has no slot left (its casts then run their own passes)."""
         if self._fp8_book is None:
             return None
         self._fp8_wrote(x)
-        slots, key = self._fp8_book["slots"], (ptr(x), x.nbytes)
-        table = self.own.get("fp8_amax")
-        if key not in slots:
-            if table is None or len(slots) >= table.size // SLOT_FLOATS:
-                return None
-            slots[key] = len(slots)
-        self._fp8_book["kept"][key] = slots[key]
-        return self._fp8_amax_slot(slots[key])
+        table, used = self.own.get("fp8_amax"), self._fp8_book["slots"]
+        if table is None or used >= table.size // SLOT_FLOATS:
+            return None
+        self._fp8_book["slots"] = used + 1
+        self._fp8_book["kept"][(ptr(x), x.nbytes)] = used
+        return self._fp8_amax_slot(used)
 
     def _fp8_amax_slot(self, i: int):
         """Slot i of the pass's table fp8_amax (laid out as fp8_scales' slots: _fp8_slot reads either)."""
         return self.own["fp8_amax"][SLOT_FLOATS * i:][:SLOT_FLOATS]
 
     def _fp8_produced(self, out):
-        """The amax word (zeroed) into which a producer kernel writes out's amax as it stores out, kept for out's
-        casts; None outside a pass (the kernel then gets a null pointer, `amax_arg`, and computes none)."""
+        """The amax word (zero) into which a producer kernel writes out's amax as it stores out, kept for out's
+        casts; None outside a pass or with no slot left (the kernel then gets a null pointer, `amax_arg`, and
+        computes none)."""
         slot = self._fp8_keep(out)  # drops what out overlapped, kept or not
         if slot is None:
             return None
         amax, _ = self._fp8_slot(slot)
-        self.zero(amax)
         return amax
 
     def _fp8_cast(self, x, rows: int, cols: int, fmt: str, slot: int, *, q=None, ldq=None, q_batch=0, qt=None,
@@ -439,7 +442,8 @@ class CudaOps:
             amax, descale = self._fp8_slot(slot if mine is None else mine)
             n = batch * rows * cols
             threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
-            self.zero(amax)
+            if mine is None:  # a slot of the pass is zero already
+                self.zero(amax)
             # 8 activations a thread a pass; a few blocks an SM are enough to stream it (the max needs no order)
             self._launch("k_fp8_amax", min(blocks(n, 8 * threads), AMAX_BLOCKS), threads, amax, x, np.int64(n))
         tile = kernel_defines("fp8")["FP8_TILE"]
