@@ -7,9 +7,18 @@ Per-tensor current scaling: each operand is cast right before its product with t
 amax, the largest power of two s with amax * s <= the format's largest value (E4M3 448 for activations
 and weights, E5M2 57344 for gradients), and the product takes 1 / s. Powers of two make x * s and 1 / s
 exact; amax is a max, the same whatever order combines it. So a scale is a function of the tensor at
-hand: there is no scale state to carry between steps, and a resume restores nothing beyond the
-checkpoint. (Delayed scaling, an amax history from earlier steps, would save the amax pass; it would
-also be state, and the first step would need the pass anyway.)
+hand.
+
+One tensor is scaled from a history instead (delayed scaling): the MLP's act = GELU(pre) in a training pass.
+Its up product writes act in E4M3 itself (cuBLASLt's FP8 output: D_SCALE, with pre beside it in bf16 for the
+backward's GELU') at the scale of the largest amax of the layer's last FP8_ACT_HISTORY passes, and reports act's
+amax (AMAX_D, before the scale); k_fp8_act_t then writes act^T (dW_2's operand) and folds the pass into the
+layer's row of the history (kernels/fp8.cu: the row's layout; `fold_act_amax` is its reference). Values past the
+scale saturate at E4M3's largest, as cvt.satfinite does. This spares act's bf16 write, its amax pass and its cast
+(5 bytes an element, 1.5 GB a 120M step). The rows (`fp8_act_history`, a training model's) are state, saved in
+.state.json, so a resume is bit-exact; a run starts at the scale 1 (no pass seen). A recompute rebuilds act at
+the pass's own scale (the row's SCALE_NOW), without folding. A forward alone (evaluation) and a product outside a
+model's pass cast act at its own amax, as before.
 
 One gradient takes the scale of a bound of its amax instead of its own: the MLP backward's dpre = (dout @ W_2^T) *
 GELU'(pre), cast to E5M2 by the pass that applies GELU' (k_fp8_cast_dgelu), so that it is read once as it comes
@@ -25,8 +34,8 @@ amax is found once: the LayerNorms, the GELU passes and the bf16 attention backw
 store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
 own amax pass is kept for the tensor's later casts. The scales, and so the bytes, are those of casts that each
 run their own pass; a test compares them bit for bit. The inputs of the weight gradients' products that the
-forward casts too are cast once: the MLP's act (the GELU epilogue's output, for dW_2 = act^T dY) and the two
-LayerNorm outputs (for dW_QKV and dW_1). The forward's cast writes X^T too, into X's place in `fp8_act_t` (a
+forward casts too are cast once: the two LayerNorm outputs (for dW_QKV and dW_1) and, without an act history,
+the MLP's act (the GELU epilogue's output, for dW_2 = act^T dY). The forward's cast writes X^T too, into X's place in `fp8_act_t` (a
 training plan's, one for each such tensor a layer keeps), and the backward's product reads it with the forward's
 descale (`_fp8_saved_transpose`): a read of X less and a write of X's elements in bytes more a layer, the same
 bytes as casting it again. A forward alone (`fp8_pass(backward=False)`: evaluation) writes
