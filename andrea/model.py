@@ -355,19 +355,20 @@ class Model:
         recordings are thus one per (reduce, weighted, first) at the current loss scale: eight at most. The constant
         scale also keeps each counted target's gradient in the backward as large as in an unweighted step,
         the range the fp16 loss scale is set for (1 / total weight would grow it as a mask counts fewer)."""
-        if not self.graphs:
+        def micro_batch():
+            # the pass opens inside the recording: what it launches as it opens (fp8: its amax table zeroed) replays
             with self._pass():
                 self._forward_ops(backward=True, weighted=weighted, first=first)
                 self._backward(reduce, first)
+
+        if not self.graphs:
+            micro_batch()
             return
         key = self._loss_grad_scale(), reduce, weighted, first
         if key not in self._step_graphs:
             if any(k[0] != key[0] for k in self._step_graphs):  # the fp16 loss scale moved: drop stale recordings
                 self._step_graphs.clear()
-            with self._pass():
-                self._step_graphs[key] = self.engine.capture(
-                    lambda: (self._forward_ops(backward=True, weighted=weighted, first=first),
-                             self._backward(reduce, first)))
+            self._step_graphs[key] = self.engine.capture(micro_batch)
         self.engine.replay(self._step_graphs[key])
 
     # ---- optimizer step --------------------------------------------------------------------
