@@ -167,6 +167,33 @@ def test_the_amax_book_falls_back_when_its_slots_run_out():
         assert book._fp8_produced(_Array(32, 16)) is not None
 
 
+def test_a_cast_in_a_pass_zeroes_no_amax_word_of_its_own():
+    """In a pass a cast whose tensor has no kept amax runs its amax pass into the pass's next slot (zero since the
+    pass opened), kept (`keep`) or not; outside a pass, or with a slot of the caller's own (a weight copy's, which
+    keeps its descale there), into that slot, zeroed first."""
+    book = _Book(slots=4)
+    book.own["fp8_scales"] = np.full(fp8.SLOT_FLOATS * fp8.SCALE_SLOTS, 7.0, dtype=np.float32)
+    launched = []
+    book._launch = lambda name, grid, threads, amax, *a: launched.append((name, amax))
+    book.k = {"k_fp8_cast": lambda grid, block, args: launched.append(("k_fp8_cast", args[6]))}
+    zeroed = []
+    book.zero = lambda buf: (zeroed.append(buf.size), buf.fill(0))
+    own_slot = np.full(fp8.SLOT_FLOATS, 7.0, dtype=np.float32)
+    with book.fp8_pass():
+        zeroed.clear()  # the table, as the pass opened
+        for keep in (True, False):
+            book._fp8_cast(_Array(1024 * keep, 512), 16, 16, "e4m3", 0, keep=keep)
+        assert zeroed == [] and book._fp8_book["slots"] == 2
+        assert [k for k in book._fp8_book["kept"]] == [(1024, 512)]  # only the kept cast's tensor
+        # its amax word and descale: slot 1 of the pass's table (not the engine's scale slot 0)
+        assert launched[2][1].base is book.own["fp8_amax"] or np.shares_memory(launched[2][1], book.own["fp8_amax"])
+        book._fp8_cast(_Array(4096, 512), 16, 16, "e4m3", own_slot, keep=False)
+        assert zeroed == [1] and np.shares_memory(launched[-1][1], own_slot)
+    zeroed.clear()
+    book._fp8_cast(_Array(0, 512), 16, 16, "e4m3", 0, keep=False)
+    assert zeroed == [1] and np.shares_memory(launched[-2][1], book.own["fp8_scales"])
+
+
 def test_each_kept_act_gets_a_place_of_its_own_in_fp8_act_t():
     """Inside a pass each act gets a 256-byte aligned place of one byte an element, the same one each time,
     beside the others'; none outside a pass or once the buffer is full; a new buffer starts its places again.

@@ -415,12 +415,20 @@ class CudaOps:
         if self._fp8_book is None:
             return None
         self._fp8_wrote(x)
-        table, used = self.own.get("fp8_amax"), self._fp8_book["slots"]
-        if table is None or used >= table.size // SLOT_FLOATS:
+        i = self._fp8_next_slot()
+        if i is None:
             return None
-        self._fp8_book["slots"] = used + 1
-        self._fp8_book["kept"][(ptr(x), x.nbytes)] = used
-        return self._fp8_amax_slot(used)
+        self._fp8_book["kept"][(ptr(x), x.nbytes)] = i
+        return self._fp8_amax_slot(i)
+
+    def _fp8_next_slot(self) -> int | None:
+        """The index of the pass's next slot (zero since the pass opened), now taken; None outside a pass or with
+        none left."""
+        table = self.own.get("fp8_amax")
+        if self._fp8_book is None or table is None or self._fp8_book["slots"] >= table.size // SLOT_FLOATS:
+            return None
+        self._fp8_book["slots"] += 1
+        return self._fp8_book["slots"] - 1
 
     def _fp8_amax_slot(self, i: int):
         """Slot i of the pass's table fp8_amax (laid out as fp8_scales' slots: _fp8_slot reads either)."""
@@ -441,13 +449,19 @@ class CudaOps:
         """Cast x [batch, rows, cols] to FP8 with its own scale: into q (row-major, leading dimension ldq,
         batch z at z * q_batch) and/or qt (its transpose [cols, rows] per batch, leading dimension ldqt);
         returns the device descale 1 / s that the product takes. In a pass the amax comes from x's slot where it
-        is kept, else its amax pass runs into a new one (with `keep`) or into scale slot `slot`."""
+        is kept, else its amax pass runs into a new slot of the pass (kept for x's later casts with `keep`), or
+        outside one into scale slot `slot` (an engine slot's index, or a slot array of the caller's own, which a
+        pass leaves to the caller: a weight's copy keeps its descale there)."""
         book = self._fp8_book
         known = book["kept"].get((ptr(x), x.nbytes)) if book is not None else None
         if known is not None:
             amax, descale = self._fp8_slot(self._fp8_amax_slot(known))
         else:
-            mine = self._fp8_keep(x) if keep else None
+            if keep:
+                mine = self._fp8_keep(x)
+            else:
+                i = self._fp8_next_slot() if isinstance(slot, int) else None
+                mine = None if i is None else self._fp8_amax_slot(i)
             amax, descale = self._fp8_slot(slot if mine is None else mine)
             n = batch * rows * cols
             threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
