@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 dev/cuda/fp8_delayed_scaling.py [--steps 200] [--history 1,16] [--width 64 --layers 2 --vocab 512]
 
 precision fp8 scales each operand by its own amax (current scaling: andrea/ops/fp8.py), which costs a pass over the
-tensor before its cast, or a producer that computes it. Delayed scaling takes the scale from the amaxes of earlier
+tensor before its cast, or a producer that computes it (since this study the MLP's act alone takes a history's
+scale in the engine; here every site does, the emulation's own act history off). Delayed scaling takes the scale from the amaxes of earlier
 passes, so a producer can write FP8 itself; where a tensor's amax has grown past that history, its largest values
 saturate at the format's largest. Here the NumPy engine rounds every product operand of attn_qkv and mlp
 as andrea/engines/fp8_emulation.py does, except that activations and gradients take the scale of the max over the
