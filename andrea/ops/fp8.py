@@ -368,7 +368,8 @@ class CudaOps:
             raise RuntimeError("fp8_pass: a pass is already open")
         if self.own.get("fp8_amax") is not None:
             self.zero(self.own["fp8_amax"])
-        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward}
+        # e4m3_acts: the MLP acts whose forward wrote them as E4M3 bytes (the act history's path, ops/mlp.py)
+        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "e4m3_acts": set()}
         try:
             yield
         finally:

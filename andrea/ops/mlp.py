@@ -123,6 +123,8 @@ class CudaOps:
                                  b_scale=sw, fast_accum=True, epilogue="gelu_aux", aux=pre, d_type="e4m3",
                                  d_scale=scale, amax_d=_field(row, "AMAX")):
             return False
+        if fold:
+            self._fp8_book["e4m3_acts"].add((ptr(act), act.nbytes))
         tile, threads = kernel_defines("fp8")["FP8_TILE"], kernel_defines("fp8")["FP8_THREADS"]
         grid = (-(-F // tile), -(-N // tile)) if transpose else (1, 1)
         self.k["k_fp8_act_t"](grid, (threads,), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F), row,
@@ -181,9 +183,12 @@ class CudaOps:
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
         delayed = self._act_delayed(act_history, N, C)
-        if recompute and not (delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False,
-                                                               transpose=True)):
-            self._mlp_up(pre, act, inp, W_1)
+        if recompute:
+            delayed = delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False, transpose=True)
+            if not delayed:
+                self._mlp_up(pre, act, inp, W_1)
+        elif delayed:  # whether the forward wrote act as E4M3 bytes (else it took the plain path: no algorithm)
+            delayed = (ptr(act), act.nbytes) in self._fp8_book["e4m3_acts"]
         if delayed and self._fp8_saved_transpose(act) is None:
             raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
                                "of a forward that did not write it)")
