@@ -5,8 +5,8 @@ the process, CuPy's and cuBLAS's too), then the span, the time some kernel ran, 
     PYTHONPATH=. python3 dev/cuda/step_gaps.py [--runs 120M/bf16,12M/bf16,120M/fp8] [--out DIR]
 
 One line a run (the step's time and its weights' digest after 8 steps; kernels and the graph's memset nodes, the
-span from the first to the last, the time some kernel ran, the gaps) and the transitions that lose the most, a
-memset node named as itself. The whole timeline goes to DIR/step_gaps.json. Exits 1 when the profiler saw no
+span from the first to the last, the time some kernel ran, the gaps), the transitions that lose the most, a
+memset node named as itself, and the kernels that take the most device time. The whole timeline goes to DIR/step_gaps.json. Exits 1 when the profiler saw no
 kernel (nothing to judge).
 """
 
@@ -78,9 +78,14 @@ def analyse(kernels) -> dict:
             end, last = stop, name
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:15]
     memsets = sum(1 for k in kernels if k[0].startswith(("Memset", "memset")))
+    spent = defaultdict(lambda: [0, 0.0])  # each kernel's calls and device time, summed over the step
+    for name, start, stop in kernels:
+        spent[name.split("(")[0]][0] += 1
+        spent[name.split("(")[0]][1] += stop - start
     return {"kernels": len(kernels) - memsets, "memsets": memsets, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
             "gap_ms": (span - busy) / 1e3,
             "histogram": dict(hist), "top": [(k, n, round(t, 1)) for k, (n, t) in top],
+            "busiest": [(k[:72], n, round(t, 1)) for k, (n, t) in sorted(spent.items(), key=lambda kv: -kv[1][1])[:20]],
             "blas_kernels": sum(1 for k in kernels if short(k[0]).startswith("blas:"))}
 
 
@@ -111,6 +116,9 @@ def main() -> int:
               f"ms, busy {a['busy_ms']:.3f}, gaps {a['gap_ms']:.3f} ({a['gap_ms'] / a['span_ms']:.1%}); "
               f"gaps {a['histogram']}", flush=True)
         for key, n, us in a["top"]:
+            print(f"    {us:8.1f} us  {n:4d}x  {key}")
+        print("  the busiest kernels (device time summed over the step):")
+        for key, n, us in a["busiest"]:
             print(f"    {us:8.1f} us  {n:4d}x  {key}")
         del model, engine
         cupy.get_default_memory_pool().free_all_blocks()
