@@ -114,21 +114,18 @@ class CudaOps:
         C, F = W_1.shape
         N = inp.size // C
         q, qt = _act_bytes(act)
-        xq, wt = self._fp8_operands(N * C, C * F)
-        sx = self._fp8_cast_saving(inp, N, C, xq, fold)  # the forward keeps inp^T for dW_1
-        wt, sw = self._fp8_weight(W_1, "forward", C, F, 1, into=wt)
         self._fp8_wrote(pre, act)
-        scale = _field(row, "SCALE" if fold else "SCALE_NOW")
-        if not self.blas_lt.gemm(q, xq, wt, N, F, C, trans_b=True, a_type="e4m3", b_type="e4m3", a_scale=sx,
-                                 b_scale=sw, fast_accum=True, epilogue="gelu_aux", aux=pre, d_type="e4m3",
-                                 d_scale=scale, amax_d=_field(row, "AMAX")):
+        # the forward keeps inp^T for dW_1
+        if not self._linear_fwd_fp8(q, inp, W_1, N, C, F, save_transpose=fold, epilogue="gelu_aux", aux=pre,
+                                    d_type="e4m3", d_scale=_field(row, "SCALE" if fold else "SCALE_NOW"),
+                                    amax_d=_field(row, "AMAX")):
             return False
         if fold:
             self._fp8_book["e4m3_acts"].add((ptr(act), act.nbytes))
-        tile, threads = kernel_defines("fp8")["FP8_TILE"], kernel_defines("fp8")["FP8_THREADS"]
-        grid = (-(-F // tile), -(-N // tile)) if transpose else (1, 1)
-        self.k["k_fp8_act_t"](grid, (threads,), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F), row,
-                                                 np.int32(fold)))
+        d = kernel_defines("fp8")
+        grid = (-(-F // d["FP8_TILE"]), -(-N // d["FP8_TILE"])) if transpose else (1, 1)
+        self.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F),
+                                                          row, np.int32(fold)))
         if transpose:
             self._fp8_book["transposed"][(ptr(act), act.nbytes)] = (qt, _field(row, "DESCALE_NOW"))
         return True

@@ -80,8 +80,9 @@ def analyse(kernels) -> dict:
     memsets = sum(1 for k in kernels if k[0].startswith(("Memset", "memset")))
     spent = defaultdict(lambda: [0, 0.0])  # each kernel's calls and device time, summed over the step
     for name, start, stop in kernels:
-        spent[name.split("(")[0]][0] += 1
-        spent[name.split("(")[0]][1] += stop - start
+        kernel = spent[name.split("(")[0]]
+        kernel[0] += 1
+        kernel[1] += stop - start
     return {"kernels": len(kernels) - memsets, "memsets": memsets, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
             "gap_ms": (span - busy) / 1e3,
             "histogram": dict(hist), "top": [(k, n, round(t, 1)) for k, (n, t) in top],
