@@ -44,7 +44,40 @@ __device__ __forceinline__ void online_add(float& m, float& sum, const float* v,
     for (int i = 0; i < n; i++) sum += exp_row(v[i] - m);
 }
 
+// 16-byte groups of a row a thread keeps in registers between the row's sums and its rewrite (LOSS_THREADS of them
+// hold a 50304-logit bf16 row in 7): such a row is read from memory once instead of twice.
+#define LOSS_CACHED_GROUPS 8
+
+// Thread threadIdx.x's group k of a row: the groups it takes in turn (one 16-byte load each), in the order the
+// sums fold them.
+__device__ __forceinline__ int row_group(int k) { return (threadIdx.x + k * blockDim.x) * ACT_VEC; }
+
+// One element of a row as probability (and into dq's E5M2 byte, scaled, less one at the target).
+__device__ __forceinline__ void write_probs(act_t* x, unsigned char* d, int j, float (&v)[ACT_VEC], float row_max,
+                                            float inv, int target) {
+#pragma unroll
+    for (int i = 0; i < ACT_VEC; i++) v[i] = exp_row(v[i] - row_max) * inv;
+    store_vec(x + j, v);
+    if (d != nullptr) {  // ACT_VEC bytes, as words of 4 (V % ACT_VEC == 0: the row's bytes start aligned)
+        unsigned words[ACT_VEC / 4];
+#pragma unroll
+        for (int w = 0; w < ACT_VEC / 4; w++) {
+            float e[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int at = 4 * w + i;
+                e[i] = (j + at == target ? v[at] - 1.0f : v[at]) * DLOGITS_SCALE;
+            }
+            words[w] = fp8x2(e[0], e[1], 1) | static_cast<unsigned>(fp8x2(e[2], e[3], 1)) << 16;
+        }
+        if (ACT_VEC == 8) *reinterpret_cast<uint2*>(d + j) = make_uint2(words[0], words[ACT_VEC / 4 - 1]);
+        else *reinterpret_cast<unsigned*>(d + j) = words[0];
+    }
+}
+
 // dq (null: not written): [n_rows, V] E5M2 bytes of (probs - onehot) * 2^15; *dq_descale = 2^-15.
+// A row of at most LOSS_CACHED_GROUPS groups a thread stays in registers from its one read; a longer one is read
+// again for the rewrite. Both fold each thread's groups in the same order: the same bits either way.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_fwd(float* losses, act_t* probs, const int* targets, unsigned char* dq, float* dq_descale, long long n_rows,
            int V) {
@@ -52,9 +85,22 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, unsigned char* dq, f
     const long long row = blockIdx.x;
     act_t* x = probs + row * V;
     const bool vec = V % ACT_VEC == 0;  // rows start 16-byte aligned too (16-byte passes, common.cuh)
+    const bool cached = vec && V <= LOSS_CACHED_GROUPS * static_cast<int>(blockDim.x) * ACT_VEC;
+    uint4 held[LOSS_CACHED_GROUPS];  // the row's groups, as loaded (registers: every index is a constant)
     // One pass for max and sum: each thread keeps a running max and a sum rescaled to it.
     float m = NEG_INF, sum = 0.0f;
-    if (vec) {
+    if (cached) {
+#pragma unroll
+        for (int k = 0; k < LOSS_CACHED_GROUPS; k++)
+            if (row_group(k) < V) held[k] = *reinterpret_cast<const uint4*>(x + row_group(k));
+#pragma unroll
+        for (int k = 0; k < LOSS_CACHED_GROUPS; k++) {
+            if (row_group(k) >= V) break;
+            float v[ACT_VEC];
+            unpack_vec(held[k], v);
+            online_add(m, sum, v, ACT_VEC);
+        }
+    } else if (vec) {
         for (int j = threadIdx.x * ACT_VEC; j < V; j += blockDim.x * ACT_VEC) {
             float v[ACT_VEC];
             load_vec(x + j, v);
@@ -74,28 +120,19 @@ k_loss_fwd(float* losses, act_t* probs, const int* targets, unsigned char* dq, f
     if (dq != nullptr && row == 0 && threadIdx.x == 0) *dq_descale = 1.0f / DLOGITS_SCALE;
     unsigned char* d = dq == nullptr ? nullptr : dq + row * V;
     const float inv = 1.0f / row_sum;
-    if (vec) {
+    if (cached) {
+#pragma unroll
+        for (int k = 0; k < LOSS_CACHED_GROUPS; k++) {
+            if (row_group(k) >= V) break;
+            float v[ACT_VEC];
+            unpack_vec(held[k], v);
+            write_probs(x, d, row_group(k), v, row_max, inv, target);
+        }
+    } else if (vec) {
         for (int j = threadIdx.x * ACT_VEC; j < V; j += blockDim.x * ACT_VEC) {
             float v[ACT_VEC];
             load_vec(x + j, v);
-#pragma unroll
-            for (int i = 0; i < ACT_VEC; i++) v[i] = exp_row(v[i] - row_max) * inv;
-            store_vec(x + j, v);
-            if (d != nullptr) {  // ACT_VEC bytes, as words of 4 (V % ACT_VEC == 0: the row's bytes start aligned)
-                unsigned words[ACT_VEC / 4];
-#pragma unroll
-                for (int w = 0; w < ACT_VEC / 4; w++) {
-                    float e[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const int at = 4 * w + i;
-                        e[i] = (j + at == target ? v[at] - 1.0f : v[at]) * DLOGITS_SCALE;
-                    }
-                    words[w] = fp8x2(e[0], e[1], 1) | static_cast<unsigned>(fp8x2(e[2], e[3], 1)) << 16;
-                }
-                if (ACT_VEC == 8) *reinterpret_cast<uint2*>(d + j) = make_uint2(words[0], words[ACT_VEC / 4 - 1]);
-                else *reinterpret_cast<unsigned*>(d + j) = words[0];
-            }
+            write_probs(x, d, j, v, row_max, inv, target);
         }
     } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
