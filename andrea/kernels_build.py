@@ -21,7 +21,7 @@ from andrea.precision import PRECISIONS
 # The op pairs with kernels of their own. One made only of matrix products has no file: cuBLAS runs attn_out (W_O)
 # whole, from andrea/ops/attn_out.py; attn_qkv's file holds only the copy of W_QKV its backward reads.
 KERNEL_FILES = ("embed", "layernorm", "attn_qkv", "attn", "attn_bf16", "mlp", "residual_add", "loss", "grad_norm", "adamw",
-                "fp8")
+                "fp8", "memset")
 COMMON_HEADER = "common.cuh"
 ARCHS = ("sm_80", "sm_89", "sm_90")
 # Hopper's own build of the files that have one (andrea.ops.hopper_kernel_files): the architecture-specific

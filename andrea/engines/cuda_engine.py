@@ -26,6 +26,7 @@ import numpy as np
 
 from andrea import ops
 from andrea.engines.cublas import Cublas, CublasLt
+from andrea.engines.graphs import without_small_memsets
 from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
 from andrea.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
@@ -190,7 +191,8 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         Capture needs a stream of its own (`priority`: CUDA's, lower sooner; None, the default); the graph
         replays on the current stream, after the uploads made there. cuBLAS runs on the engine's handle with its
         preallocated workspace, which capture allows (CuPy's own cuBLAS calls it refuses); nothing in fn() may
-        allocate or wait on the host."""
+        allocate or wait on the host. Its small memset nodes (cuBLASLt's) are kernel nodes in the graph returned
+        (engines/graphs.py)."""
         current = cupy.cuda.get_current_stream()
         current.synchronize()
         stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
@@ -201,7 +203,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
             finally:
                 graph = stream.end_capture()
         self._capture_streams.append(stream)  # the graph's launches were recorded on it; keep it alive
-        return graph
+        return without_small_memsets(graph, self.k["k_memset"])
 
     def replay(self, graph) -> None:
         graph.launch(stream=cupy.cuda.get_current_stream())

@@ -7,10 +7,10 @@ cross-check — is asked of its module through the functions here.
 
 from __future__ import annotations
 
-from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, mlp, residual_add
+from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, memset, mlp, residual_add
 
-# In the seed's order, then the utilities of the optimizer step and the FP8 casts.
-MODULES = (embed, layernorm, attn_qkv, attn, attn_out, mlp, residual_add, loss, grad_norm, adamw, fp8)
+# In the seed's order, then the utilities of the optimizer step, the FP8 casts and the recorded graphs' memsets.
+MODULES = (embed, layernorm, attn_qkv, attn, attn_out, mlp, residual_add, loss, grad_norm, adamw, fp8, memset)
 
 # Each engine call of a training step, and the module that owns it (its cost).
 CALLS = {
