@@ -52,7 +52,7 @@ __device__ __forceinline__ void online_add(float& m, float& sum, const float* v,
 // sums fold them.
 __device__ __forceinline__ int row_group(int k) { return (threadIdx.x + k * blockDim.x) * ACT_VEC; }
 
-// One element of a row as probability (and into dq's E5M2 byte, scaled, less one at the target).
+// ACT_VEC logits of a row from j as probabilities (and into dq's E5M2 bytes, scaled, less one at the target).
 __device__ __forceinline__ void write_probs(act_t* x, unsigned char* d, int j, float (&v)[ACT_VEC], float row_max,
                                             float inv, int target) {
 #pragma unroll

@@ -15,6 +15,8 @@ import ctypes
 import functools
 import os
 
+import cupy
+
 from andrea.errors import AndreaError
 from andrea.ops.base import kernel_defines
 
@@ -79,11 +81,6 @@ def _listed(name: str, *head) -> list[int]:
     return [nodes[i] for i in range(n.value)]
 
 
-def _handle(graph) -> int:
-    """The cudaGraph_t of a CuPy Graph or of a RecordedGraph."""
-    return graph.graph
-
-
 def _type(node) -> int:
     t = ctypes.c_int(-1)
     _call("cuGraphNodeGetType", node, ctypes.byref(t))
@@ -99,13 +96,13 @@ def _memset(node) -> _MemsetParams:
 def memset_bytes(graph) -> list[int]:
     """Bytes of each memset node of a recorded graph, in the graph's node order."""
     return [m.elementSize * m.width * m.height for m in
-            (_memset(n) for n in _listed("cuGraphGetNodes", _handle(graph)) if _type(n) == _MEMSET)]
+            (_memset(n) for n in _listed("cuGraphGetNodes", graph.graph) if _type(n) == _MEMSET)]
 
 
 def node_kinds(graph) -> dict[str, int]:
     """How many nodes of each kind (kernel, memset, ...) a recorded graph holds."""
     kinds: dict[str, int] = {}
-    for node in _listed("cuGraphGetNodes", _handle(graph)):
+    for node in _listed("cuGraphGetNodes", graph.graph):
         kind = _NODE_TYPES.get(_type(node), "other")
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
@@ -119,8 +116,6 @@ class RecordedGraph:
         self.recorded, self.graph, self._exec = recorded, recorded.graph, exec_handle
 
     def launch(self, stream=None) -> None:
-        import cupy
-
         _call("cuGraphLaunch", self._exec, (stream or cupy.cuda.get_current_stream()).ptr)
 
     def __del__(self):
@@ -135,7 +130,7 @@ def without_small_memsets(graph, k_memset):
     ANDREA_GRAPH_MEMSETS=1)."""
     if os.environ.get("ANDREA_GRAPH_MEMSETS", "0") == "1":
         return graph
-    handle = _handle(graph)
+    handle = graph.graph
     small = [(n, m) for n in _listed("cuGraphGetNodes", handle) if _type(n) == _MEMSET
              for m in (_memset(n),) if m.elementSize * m.width * m.height <= SMALL_MEMSET_BYTES]
     if not small:

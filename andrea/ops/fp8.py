@@ -525,7 +525,12 @@ class CudaOps:
         `save_transpose`: X^T too, kept for the backward (_fp8_cast_saving)."""
         xq, wt = self._fp8_operands(N * K, K * M)
         sx = self._fp8_cast_saving(inp, N, K, xq, save_transpose)
-        wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=wt)
+        return self._fp8_times_weight(out, xq, sx, W, N, K, M, into=wt, **kw)
+
+    def _fp8_times_weight(self, out, xq, sx, W, N, K, M, into, **kw) -> bool:
+        """out [N, M] = X @ W from X's E4M3 bytes xq [N, K] (device descale sx) and W's forward copy (cast into
+        `into`, operand scratch of K * M bytes, where W has none); False: nothing written."""
+        wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=into)
         return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
     def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None, beta_w: float = 1.0) -> tuple:

@@ -80,8 +80,8 @@ class CudaOps:
                                                                           transpose=not recompute):
             self._fp8_wrote(out)
             q, _ = _act_bytes(act)
-            w, sw = self._fp8_weight(W_2, "forward", F, C, 1, into=self._fp8_operands(F * C)[0])
-            if not self._fp8_gemm(out, q, _field(act_history, "DESCALE_NOW"), "e4m3", w, sw, "e4m3", N, C, F, fast=True):
+            if not self._fp8_times_weight(out, q, _field(act_history, "DESCALE_NOW"), W_2, N, F, C,
+                                          into=self._fp8_operands(F * C)[0]):
                 raise RuntimeError(f"mlp_fwd: no FP8 algorithm for act @ W_2 ({N} x {F} x {C}) after act was written "
                                    "in E4M3")
             return

@@ -95,31 +95,33 @@ class Product:
         self.plan = plan
         c, a, b = args[:3]
         t = lt.TYPES
-        # cuBLAS's A is our b, its B our a
-        self.types = (t[self.key[2]], t[self.key[1]], t[self.key[0]], t[self.key[0]])
+        # cuBLAS's A is our b, its B our a; an FP8 output's C is bf16 (CublasLt.gemm)
+        self.fp8_out = self.key[0] in lt.FP8_OUTPUTS
+        self.types = (t[self.key[2]], t[self.key[1]], t["bfloat16" if self.fp8_out else self.key[0]], t[self.key[0]])
         self.compute = Cublas.COMPUTE_32F
 
     def run(self, result) -> None:
         lt = self.lt
         c, a, b = self.args[:3]
-        desc, lay_b, lay_a, lay_c, *_ = self.plan
+        desc, lay_b, lay_a, lay_c, _, lay_d = self.plan
         aux = self.kw.get("aux")
         if aux is not None and self.kw.get("epilogue") in lt.AUX_EPILOGUES:
             lt._set(desc, lt.DESC_AUX_POINTER, ctypes.c_void_p(aux.data.ptr))
         if self.kw.get("a_scale") is not None:
             lt._set_scales(desc, self.kw["a_scale"], self.kw["b_scale"])
+        c_in = aux if self.fp8_out and aux is not None else c  # the D scale and amax pointers stay the recorded call's
         status = lt.lib.cublasLtMatmul(
             lt.handle, desc, lt._scalar(self.kw.get("alpha", 1.0)), b.data.ptr, lay_b, a.data.ptr, lay_a,
-            lt._scalar(self.kw.get("beta", 0.0)), c.data.ptr, lay_c, c.data.ptr, lay_c, ctypes.byref(result),
+            lt._scalar(self.kw.get("beta", 0.0)), c_in.data.ptr, lay_c, c.data.ptr, lay_d, ctypes.byref(result),
             lt.workspace.data.ptr, lt.workspace.nbytes, cupy.cuda.get_current_stream().ptr)
         if status:
             raise RuntimeError(f"cublasLtMatmul status {status}")
 
     def check(self, algo) -> bool:
         lt = self.lt
-        desc, lay_b, lay_a, lay_c, *_ = self.plan
+        desc, lay_b, lay_a, lay_c, _, lay_d = self.plan
         res = lt._Heuristic()
-        st = lt.lib.cublasLtMatmulAlgoCheck(lt.handle, desc, lay_b, lay_a, lay_c, lay_c, ctypes.addressof(algo),
+        st = lt.lib.cublasLtMatmulAlgoCheck(lt.handle, desc, lay_b, lay_a, lay_c, lay_d, ctypes.addressof(algo),
                                             ctypes.byref(res))
         return st == 0 and res.workspace_size <= lt.workspace.nbytes
 
@@ -177,13 +179,13 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
         return ms
 
     # the heuristic's list, long
-    desc, lay_b, lay_a, lay_c, *_ = prod.plan
+    desc, lay_b, lay_a, lay_c, _, lay_d = prod.plan
     pref = ctypes.c_void_p()
     lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref))
     limit = ctypes.c_uint64(lt.workspace.nbytes)
     lib.cublasLtMatmulPreferenceSetAttribute(pref, lt.PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8)
     results, found = (lt._Heuristic * heuristics)(), ctypes.c_int(0)
-    lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, lay_b, lay_a, lay_c, lay_c, pref, heuristics, results,
+    lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, lay_b, lay_a, lay_c, lay_d, pref, heuristics, results,
                                        ctypes.byref(found))
     seen = set()
     for i in range(found.value):
