@@ -91,10 +91,11 @@ def test_the_trainer_recomputes_on_the_cuda_engine_only():
 
 def test_bf16_plans_fit_the_peer_and_the_seed_figure():
     """120M at B 8 under the PyTorch bf16 + torch.compile peak (5.1 GiB); 12M at B 32 within the seed's 1.4 GB
-    (the CUDA engine's own buffers included: cuBLAS workspace, decay ranges, LayerNorm partial sums)."""
+    (the CUDA engine's own buffers included: cuBLAS workspace, decay ranges, LayerNorm partial sums; and the
+    training model's [C, 3C] copy of W_QKV), with the experiments' own memory options."""
     from andrea import ops
     from andrea.engines.cuda_engine import CUBLAS_WORKSPACE_BYTES
-    from andrea.ops import fp8
+    from andrea.ops import attn_qkv, fp8
     from andrea.ops.loss import LOSS_SLOTS
 
     own = CUBLAS_WORKSPACE_BYTES + sum(b.nbytes for b in ops.engine_buffers())
@@ -103,10 +104,10 @@ def test_bf16_plans_fit_the_peer_and_the_seed_figure():
                    + 2 * 4 * 32768 + 2 * 8 * LOSS_SLOTS)
     big_exp, small_exp = (load_experiment(EXPERIMENTS / f"ANDREA-{n}-TRAIN.json") for n in ("120M", "12M"))
     assert (big_exp.model, small_exp.model) == (SHAPE_120M, SHAPE_12M)
-    big = plan_model(ParameterLayout(SHAPE_120M), 8, attention="lse", act_dtype="bfloat16", recompute=big_exp.recompute,
-                     loss_chunks=big_exp.loss_chunks)
-    small = plan_model(ParameterLayout(SHAPE_12M), 32, attention="lse", act_dtype="bfloat16",
-                       recompute=small_exp.recompute, loss_chunks=small_exp.loss_chunks)
+    big, small = (plan_model(ParameterLayout(exp.model), B, attention="lse", act_dtype="bfloat16",
+                             recompute=exp.recompute, recompute_layers=exp.recompute_layers, loss_chunks=exp.loss_chunks,
+                             engine_buffers=attn_qkv.plan_buffers(exp.model.d_model, exp.model.n_layer, "bfloat16"))
+                  for exp, B in ((big_exp, 8), (small_exp, 32)))
     assert big.total_bytes + own <= 5.1 * GIB
     assert small.total_bytes + own <= 1.4e9
 
