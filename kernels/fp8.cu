@@ -9,6 +9,10 @@
 #define FP8_TILE 64      // a block casts a 64 x 64 tile (and writes its transpose)
 #define FP8_THREADS 256  // 8 threads a tile row of 64 activations (8 each), 32 rows a pass, 2 passes
 #define FP8_AMAX_THREADS 256
+// Blocks an SM the casts' registers are bounded for (all of a thread's loads are in flight at once: the more blocks,
+// the more bytes in flight an SM): k_fp8_cast 8 (32 registers), k_fp8_cast_dgelu 6 (40)
+#define FP8_CAST_BLOCKS 8
+#define FP8_DGELU_BLOCKS 6
 
 // This thread's share of the largest |x[j]| over [begin, end), begin a whole number of ACT_VEC groups: lane `lane`
 // of `lanes` takes 16-byte groups in turn where x is 16-byte aligned, then the rest one element at a time. NaN is
@@ -73,18 +77,41 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
     x += z * rows * static_cast<long long>(cols);
     const int r0 = ty * FP8_TILE, c0 = tx * FP8_TILE;
     const int cv = (threadIdx.x % 8) * 8;  // this thread's 8 columns of a tile row
-    for (int pass = 0; pass < FP8_TILE / 32; ++pass) {
+    constexpr int PASSES = FP8_TILE / 32;
+    const bool vec = (cols % 8) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0 &&
+                     (!DGELU || (reinterpret_cast<size_t>(pre) % 16) == 0);
+#ifdef ACT_LOWP
+    // Every pass's 16-byte loads issued before the first is used, held as loaded (4 registers each, not 8 floats):
+    // more bytes in flight a thread at the same blocks an SM.
+    uint4 raw[PASSES], raw_pre[PASSES];
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int r = r0 + pass * 32 + threadIdx.x / 8;
+        if (vec && r < rows && c0 + cv + 8 <= cols) {
+            raw[pass] = *reinterpret_cast<const uint4*>(x + r * static_cast<long long>(cols) + c0 + cv);
+            if (DGELU) raw_pre[pass] = *reinterpret_cast<const uint4*>(pre + r * static_cast<long long>(cols) + c0 + cv);
+        }
+    }
+#endif
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
         const int tr = pass * 32 + threadIdx.x / 8;
         const int r = r0 + tr;
         act_t* row = x + r * static_cast<long long>(cols);
         const bool whole = r < rows && c0 + cv + 8 <= cols;  // all 8 in bounds
-        const bool vec = (cols % 8) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0 &&
-                         (!DGELU || (reinterpret_cast<size_t>(pre) % 16) == 0);
         float v[8];
-        load8(row, r, rows, c0 + cv, cols, whole, vec, v);
+#ifdef ACT_LOWP
+        if (whole && vec) unpack_vec(raw[pass], v);
+        else
+#endif
+            load8(row, r, rows, c0 + cv, cols, whole, vec, v);
         if (DGELU) {
             float p[8];
-            load8(pre + (row - x), r, rows, c0 + cv, cols, whole, vec, p);
+#ifdef ACT_LOWP
+            if (whole && vec) unpack_vec(raw_pre[pass], p);
+            else
+#endif
+                load8(pre + (row - x), r, rows, c0 + cv, cols, whole, vec, p);
 #pragma unroll
             for (int j = 0; j < 8; ++j) v[j] = as_stored(v[j] * gelu_grad(p[j]));
             if (store) {
@@ -136,7 +163,7 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
 // dimension ldq, batch z at q + z * q_batch) and/or its transpose qt[z] ([cols, rows], leading dimension
 // ldqt, at qt + z * qt_batch); a null q or qt is not written. The block at (0, 0, 0) writes 1 / s to
 // *descale. Grid: (ceil(cols / 64), ceil(rows / 64), batch).
-extern "C" __global__ void __launch_bounds__(FP8_THREADS)
+extern "C" __global__ void __launch_bounds__(FP8_THREADS, FP8_CAST_BLOCKS)
 k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt, long long ldqt, long long qt_batch,
            float* descale, const unsigned int* amax, const act_t* __restrict__ x, int rows, int cols, int e5m2) {
     cast_tile<false>(q, ldq, q_batch, qt, ldqt, qt_batch, descale, fp8_scale_exponent(*amax, e5m2 ? 15 : 8),
@@ -149,7 +176,7 @@ k_fp8_cast(unsigned char* q, long long ldq, long long q_batch, unsigned char* qt
 // instead, a function of the product's operands: |dout @ W_2^T| <= C * (57344 * dout's descale) * (448 * W_2's
 // descale), and |GELU'| below 1.25; `factor` = C * 57344 * 448 * 1.25 in float (ops/fp8.py dgelu_amax, the
 // reference). Writes 1 / s to *descale.
-extern "C" __global__ void __launch_bounds__(FP8_THREADS)
+extern "C" __global__ void __launch_bounds__(FP8_THREADS, FP8_DGELU_BLOCKS)
 k_fp8_cast_dgelu(unsigned char* q, unsigned char* qt, float* descale, act_t* dpre, const act_t* __restrict__ pre,
                  int rows, int cols, const float* dout_descale, const float* w_descale, float factor, int store) {
     const float bound = factor * *dout_descale * *w_descale;
