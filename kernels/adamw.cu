@@ -10,7 +10,83 @@
 // says no leaves everything as it is.
 // Under mixed precision the same pass writes params_lp, the act_t copy the matrix products read (a pure
 // function of the fp32 weights, so a resumed run rebuilds it exactly); k_cast_params builds it at load.
+// Under precision fp8 it also takes the amax of the copy's matrices that prepare_fp8_weights casts (ops/fp8.py):
+// amax_ranges holds n_amax rows, amax_stride int64 words apart (spare words of k_fp8_cast_many's table), each a
+// matrix's [start, end) bytes in params_lp and the address of the amax word its largest |params_lp| goes to (an
+// order-free max: the bits k_fp8_amax_many finds), rows sorted by start. The word is zero before the launch; the
+// float after it is set to 1, telling k_fp8_amax_many that the amax is there. A gate that says no still takes them,
+// of the weights as they are.
 #include "common.cuh"
+
+// The amax range holding byte address a, or -1.
+__device__ __forceinline__ int amax_range(long long a, const long long* ranges, int n, int stride) {
+    int lo = 0, hi = n;  // lo ends as the number of ranges that start at or before a
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (ranges[stride * mid] <= a) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo > 0 && a < ranges[stride * (lo - 1) + 1] ? lo - 1 : -1;
+}
+
+struct AmaxRanges {
+    const long long* rows;
+    int n, stride;
+    __device__ __forceinline__ int find(const act_t* p) const {
+        return amax_range(static_cast<long long>(reinterpret_cast<size_t>(p)), rows, n, stride);
+    }
+    // NaN and 0 send nothing (k_fp8_amax_many's block_amax sends only a positive max).
+    __device__ __forceinline__ void send(int r, float m) const {
+        if (!(m > 0.0f)) return;
+        unsigned* word = reinterpret_cast<unsigned*>(rows[stride * r + 2]);
+        atomicMax(word, __float_as_uint(m));
+        reinterpret_cast<float*>(word)[1] = 1.0f;  // the amax is taken
+    }
+};
+
+// A thread's running amax: of range r (-1: none yet), sent when the thread moves to another range.
+struct AmaxRun {
+    int r = -1;
+    float m = 0.0f;
+    __device__ __forceinline__ void add(const AmaxRanges& ranges, int range, float value) {
+        if (range != r) {
+            if (r >= 0) ranges.send(r, m);
+            r = range;
+            m = 0.0f;
+        }
+        m = fmaxf(m, value);  // NaN passed over, as k_fp8_amax_many does
+    }
+};
+
+// The block's runs into their words: a warp whose lanes hold one range sends one max, the block's warps of one range
+// one atomic between them. Every thread of the block calls it.
+__device__ __forceinline__ void amax_flush(const AmaxRanges& ranges, AmaxRun run) {
+    __shared__ int warp_r[32];
+    __shared__ float warp_m[32];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int r0 = __shfl_sync(FULL_MASK, run.r, 0);
+    const bool uniform = __all_sync(FULL_MASK, run.r == r0);
+    const float m = warp_max(run.m);
+    if (!uniform && run.r >= 0) ranges.send(run.r, run.m);
+    if (lane == 0) {
+        warp_r[warp] = uniform ? r0 : -1;
+        warp_m[warp] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int r = -1;
+        float acc = 0.0f;
+        for (int w = 0; w < blockDim.x / WARP_SIZE; w++) {
+            if (warp_r[w] != r) {
+                if (r >= 0) ranges.send(r, acc);
+                r = warp_r[w];
+                acc = 0.0f;
+            }
+            acc = fmaxf(acc, warp_m[w]);
+        }
+        if (r >= 0) ranges.send(r, acc);
+    }
+}
 
 __device__ __forceinline__ bool decays(long long i, const long long* ranges, int n_ranges) {
     int lo = 0, hi = n_ranges;  // lo ends as the number of ranges that start at or before i
@@ -41,49 +117,77 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
                                    const long long* decay_ranges, int n_ranges, float lr, float beta1,
                                    float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                                    float weight_decay, float bc1, float bc2, act_t* params_lp, int write_lp,
-                                   float scale0, float scale1, const float* gate) {
+                                   float scale0, float scale1, const float* gate, const long long* amax_rows,
+                                   int n_amax, int amax_stride) {
+    const AmaxRanges ranges{amax_rows, n_amax, amax_stride};
+    bool step = true;
     if (gate != nullptr) {
-        if (gate[1] == 0.0f) return;
+        step = gate[1] != 0.0f;
+        if (!step && n_amax == 0) return;
         scale1 = gate[0];
     }
     const bool vec = aligned16(params, grads, m) && aligned16(v) && (!write_lp || sizeof(act_t) == 4 ||
                                                                      (reinterpret_cast<unsigned long long>(params_lp) & 7) == 0);
     const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
     long long done = 0;
+    AmaxRun run;
     if (vec) {
         const long long groups = n / 4;
         for (long long q = start; q < groups; q += stride) {
             const long long i = 4 * q;
-            float4 p = *reinterpret_cast<const float4*>(params + i), g = *reinterpret_cast<const float4*>(grads + i);
-            float4 mi = *reinterpret_cast<const float4*>(m + i), vi = *reinterpret_cast<const float4*>(v + i);
+            float4 p = *reinterpret_cast<const float4*>(params + i);
             float* pp = &p.x;
-            const float* gg = &g.x;
-            float* mm = &mi.x;
-            float* vv = &vi.x;
+            if (step) {
+                const float4 g = *reinterpret_cast<const float4*>(grads + i);
+                float4 mi = *reinterpret_cast<const float4*>(m + i), vi = *reinterpret_cast<const float4*>(v + i);
+                const float* gg = &g.x;
+                float* mm = &mi.x;
+                float* vv = &vi.x;
 #pragma unroll
-            for (int k = 0; k < 4; k++)
-                pp[k] = adamw_update(pp[k], scaled(gg[k], scale0, scale1), mm[k], vv[k],
-                                     decays(i + k, decay_ranges, n_ranges), lr, beta1, one_minus_beta1, beta2,
-                                     one_minus_beta2, eps, weight_decay, bc1, bc2);
-            *reinterpret_cast<float4*>(params + i) = p;
-            *reinterpret_cast<float4*>(m + i) = mi;
-            *reinterpret_cast<float4*>(v + i) = vi;
-            if (write_lp)
+                for (int k = 0; k < 4; k++)
+                    pp[k] = adamw_update(pp[k], scaled(gg[k], scale0, scale1), mm[k], vv[k],
+                                         decays(i + k, decay_ranges, n_ranges), lr, beta1, one_minus_beta1, beta2,
+                                         one_minus_beta2, eps, weight_decay, bc1, bc2);
+                *reinterpret_cast<float4*>(params + i) = p;
+                *reinterpret_cast<float4*>(m + i) = mi;
+                *reinterpret_cast<float4*>(v + i) = vi;
+                if (write_lp)
 #pragma unroll
-                for (int k = 0; k < 4; k++) store(params_lp + i + k, pp[k]);
+                    for (int k = 0; k < 4; k++) store(params_lp + i + k, pp[k]);
+            }
+            if (n_amax > 0) {
+                const int r = ranges.find(params_lp + i);
+                if (r == ranges.find(params_lp + i + 3)) {
+                    if (r >= 0)
+#pragma unroll
+                        for (int k = 0; k < 4; k++) run.add(ranges, r, fabsf(as_stored(pp[k])));
+                } else {  // a group across a range's edge: each element to its own range
+                    for (int k = 0; k < 4; k++) {
+                        const int rk = ranges.find(params_lp + i + k);
+                        if (rk >= 0) ranges.send(rk, fabsf(as_stored(pp[k])));
+                    }
+                }
+            }
         }
         done = groups * 4;
     }
     for (long long i = done + start; i < n; i += stride) {
-        float mi = m[i], vi = v[i];
-        const float p = adamw_update(params[i], scaled(grads[i], scale0, scale1), mi, vi,
-                                     decays(i, decay_ranges, n_ranges), lr, beta1, one_minus_beta1, beta2,
-                                     one_minus_beta2, eps, weight_decay, bc1, bc2);
-        m[i] = mi;
-        v[i] = vi;
-        params[i] = p;
-        if (write_lp) store(params_lp + i, p);
+        float p = params[i];
+        if (step) {
+            float mi = m[i], vi = v[i];
+            p = adamw_update(p, scaled(grads[i], scale0, scale1), mi, vi, decays(i, decay_ranges, n_ranges), lr, beta1,
+                             one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bc1, bc2);
+            m[i] = mi;
+            v[i] = vi;
+            params[i] = p;
+            if (write_lp) store(params_lp + i, p);
+        }
+        if (n_amax > 0) {
+            const int r = ranges.find(params_lp + i);
+            if (r >= 0) ranges.send(r, fabsf(as_stored(p)));
+        }
     }
+    if (n_amax > 0) amax_flush(ranges, run);
 }
 
 extern "C" __global__ void k_cast_params(act_t* params_lp, const float* params, long long n) {

@@ -88,8 +88,9 @@ __device__ __forceinline__ void cast_tile(unsigned char* q, long long ldq, long 
     for (int pass = 0; pass < PASSES; ++pass) {
         const int r = r0 + pass * 32 + threadIdx.x / 8;
         if (vec && r < rows && c0 + cv + 8 <= cols) {
-            raw[pass] = *reinterpret_cast<const uint4*>(x + r * static_cast<long long>(cols) + c0 + cv);
-            if (DGELU) raw_pre[pass] = *reinterpret_cast<const uint4*>(pre + r * static_cast<long long>(cols) + c0 + cv);
+            const long long at = r * static_cast<long long>(cols) + c0 + cv;
+            raw[pass] = *reinterpret_cast<const uint4*>(x + at);
+            if (DGELU) raw_pre[pass] = *reinterpret_cast<const uint4*>(pre + at);
         }
     }
 #endif
@@ -264,8 +265,9 @@ k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
 
 // ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----
 // A table of n matrices, FP8_TABLE_WORDS int64 words each: x, rows, cols, batch, q, ldq, q_batch, qt, ldqt, qt_batch,
-// slot (the descale float, then the amax word), the matrix's first amax block, its first cast tile, then spare. A
-// block finds its matrix by those first blocks (ascending).
+// slot (the descale float, the amax word, then a flag), the matrix's first amax block, its first cast tile, then the
+// amax ranges k_adamw reads (kernels/adamw.cu; ops/fp8.py writes them). A block finds its matrix by those first
+// blocks (ascending).
 #define FP8_TABLE_WORDS 16
 #define FP8_MANY_CHUNK 8192  // activations of one amax block (32 a thread)
 
@@ -279,10 +281,12 @@ __device__ __forceinline__ int table_find(const long long* table, int n, int col
     return lo;
 }
 
-// Each matrix's amax into its slot's amax word (cleared by the launcher): a block per FP8_MANY_CHUNK activations.
+// Each matrix's amax into its slot's amax word (zero before the launch): a block per FP8_MANY_CHUNK activations. A
+// matrix whose slot flag is set (the float after the amax word) already has it: AdamW took it as it wrote x.
 extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(const long long* __restrict__ table, int n) {
     const int i = table_find(table, n, 11, blockIdx.x);
     const long long* t = table + i * FP8_TABLE_WORDS;
+    if (reinterpret_cast<const float*>(t[10])[2] != 0.0f) return;
     const act_t* x = reinterpret_cast<const act_t*>(t[0]);
     const long long size = t[1] * t[2] * t[3];
     const long long begin = (blockIdx.x - t[11]) * static_cast<long long>(FP8_MANY_CHUNK);

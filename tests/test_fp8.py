@@ -609,9 +609,10 @@ def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(en
 
 
 @pytest.mark.gpu
-def test_the_weight_copies_in_three_launches_are_the_casts_one_at_a_time(engine):
-    """prepare_fp8_weights' table-driven launches write every copy byte and scale of the per-matrix casts, odd
-    shapes (tiles cut by the edges) and the vocabulary included."""
+def test_the_weight_copies_in_two_launches_are_the_casts_one_at_a_time(engine):
+    """prepare_fp8_weights' table-driven launches write every copy byte and descale of the per-matrix casts, odd
+    shapes (tiles cut by the edges) and the vocabulary included, and leave each slot's amax word and flag at zero
+    (for the next AdamW step)."""
     import cupy
 
     from andrea.config import ModelShape
@@ -631,8 +632,52 @@ def test_the_weight_copies_in_three_launches_are_the_casts_one_at_a_time(engine)
     one_by_one = cupy.asnumpy(b["params_fp8"])
     assert np.array_equal(many[:copies_end], one_by_one[:copies_end])
     tail = ptr(slots) - ptr(b["params_fp8"])
-    assert np.array_equal(many[tail:], one_by_one[tail:])
+    many_slots, own_slots = (x[tail:].view(np.float32).reshape(-1, fp8.SLOT_FLOATS) for x in (many, one_by_one))
+    assert np.array_equal(many_slots[:, 0], own_slots[:, 0]) and (own_slots[:, 0] > 0).all()  # the descales
+    assert not many_slots[:, 1:3].any() and own_slots[:, 1].all()
     assert np.any(many[:copies_end] != 0)
+
+
+@pytest.mark.gpu
+def test_adamw_takes_the_weight_copies_amax_for_their_casts(engine):
+    """Under fp8 AdamW takes the amax of each matrix's bf16 copy as it writes it (and, where its gate says no, of
+    the copy as it is), and flags it; prepare_fp8_weights then skips its own amax pass for those matrices: the FP8
+    copies and descales are the bytes of the per-matrix casts, each with its own amax pass, and every amax word and
+    flag is back at zero."""
+    import cupy
+
+    from andrea.config import ModelShape
+    from andrea.model import Model, init_params
+    from andrea.ops.base import ptr
+
+    model = Model(engine, ModelShape(n_layer=2, d_model=80, n_head=5, vocab_size=301, seq_len=32), 2)
+    model.load_state(init_params(model.layout, 4))
+    b, W = model.buf, model.W
+    casts, _, table, slots = fp8._weight_casts(b["params_fp8"], W["layers"], W["wte"])
+    copies_end, tail = ptr(table) - ptr(b["params_fp8"]), ptr(slots) - ptr(b["params_fp8"])
+    rng = np.random.default_rng()
+    for step, opens in ((1, True), (2, False), (3, True)):
+        engine.upload(b["grads"], rng.standard_normal(b["grads"].size).astype(np.float32))
+        before = cupy.asnumpy(b["params"])
+        gate = cupy.asarray(np.array([0.5, 1.0 if opens else 0.0], dtype=np.float32))
+        engine.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                          weight_decay=0.1, step=step, decay_ranges=model.layout.decay_ranges(),
+                          params_lp=b["params_lp"], gate=gate)
+        assert np.any(cupy.asnumpy(b["params"]) != before) == opens
+        words = cupy.asnumpy(slots).reshape(-1, fp8.SLOT_FLOATS)
+        for j, (M, *_) in enumerate(casts):
+            assert words[j, 1] == np.abs(cupy.asnumpy(M).astype(np.float32)).max() and words[j, 2] == 1.0, j
+        model._weights_changed()
+        prepared = cupy.asnumpy(b["params_fp8"])
+        b["params_fp8"][:copies_end].fill(0)
+        slots.fill(0)
+        for M, rows, cols, cast in casts:
+            engine._fp8_cast(M, rows, cols, "e4m3", **cast, keep=False)
+        one_by_one = cupy.asnumpy(b["params_fp8"])
+        assert np.array_equal(prepared[:copies_end], one_by_one[:copies_end])
+        mine, own = (x[tail:].view(np.float32).reshape(-1, fp8.SLOT_FLOATS) for x in (prepared, one_by_one))
+        assert np.array_equal(mine[:, 0], own[:, 0]) and not mine[:, 1:3].any()
+        b["params_fp8"].set(prepared)  # as the step left it: amax words and flags at zero
 
 
 @pytest.mark.gpu

@@ -122,6 +122,8 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
         self._fp8_dlogits = None  # the probs whose E5M2 d_logits fp8_dlogits holds (ops/loss.py)
         self._fp8_table = None  # (the weights' key, grids) of the cast table last written in params_fp8 (ops/fp8.py)
+        # (rows, count, lo, hi) of that table's amax ranges, for adamw_step (ops/fp8.py, _weight_amax_rows)
+        self._fp8_amax_rows = None
         self._qkv_rows: dict = {}  # W_QKV's pointer -> its [C, 3C] copy (ops/attn_qkv.py, prepare_qkv_rows)
         self._fp8_book: dict | None = None  # inside fp8_pass: the tensors whose amax is current (ops/fp8.py)
         self._fp8_act_t_places: dict = {}  # (fp8_act_t, tensor) -> the tensor's place there (ops/fp8.py: _fp8_transpose_place)

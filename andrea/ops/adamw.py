@@ -1,6 +1,8 @@
 """adamw_step: one AdamW update of the flat weights (kernels/adamw.cu), weight decay only inside the
 layout's decay ranges; under mixed precision the same pass writes the 16-bit weight copy the products
-read (`cast` builds it at load), a pure function of the FP32 weights, so resume stays bit-exact."""
+read (`cast` builds it at load), a pure function of the FP32 weights, so resume stays bit-exact. Under
+precision fp8 it also takes the amax of that copy's matrices for their FP8 casts (ops/fp8.py,
+prepare_fp8_weights), which then need no amax pass of their own."""
 
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ class CudaOps:
                      f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
                      f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),
                      params if params_lp is None else params_lp, np.int32(params_lp is not None),
-                     *(f32(x) for x in grad_scales), np.uint64(0) if gate is None else gate)
+                     *(f32(x) for x in grad_scales), np.uint64(0) if gate is None else gate,
+                     *self._weight_amax_rows(params_lp))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -89,6 +89,7 @@ DPRE_SLOT = 4  # the slot of the MLP backward's dpre descale (written by k_fp8_c
 GELU_GRAD_BOUND = 1.25  # |GELU'| <= 1.1290 (the tanh approximation's, at x = 1.4185): the bound keeps some room
 DLOGITS_AMAX = 1.0  # |p - onehot| <= 1: d_logits' fixed scale is this amax's
 SLOT_FLOATS = 4  # cuBLASLt takes 16-byte aligned pointers
+AMAX_ROW_WORD = 13  # the weight table's first spare word a row: the amax ranges k_adamw reads (_write_weight_table)
 AMAX_BLOCKS = 8 * 132  # the amax pass's grid at most: 8 blocks on each of an H100/H200's 132 SMs
 ALIGN = 256
 
@@ -292,11 +293,13 @@ class CudaOps:
     def prepare_fp8_weights(self, params_fp8, layers, wte) -> None:
         """Cast every layer matrix of `layers` and the tied `wte` (the model's params_lp views) into params_fp8,
         both layouts in one pass: the products of the ops then read these instead of casting their weights per
-        call. The model calls this whenever it writes params_lp (its load, every AdamW step). Three launches for
+        call. The model calls this whenever it writes params_lp (its load, every AdamW step). Two launches for
         all of them, over a table of the matrices in params_fp8, written by the first eager call for these
-        buffers (a graph recording before it casts one matrix at a time instead, to the same bytes). The engine
-        keeps the last model's views (so that their memory, while in use here, goes to no other array): that
-        model's buffers live until another model prepares its own or the engine goes."""
+        buffers (a graph recording before it casts one matrix at a time instead, to the same bytes). The amax
+        pass skips a matrix whose amax the AdamW step before took (adamw_step, _weight_amax_rows; a flag beside
+        the amax word says so); every amax word and flag is left at zero for the next step. The engine keeps the
+        last model's views (so that their memory, while in use here, goes to no other array): that model's
+        buffers live until another model prepares its own or the engine goes."""
         import cupy
 
         casts, copies, table, slots = _weight_casts(params_fp8, layers, wte)
@@ -304,17 +307,39 @@ class CudaOps:
         written = self._fp8_table is not None and self._fp8_table[0] == key
         if not written and not cupy.cuda.get_current_stream().is_capturing():
             self._fp8_table = (key, _write_weight_table(table, casts))
+            lo, hi = min(ptr(W) for W, *_ in casts), max(ptr(W) + W.nbytes for W, *_ in casts)
+            self._fp8_amax_rows = (table[AMAX_ROW_WORD:], len(casts), lo, hi)
             written = True
         if written:
             grid_amax, grid_cast = self._fp8_table[1]
-            self.zero(slots)
             n = np.int32(len(casts))
             self._launch("k_fp8_amax_many", grid_amax, kernel_defines("fp8")["FP8_AMAX_THREADS"], table, n)
             self._launch("k_fp8_cast_many", grid_cast, kernel_defines("fp8")["FP8_THREADS"], table, n)
         else:
             for W, rows, cols, cast in casts:
                 self._fp8_cast(W, rows, cols, "e4m3", **cast, keep=False)
+        self._clear_weight_amax(slots)
         self._fp8_weights = copies
+
+    def _clear_weight_amax(self, slots) -> None:
+        """Every weight slot's amax word and the flag after it (k_adamw's) back to zero, its descale kept: rows of
+        two words a slot apart, as one k_memset (kernels/memset.cu)."""
+        n, threads = slots.size // SLOT_FLOATS, kernel_defines("memset")["MEMSET_THREADS"]
+        self._launch("k_memset", blocks(2 * n, threads), threads, np.uint64(ptr(slots) + 4), np.uint64(4 * SLOT_FLOATS),
+                     np.uint32(0), np.uint32(4), np.uint64(2), np.uint64(n))
+
+    def _weight_amax_rows(self, params_lp) -> tuple:
+        """k_adamw's amax arguments (rows, count, stride) for an update that writes params_lp: the rows of the last
+        weight table (in its spare words) where its matrices lie in params_lp, so that AdamW takes their amax for
+        the casts after it; else none (count 0, and the casts' amax pass runs)."""
+        stride = np.int32(_table_words())
+        found = self._fp8_amax_rows
+        if params_lp is None or found is None:
+            return np.uint64(0), np.int32(0), stride
+        rows, n, lo, hi = found
+        if not ptr(params_lp) <= lo < hi <= ptr(params_lp) + params_lp.nbytes:
+            return np.uint64(0), np.int32(0), stride
+        return rows, np.int32(n), stride
 
     def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, *, tied: bool = False, **cast):
         """(FP8 bytes, descale) of a weight: its prepared copy ("forward": transposed, "input_grad": as the input
@@ -578,17 +603,22 @@ def _weight_casts(params_fp8, layers, wte) -> tuple:
 
 
 def _write_weight_table(table, casts) -> tuple[int, int]:
-    """Upload k_fp8_amax_many / k_fp8_cast_many's table of these casts (kernels/fp8.cu); their grids."""
+    """Upload k_fp8_amax_many / k_fp8_cast_many's table of these casts (kernels/fp8.cu); their grids. Each row's
+    spare words (from AMAX_ROW_WORD) hold, for the matrices sorted by address, the k-th's bytes [start, end) and
+    the address of its amax word: the ranges k_adamw takes the amax of (kernels/adamw.cu)."""
     d = kernel_defines("fp8")
     rows_out = np.zeros((len(casts), d["FP8_TABLE_WORDS"]), dtype=np.int64)
     blocks_at = tiles_at = 0
     for i, (W, rows, cols, c) in enumerate(casts):
         batch = c.get("batch", 1)
-        rows_out[i, :13] = (ptr(W), rows, cols, batch, ptr(c["q"]), c.get("ldq") or cols, c.get("q_batch", 0),
-                            ptr(c["qt"]), c.get("ldqt") or rows, c.get("qt_batch", 0), ptr(c["slot"]), blocks_at,
-                            tiles_at)
+        rows_out[i, :AMAX_ROW_WORD] = (ptr(W), rows, cols, batch, ptr(c["q"]), c.get("ldq") or cols,
+                                       c.get("q_batch", 0), ptr(c["qt"]), c.get("ldqt") or rows, c.get("qt_batch", 0),
+                                       ptr(c["slot"]), blocks_at, tiles_at)
         blocks_at += -(-batch * rows * cols // d["FP8_MANY_CHUNK"])
         tiles_at += -(-cols // d["FP8_TILE"]) * -(-rows // d["FP8_TILE"]) * batch
+    by_address = sorted(casts, key=lambda cast: ptr(cast[0]))
+    for k, (W, *_, c) in enumerate(by_address):
+        rows_out[k, AMAX_ROW_WORD:AMAX_ROW_WORD + 3] = (ptr(W), ptr(W) + W.nbytes, ptr(c["slot"]) + 4)
     table.set(rows_out.reshape(-1))
     return blocks_at, tiles_at
 
