@@ -40,7 +40,7 @@ struct AmaxRanges {
         if (!(m > 0.0f)) return;
         unsigned* word = reinterpret_cast<unsigned*>(rows[stride * r + 2]);
         atomicMax(word, __float_as_uint(m));
-        reinterpret_cast<float*>(word)[1] = 1.0f;  // the amax is taken
+        reinterpret_cast<float*>(word)[1] = 1.0f;  // the amax is taken: the slot's FP8_SLOT_TAKEN (kernels/fp8.cu)
     }
 };
 

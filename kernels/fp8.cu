@@ -265,10 +265,12 @@ k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
 
 // ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----
 // A table of n matrices, FP8_TABLE_WORDS int64 words each: x, rows, cols, batch, q, ldq, q_batch, qt, ldqt, qt_batch,
-// slot (the descale float, the amax word, then a flag), the matrix's first amax block, its first cast tile, then the
-// amax ranges k_adamw reads (kernels/adamw.cu; ops/fp8.py writes them). A block finds its matrix by those first
+// slot (4 floats: the descale first, then the fields below), the matrix's first amax block, its first cast tile, then
+// the amax ranges k_adamw reads (kernels/adamw.cu; ops/fp8.py writes them). A block finds its matrix by those first
 // blocks (ascending).
 #define FP8_TABLE_WORDS 16
+#define FP8_SLOT_AMAX 1   // a slot's amax word (float bits)
+#define FP8_SLOT_TAKEN 2  // its flag, the float after the amax word: k_adamw took the amax (1), or not (0)
 #define FP8_MANY_CHUNK 8192  // activations of one amax block (32 a thread)
 
 __device__ __forceinline__ int table_find(const long long* table, int n, int column, long long b) {
@@ -286,12 +288,12 @@ __device__ __forceinline__ int table_find(const long long* table, int n, int col
 extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(const long long* __restrict__ table, int n) {
     const int i = table_find(table, n, 11, blockIdx.x);
     const long long* t = table + i * FP8_TABLE_WORDS;
-    if (reinterpret_cast<const float*>(t[10])[2] != 0.0f) return;
+    if (reinterpret_cast<const float*>(t[10])[FP8_SLOT_TAKEN] != 0.0f) return;
     const act_t* x = reinterpret_cast<const act_t*>(t[0]);
     const long long size = t[1] * t[2] * t[3];
     const long long begin = (blockIdx.x - t[11]) * static_cast<long long>(FP8_MANY_CHUNK);
     const long long end = min(size, begin + FP8_MANY_CHUNK);
-    block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + 1),
+    block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + FP8_SLOT_AMAX),
                amax_span(x, begin, end, threadIdx.x, blockDim.x));
 }
 
@@ -304,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(FP8_THREADS) k_fp8_cast_many(const 
     const long long local = blockIdx.x - t[12];
     float* slot = reinterpret_cast<float*>(t[10]);
     cast_tile<false>(reinterpret_cast<unsigned char*>(t[4]), t[5], t[6], reinterpret_cast<unsigned char*>(t[7]), t[8], t[9],
-                     slot, fp8_scale_exponent(*reinterpret_cast<const unsigned*>(slot + 1), 8),
+                     slot, fp8_scale_exponent(*reinterpret_cast<const unsigned*>(slot + FP8_SLOT_AMAX), 8),
                      reinterpret_cast<act_t*>(t[0]), nullptr, rows, cols, 0, static_cast<int>(local % tiles_x),
                      static_cast<int>(local / tiles_x % tiles_y), local / (tiles_x * tiles_y));
 }

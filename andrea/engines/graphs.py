@@ -18,7 +18,7 @@ import os
 import cupy
 
 from andrea.errors import AndreaError
-from andrea.ops.base import kernel_defines
+from andrea.ops.base import blocks, kernel_defines
 
 SMALL_MEMSET_BYTES = 1 << 20  # larger memsets keep their node: one kernel's gaps matter only beside a small one
 _MEMSET_BLOCKS = 1024  # k_memset's grid at most (grid-stride past it)
@@ -142,7 +142,7 @@ def without_small_memsets(graph, k_memset):
         args = (ctypes.c_void_p(m.dst), ctypes.c_uint64(m.pitch), ctypes.c_uint(m.value), ctypes.c_uint(m.elementSize),
                 ctypes.c_uint64(m.width), ctypes.c_uint64(m.height))
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        grid = max(1, min(_MEMSET_BLOCKS, -(-m.width * m.height // threads)))
+        grid = min(_MEMSET_BLOCKS, blocks(m.width * m.height, threads))
         params = _KernelParams(func=k_memset.kernel.ptr, gridDimX=grid, gridDimY=1, gridDimZ=1, blockDimX=threads,
                                blockDimY=1, blockDimZ=1, sharedMemBytes=0, kernelParams=pointers)
         kernel = ctypes.c_void_p()

@@ -325,8 +325,10 @@ class CudaOps:
         """Every weight slot's amax word and the flag after it (k_adamw's) back to zero, its descale kept: rows of
         two words a slot apart, as one k_memset (kernels/memset.cu)."""
         n, threads = slots.size // SLOT_FLOATS, kernel_defines("memset")["MEMSET_THREADS"]
-        self._launch("k_memset", blocks(2 * n, threads), threads, np.uint64(ptr(slots) + 4), np.uint64(4 * SLOT_FLOATS),
-                     np.uint32(0), np.uint32(4), np.uint64(2), np.uint64(n))
+        width = kernel_defines("fp8")["FP8_SLOT_TAKEN"] - kernel_defines("fp8")["FP8_SLOT_AMAX"] + 1
+        self._launch("k_memset", blocks(width * n, threads), threads, np.uint64(ptr(_slot_field(slots, "AMAX"))),
+                     np.uint64(slots.itemsize * SLOT_FLOATS), np.uint32(0), np.uint32(slots.itemsize), np.uint64(width),
+                     np.uint64(n))
 
     def _weight_amax_rows(self, params_lp) -> tuple:
         """k_adamw's amax arguments (rows, count, stride) for an update that writes params_lp: the rows of the last
@@ -375,7 +377,7 @@ class CudaOps:
     def _fp8_slot(self, i):
         """(amax word, descale) of scale slot i of the engine's fp8_scales, or of a slot array given."""
         slot = i if not isinstance(i, int) else self.own["fp8_scales"][SLOT_FLOATS * i:][:SLOT_FLOATS]
-        return slot[1:2].view(np.uint32), slot[:1]
+        return _slot_field(slot, "AMAX").view(np.uint32), slot[:1]
 
     # ---- the pass's amax book ----------------------------------------------------------------
     # Inside fp8_pass, `kept` maps a tensor (its pointer and bytes) whose amax is current to its slot in the
@@ -618,9 +620,15 @@ def _write_weight_table(table, casts) -> tuple[int, int]:
         tiles_at += -(-cols // d["FP8_TILE"]) * -(-rows // d["FP8_TILE"]) * batch
     by_address = sorted(casts, key=lambda cast: ptr(cast[0]))
     for k, (W, *_, c) in enumerate(by_address):
-        rows_out[k, AMAX_ROW_WORD:AMAX_ROW_WORD + 3] = (ptr(W), ptr(W) + W.nbytes, ptr(c["slot"]) + 4)
+        rows_out[k, AMAX_ROW_WORD:AMAX_ROW_WORD + 3] = (ptr(W), ptr(W) + W.nbytes, ptr(_slot_field(c["slot"], "AMAX")))
     table.set(rows_out.reshape(-1))
     return blocks_at, tiles_at
+
+
+def _slot_field(slot, name: str):
+    """The one-float view of a scale slot's field (kernels/fp8.cu's FP8_SLOT_<NAME>: AMAX, TAKEN)."""
+    at = kernel_defines("fp8")[f"FP8_SLOT_{name}"]
+    return slot[at:at + 1]
 
 
 def amax_arg(amax):
