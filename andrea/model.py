@@ -208,10 +208,10 @@ class Model:
         return self.engine.mean_loss(self.buf["losses"])
 
     def _upload(self, tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None) -> None:
-        self.engine.upload(self.buf["tokens"], tokens)
-        self.engine.upload(self.buf["targets"], targets)
+        self.engine.upload(self.buf["tokens"], tokens, staged=True)
+        self.engine.upload(self.buf["targets"], targets, staged=True)
         if weights is not None:
-            self.engine.upload(self.buf["loss_weights"], weights)
+            self.engine.upload(self.buf["loss_weights"], weights, staged=True)
 
     def _forward_ops(self, backward: bool = False, weighted: bool = False, first: bool = False) -> None:
         """The forward; with `backward`, each classifier piece's backward right after its loss (_classifier),

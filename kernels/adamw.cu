@@ -3,7 +3,8 @@
 //   update = (m / bc1) / (sqrt(v / bc2) + eps),  plus weight_decay * p where p decays,
 //   p -= lr * update;   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step (host-computed, step 1-based)
 // Decay applies inside the sorted, disjoint ranges [ranges[2k], ranges[2k + 1]) (the matrices; never
-// LayerNorm gamma/beta), found by binary search, so the whole update is one launch.
+// LayerNorm gamma/beta), found by binary search, so the whole update is one launch: a warp searches at the two ends
+// of its 128 elements, and its lanes each for themselves only where a range's edge lies between.
 // The gradient is read as (g scale0) scale1 (the step's mean over micro-batches or a loss scale's undoing, then the
 // clipping), each product rounded to float32 on its own: the values scaling passes over g would have stored.
 // With a gate (k_grad_gate's: the clipping scale, whether the step updates) scale1 is read from it, and a gate that
@@ -18,22 +19,43 @@
 // of the weights as they are.
 #include "common.cuh"
 
-// The amax range holding byte address a, or -1.
-__device__ __forceinline__ int amax_range(long long a, const long long* ranges, int n, int stride) {
+// Where a lies among n sorted, disjoint ranges [ranges[stride k], ranges[stride k + 1]): 2 k inside range k, 2 k - 1
+// in the gap before it (2 n - 1 after the last). Two addresses with the same place have no range edge between them.
+__device__ __forceinline__ int range_place(long long a, const long long* ranges, int n, int stride) {
     int lo = 0, hi = n;  // lo ends as the number of ranges that start at or before a
     while (lo < hi) {
         const int mid = (lo + hi) / 2;
         if (ranges[stride * mid] <= a) lo = mid + 1;
         else hi = mid;
     }
-    return lo > 0 && a < ranges[stride * (lo - 1) + 1] ? lo - 1 : -1;
+    return lo > 0 && a < ranges[stride * (lo - 1) + 1] ? 2 * (lo - 1) : 2 * lo - 1;
+}
+// The range of a place, or -1 outside them all.
+__device__ __forceinline__ int place_range(int place) { return place >= 0 && place % 2 == 0 ? place / 2 : -1; }
+
+// The place shared by the active lanes' groups [first_a, last_a] (a warp's lanes hold consecutive groups, in lane
+// order), found by its first and last active lanes alone (one search, both lanes at once), or -2 where the two ends
+// differ (each lane then looks for itself). Called by every active lane.
+__device__ __forceinline__ int warp_place(long long first_a, long long last_a, const long long* ranges, int n,
+                                          int stride) {
+    const unsigned active = __activemask();
+    const int lane = threadIdx.x % WARP_SIZE, lo_lane = __ffs(active) - 1, hi_lane = 31 - __clz(active);
+    if (lo_lane == hi_lane) {
+        const int place = range_place(first_a, ranges, n, stride);
+        return place == range_place(last_a, ranges, n, stride) ? place : -2;
+    }
+    int mine = 0;
+    if (lane == lo_lane || lane == hi_lane) mine = range_place(lane == lo_lane ? first_a : last_a, ranges, n, stride);
+    const int lo_place = __shfl_sync(active, mine, lo_lane), hi_place = __shfl_sync(active, mine, hi_lane);
+    return lo_place == hi_place ? lo_place : -2;
 }
 
 struct AmaxRanges {
     const long long* rows;
     int n, stride;
-    __device__ __forceinline__ int find(const act_t* p) const {
-        return amax_range(static_cast<long long>(reinterpret_cast<size_t>(p)), rows, n, stride);
+    __device__ __forceinline__ int find(const act_t* p) const { return place_range(range_place(address(p), rows, n, stride)); }
+    static __device__ __forceinline__ long long address(const act_t* p) {
+        return static_cast<long long>(reinterpret_cast<size_t>(p));
     }
     // NaN and 0 send nothing (k_fp8_amax_many's block_amax sends only a positive max).
     __device__ __forceinline__ void send(int r, float m) const {
@@ -89,13 +111,7 @@ __device__ __forceinline__ void amax_flush(const AmaxRanges& ranges, AmaxRun run
 }
 
 __device__ __forceinline__ bool decays(long long i, const long long* ranges, int n_ranges) {
-    int lo = 0, hi = n_ranges;  // lo ends as the number of ranges that start at or before i
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (ranges[2 * mid] <= i) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo > 0 && i < ranges[2 * (lo - 1) + 1];
+    return place_range(range_place(i, ranges, n_ranges, 2)) >= 0;
 }
 
 __device__ __forceinline__ float adamw_update(float p, float g, float& m, float& v, bool decay, float lr, float beta1,
@@ -143,11 +159,13 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
                 const float* gg = &g.x;
                 float* mm = &mi.x;
                 float* vv = &vi.x;
+                // a warp's 128 elements mostly lie in one range or gap: one search at each end instead of one an element
+                const int place = warp_place(i, i + 3, decay_ranges, n_ranges, 2);
 #pragma unroll
                 for (int k = 0; k < 4; k++)
                     pp[k] = adamw_update(pp[k], scaled(gg[k], scale0, scale1), mm[k], vv[k],
-                                         decays(i + k, decay_ranges, n_ranges), lr, beta1, one_minus_beta1, beta2,
-                                         one_minus_beta2, eps, weight_decay, bc1, bc2);
+                                         place != -2 ? place_range(place) >= 0 : decays(i + k, decay_ranges, n_ranges),
+                                         lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bc1, bc2);
                 *reinterpret_cast<float4*>(params + i) = p;
                 *reinterpret_cast<float4*>(m + i) = mi;
                 *reinterpret_cast<float4*>(v + i) = vi;
@@ -156,8 +174,10 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
                     for (int k = 0; k < 4; k++) store(params_lp + i + k, pp[k]);
             }
             if (n_amax > 0) {
-                const int r = ranges.find(params_lp + i);
-                if (r == ranges.find(params_lp + i + 3)) {
+                const int place = warp_place(ranges.address(params_lp + i), ranges.address(params_lp + i + 3),
+                                             amax_rows, n_amax, amax_stride);
+                const int r = place != -2 ? place_range(place) : ranges.find(params_lp + i);
+                if (place != -2 || r == ranges.find(params_lp + i + 3)) {
                     if (r >= 0)
 #pragma unroll
                         for (int k = 0; k < 4; k++) run.add(ranges, r, fabsf(as_stored(pp[k])));

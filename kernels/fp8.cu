@@ -283,18 +283,25 @@ __device__ __forceinline__ int table_find(const long long* table, int n, int col
     return lo;
 }
 
-// Each matrix's amax into its slot's amax word (zero before the launch): a block per FP8_MANY_CHUNK activations. A
-// matrix whose slot flag is set (the float after the amax word) already has it: AdamW took it as it wrote x.
-extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(const long long* __restrict__ table, int n) {
-    const int i = table_find(table, n, 11, blockIdx.x);
-    const long long* t = table + i * FP8_TABLE_WORDS;
-    if (reinterpret_cast<const float*>(t[10])[FP8_SLOT_TAKEN] != 0.0f) return;
-    const act_t* x = reinterpret_cast<const act_t*>(t[0]);
-    const long long size = t[1] * t[2] * t[3];
-    const long long begin = (blockIdx.x - t[11]) * static_cast<long long>(FP8_MANY_CHUNK);
-    const long long end = min(size, begin + FP8_MANY_CHUNK);
-    block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + FP8_SLOT_AMAX),
-               amax_span(x, begin, end, threadIdx.x, blockDim.x));
+// Each matrix's amax into its slot's amax word (zero before the launch): a block per FP8_AMAX_MANY_CHUNKS chunks of
+// FP8_MANY_CHUNK activations, `chunks` in all. A matrix whose slot flag is set (the float after the amax word) already
+// has it: AdamW took it as it wrote x (every step but the first after a load), so a block mostly reads flags; a
+// chunk's flag is read by the whole block, so its loop and block_amax's barriers stay uniform.
+#define FP8_AMAX_MANY_CHUNKS 16
+extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax_many(const long long* __restrict__ table, int n,
+                                                                            long long chunks) {
+    const long long first = blockIdx.x * static_cast<long long>(FP8_AMAX_MANY_CHUNKS);
+    for (long long c = first; c < min(chunks, first + FP8_AMAX_MANY_CHUNKS); c++) {
+        const int i = table_find(table, n, 11, c);
+        const long long* t = table + i * FP8_TABLE_WORDS;
+        if (reinterpret_cast<const float*>(t[10])[FP8_SLOT_TAKEN] != 0.0f) continue;
+        const act_t* x = reinterpret_cast<const act_t*>(t[0]);
+        const long long size = t[1] * t[2] * t[3];
+        const long long begin = (c - t[11]) * static_cast<long long>(FP8_MANY_CHUNK);
+        const long long end = min(size, begin + FP8_MANY_CHUNK);
+        block_amax(reinterpret_cast<unsigned*>(reinterpret_cast<float*>(t[10]) + FP8_SLOT_AMAX),
+                   amax_span(x, begin, end, threadIdx.x, blockDim.x));
+    }
 }
 
 // Each matrix cast with its slot's amax: a block per 64 x 64 tile of each batch of each matrix.

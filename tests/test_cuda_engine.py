@@ -300,6 +300,34 @@ def test_the_mean_loss_s_device_sums_are_the_host_s_mean(engines, n):
         e.mean_loss(dev_l, cupy.zeros_like(dev_w))
 
 
+def test_staged_uploads_arrive_in_stream_order(engines):
+    """A step's inputs go through pinned staging without the host waiting: each upload must land after the work
+    queued before it and before the work queued after it, and must not be overwritten by the next upload to the same
+    buffer while its copy is still queued behind a busy stream; the caller's array is free once upload returns."""
+    import cupy
+
+    e = engines["fp32"]
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    dst = cupy.full((64, 512), -7, dtype=np.int32)
+    busy = cupy.asarray(rng.standard_normal((2048, 2048), dtype=np.float32))
+    sources, seen = [], []
+    for i in range(6):
+        before = dst.copy()  # queued before the upload: must see the last upload's values (or the first fill)
+        for _ in range(4):
+            busy = busy @ busy * np.float32(1e-3)  # keep the stream busy so that the copy waits in the queue
+        src = rng.integers(0, 50304, size=dst.shape, dtype=np.int64)
+        e.upload(dst, src, staged=True)
+        sources.append(src.astype(np.int32))
+        src[...] = -1  # the caller's array is free once upload returns
+        seen.append((before, dst.copy()))
+    e.synchronize()
+    for i, (before, after) in enumerate(seen):
+        expected_before = np.full(dst.shape, -7, np.int32) if i == 0 else sources[i - 1]
+        np.testing.assert_array_equal(before.get(), expected_before, err_msg=f"seed {seed}: upload {i} came early")
+        np.testing.assert_array_equal(after.get(), sources[i], err_msg=f"seed {seed}: upload {i} came late or wrong")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "masked"])
 def test_train_step_allocates_nothing(engines, precision, weighted):

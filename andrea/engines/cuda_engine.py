@@ -118,10 +118,12 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.blas_lt = CublasLt(self.own["cublas_workspace"]) if p.low else None
         self.blas = Cublas(p.tf32_products, self.own["cublas_workspace"], lt=self.blas_lt)
         self._capture_streams: list = []
+        self._staging: dict = {}  # (dst pointer, bytes) -> (pinned memory, its array, copy's event): upload(staged)
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
         self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
         self._fp8_dlogits = None  # the probs whose E5M2 d_logits fp8_dlogits holds (ops/loss.py)
-        self._fp8_table = None  # (the weights' key, grids) of the cast table last written in params_fp8 (ops/fp8.py)
+        # (the weights' key, (amax chunks, cast tiles)) of the cast table last written in params_fp8 (ops/fp8.py)
+        self._fp8_table = None
         # (rows, count, lo, hi) of that table's amax ranges, for adamw_step (ops/fp8.py, _weight_amax_rows)
         self._fp8_amax_rows = None
         self._qkv_rows: dict = {}  # W_QKV's pointer -> its [C, 3C] copy (ops/attn_qkv.py, prepare_qkv_rows)
@@ -213,9 +215,28 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
     def to_host(self, a) -> np.ndarray:
         return cupy.asnumpy(a)
 
-    def upload(self, dst, src) -> None:
+    def upload(self, dst, src, staged: bool = False) -> None:
+        """dst = src. `staged` (a step's inputs): through a pinned host buffer of dst's own, copied in stream order
+        while the host goes on: a pageable copy waits for the device to finish all work before it, so the step's
+        launches (and its next micro-batch's) would wait for it with the device idle. A staging buffer is written
+        again only after its last copy ran (its event)."""
         self._fp8_wrote(dst)
-        dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
+        src = np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape)
+        if not staged:
+            dst.set(src)
+            return
+        key = (ptr(dst), dst.nbytes)
+        if key not in self._staging:
+            pinned = cupy.cuda.alloc_pinned_memory(dst.nbytes)
+            host = np.frombuffer(pinned, dtype=dst.dtype, count=dst.size).reshape(dst.shape)
+            self._staging[key] = (pinned, host, cupy.cuda.Event(block=False, disable_timing=True))
+        _, host, copied = self._staging[key]
+        copied.synchronize()
+        host[...] = src
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(ptr(dst), host.ctypes.data, dst.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                      stream.ptr)
+        copied.record(stream)
 
     def synchronize(self) -> None:
         cupy.cuda.get_current_stream().synchronize()

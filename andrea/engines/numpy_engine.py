@@ -68,7 +68,7 @@ class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.Nu
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a)
 
-    def upload(self, dst, src) -> None:
+    def upload(self, dst, src, staged: bool = False) -> None:
         dst[...] = src
 
     def synchronize(self) -> None:

@@ -311,9 +311,10 @@ class CudaOps:
             self._fp8_amax_rows = (table[AMAX_ROW_WORD:], len(casts), lo, hi)
             written = True
         if written:
-            grid_amax, grid_cast = self._fp8_table[1]
-            n = np.int32(len(casts))
-            self._launch("k_fp8_amax_many", grid_amax, kernel_defines("fp8")["FP8_AMAX_THREADS"], table, n)
+            chunks, grid_cast = self._fp8_table[1]
+            n, d = np.int32(len(casts)), kernel_defines("fp8")
+            self._launch("k_fp8_amax_many", -(-chunks // d["FP8_AMAX_MANY_CHUNKS"]), d["FP8_AMAX_THREADS"], table, n,
+                         np.int64(chunks))
             self._launch("k_fp8_cast_many", grid_cast, kernel_defines("fp8")["FP8_THREADS"], table, n)
         else:
             for W, rows, cols, cast in casts:
@@ -605,7 +606,8 @@ def _weight_casts(params_fp8, layers, wte) -> tuple:
 
 
 def _write_weight_table(table, casts) -> tuple[int, int]:
-    """Upload k_fp8_amax_many / k_fp8_cast_many's table of these casts (kernels/fp8.cu); their grids. Each row's
+    """Upload k_fp8_amax_many / k_fp8_cast_many's table of these casts (kernels/fp8.cu); its amax chunks and cast
+    tiles in all. Each row's
     spare words (from AMAX_ROW_WORD) hold, for the matrices sorted by address, the k-th's bytes [start, end) and
     the address of its amax word: the ranges k_adamw takes the amax of (kernels/adamw.cu)."""
     d = kernel_defines("fp8")
