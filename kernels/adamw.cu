@@ -53,7 +53,9 @@ __device__ __forceinline__ int warp_place(long long first_a, long long last_a, c
 struct AmaxRanges {
     const long long* rows;
     int n, stride;
-    __device__ __forceinline__ int find(const act_t* p) const { return place_range(range_place(address(p), rows, n, stride)); }
+    __device__ __forceinline__ int find(const act_t* p) const {
+        return place_range(range_place(address(p), rows, n, stride));
+    }
     static __device__ __forceinline__ long long address(const act_t* p) {
         return static_cast<long long>(reinterpret_cast<size_t>(p));
     }
@@ -159,13 +161,14 @@ extern "C" __global__ void k_adamw(float* params, const float* grads, float* m, 
                 const float* gg = &g.x;
                 float* mm = &mi.x;
                 float* vv = &vi.x;
-                // a warp's 128 elements mostly lie in one range or gap: one search at each end instead of one an element
+                // a warp's 128 elements mostly lie in one range or gap: a search at each end, not one an element
                 const int place = warp_place(i, i + 3, decay_ranges, n_ranges, 2);
 #pragma unroll
                 for (int k = 0; k < 4; k++)
                     pp[k] = adamw_update(pp[k], scaled(gg[k], scale0, scale1), mm[k], vv[k],
                                          place != -2 ? place_range(place) >= 0 : decays(i + k, decay_ranges, n_ranges),
-                                         lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bc1, bc2);
+                                         lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bc1,
+                                         bc2);
                 *reinterpret_cast<float4*>(params + i) = p;
                 *reinterpret_cast<float4*>(m + i) = mi;
                 *reinterpret_cast<float4*>(v + i) = vi;
