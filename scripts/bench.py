@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -92,6 +93,17 @@ def free_device_memory():
     cupy.get_default_memory_pool().free_all_blocks()
 
 
+def host_cpu() -> dict:
+    """The host's CPU: a peer whose step launches its kernels from Python one by one (PyTorch + torch.compile at 12M)
+    is timed on it as much as on the GPU, so a ratio against it holds for this host only."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        model = names[0] if names else model
+    return {"cpu": model, "cpus": os.cpu_count()}
+
+
 @section("device")
 def device_info():
     import cupy
@@ -101,7 +113,7 @@ def device_info():
             "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
             "compute_capability": cupy.cuda.Device(0).compute_capability,
             "driver": cupy.cuda.runtime.driverGetVersion(), "runtime": cupy.cuda.runtime.runtimeGetVersion(),
-            "cupy": cupy.__version__, "numpy": np.__version__, "cpus": os.cpu_count()}
+            "cupy": cupy.__version__, "numpy": np.__version__, **host_cpu()}
     log(json.dumps(info))
     return info
 
@@ -214,7 +226,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.model import Model, init_params
 
-    out = {"engine": {}, "ops": {}, "baseline": {}}
+    out = {"engine": {}, "ops": {}, "baseline": {}, "host": host_cpu()}
     for name, micro in BENCH.items():
         shape = EXPERIMENTS[name].model
         tokens = micro * shape.seq_len
@@ -266,6 +278,9 @@ def table() -> str:
             lines.append(f"{engine}   PyTorch {peer:13} {base['ms_per_step']:8.2f} ms {base['tokens_per_s']:>11,} tok/s  "
                          f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread}")
     lines += [f"{engine}   (no PyTorch peer of this precision ran)" for engine, done in paired.items() if not done]
+    if any(paired.values()):
+        host = report["bench"].get("host", {})
+        lines.append(f"host: {host.get('cpu', '?')}, {host.get('cpus', '?')} CPUs (the peer launches its kernels from it)")
     for key, e in report.get("memory", {}).items():
         if isinstance(e, dict) and "plan_bytes" in e:
             lines.append(f"memory {key}: plan {e['plan_bytes'] / 2**20:,.1f} MiB, pool {e['pool_bytes'] / 2**20:,.1f} MiB")
