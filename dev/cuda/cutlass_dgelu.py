@@ -1,0 +1,134 @@
+"""The MLP backward's DGELU product on CUTLASS's Hopper kernels against cuBLASLt's, at the shapes of ANDREA's steps.
+
+    python3 dev/cuda/cutlass_dgelu.py --build LIB --cutlass DIR     # once, on any machine with nvcc (about 90 s)
+    PYTHONPATH=. python3 dev/cuda/cutlass_dgelu.py --lib LIB [--shapes 120M,12M]
+
+--build compiles dev/cuda/cutlass_dgelu.cu into the shared library LIB with CUTLASS's headers from DIR (the
+`cutlass_library/source` folder of the nvidia-cutlass wheel: `pip download --no-deps nvidia-cutlass==4.2.0.0`, then
+unzip it). The run takes fresh random operands at each shape (dout and W_2 scaled as a layer's, pre as a layer's
+pre-activations), runs every CUTLASS configuration and the engine's cuBLASLt DGELU product (the algorithm table's
+choice), checks each against float64 NumPy on a block of rows (both use the tanh GELU; CUTLASS a fast tanh), and
+times each alone in a CUDA graph (timing.graph_ms). It exits 1 where a configuration that ran is off by more than
+bf16's rounding allows, or where none ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = Path(__file__).with_suffix(".cu")
+SHAPES = {"120M": (8 * 1024, 3072, 768), "12M": (32 * 512, 1536, 384)}  # (tokens N, F, C) of the benchmark's step
+CHECK_ROWS = 64  # rows of dpre checked against float64
+WORKSPACE_BYTES = 64 << 20
+
+
+def build(lib: Path, cutlass: Path) -> None:
+    include = [cutlass / "include", cutlass / "tools" / "util" / "include"]
+    missing = [str(p) for p in include if not p.is_dir()]
+    if missing:
+        raise SystemExit(f"--cutlass {cutlass}: no {', '.join(missing)}; give the wheel's cutlass_library/source folder")
+    cmd = ["nvcc", "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC",
+           "--expt-relaxed-constexpr", *(f"-I{p}" for p in include), "-o", str(lib), str(SOURCE)]
+    subprocess.run(cmd, check=True)
+    print(f"built {lib}")
+
+
+def gelu_grad(x: np.ndarray) -> np.ndarray:
+    k = np.sqrt(2.0 / np.pi)
+    th = np.tanh(k * (x + 0.044715 * x**3))
+    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * k * (1.0 + 3 * 0.044715 * x * x)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--build", type=Path, help="compile the library to this path and stop")
+    ap.add_argument("--cutlass", type=Path, help="CUTLASS's source folder (with include/) for --build")
+    ap.add_argument("--lib", type=Path, help="the library --build made")
+    ap.add_argument("--shapes", default="120M,12M")
+    args = ap.parse_args()
+    if args.build:
+        if not args.cutlass:
+            ap.error("--build needs --cutlass")
+        build(args.build, args.cutlass)
+        return 0
+    if not args.lib or not args.lib.is_file():
+        ap.error("--lib: the library --build made")
+    import cupy
+    import ml_dtypes
+
+    sys.path.insert(0, str(REPO))
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.timing import graph_ms
+
+    lib = ctypes.CDLL(str(args.lib))
+    lib.andrea_dgelu_config_name.restype = ctypes.c_char_p
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.andrea_dgelu.argtypes = [i, p, p, p, p, i, i, i, p, ctypes.c_size_t, p, ctypes.POINTER(ctypes.c_size_t)]
+    engine = CudaEngine(precision="bf16")
+    workspace = cupy.zeros(WORKSPACE_BYTES, dtype=np.uint8)
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    failed, ran = False, 0
+    for shape in args.shapes.split(","):
+        N, F, C = SHAPES[shape]
+
+        def draw(*dims, scale):
+            host = (rng.standard_normal(dims, dtype=np.float32) * scale).astype(ml_dtypes.bfloat16)
+            return host, cupy.asarray(host)
+
+        dout_h, dout = draw(N, C, scale=1.0)
+        w2_h, w2 = draw(F, C, scale=F ** -0.5)
+        pre_h, pre = draw(N, F, scale=1.5)
+        rows = slice(0, CHECK_ROWS)
+        want = (dout_h[rows].astype(np.float64) @ w2_h.astype(np.float64).T) * gelu_grad(pre_h[rows].astype(np.float64))
+        scale = float(np.abs(want).max())
+
+        def check(name: str, out) -> None:
+            nonlocal failed
+            got = cupy.asnumpy(out[rows]).astype(np.float64)
+            err = float(np.abs(got - want).max()) / scale
+            bad = not err < 1e-2  # bf16 output rounding (2^-9) and the fp32 sums, with room for the fast tanh
+            failed |= bad
+            print(f"{shape} {name}: max error {err:.2e} of the largest |dpre|{'  FAILED' if bad else ''}", flush=True)
+
+        out = cupy.asarray(np.full((N, F), np.nan, dtype=ml_dtypes.bfloat16))
+        if not engine.blas_lt.gemm(out, dout, w2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre):
+            print(f"{shape}: cuBLASLt has no DGELU algorithm for the shape", flush=True)
+        else:
+            engine.synchronize()
+            check("cuBLASLt DGELU", out)
+            ms = graph_ms(engine, lambda: engine.blas_lt.gemm(out, dout, w2, N, F, C, trans_b=True, epilogue="dgelu",
+                                                              aux=pre))
+            print(f"{shape} cuBLASLt DGELU: {ms:.4f} ms", flush=True)
+        for config in range(lib.andrea_dgelu_configs()):
+            name = lib.andrea_dgelu_config_name(config).decode()
+            out = cupy.asarray(np.full((N, F), np.nan, dtype=ml_dtypes.bfloat16))
+            needed = ctypes.c_size_t(0)
+
+            def launch():
+                return lib.andrea_dgelu(config, out.data.ptr, dout.data.ptr, w2.data.ptr, pre.data.ptr, N, F, C,
+                                        workspace.data.ptr, WORKSPACE_BYTES, cupy.cuda.get_current_stream().ptr,
+                                        ctypes.byref(needed))
+            code = launch()
+            if code:
+                print(f"{shape} CUTLASS {name}: not run (code {code}, workspace {needed.value} bytes)", flush=True)
+                continue
+            engine.synchronize()
+            ran += 1
+            check(f"CUTLASS {name}", out)
+            ms = graph_ms(engine, launch)
+            print(f"{shape} CUTLASS {name}: {ms:.4f} ms", flush=True)
+    if not ran:
+        print("no CUTLASS configuration ran", flush=True)
+    return 1 if failed or not ran else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
