@@ -97,8 +97,8 @@ extern "C" const char* andrea_dgelu_config_name(int config) {
     }
 }
 
-// dpre [n, f] = (dout [n, c] @ w2 [f, c]^T) * GELU'(pre [n, f]) on stream; the return code as DgeluGemm::run's, 4 for an
-// unknown config. `needed` gets the workspace bytes the configuration asks for.
+// dpre [n, f] = (dout [n, c] @ w2 [f, c]^T) * GELU'(pre [n, f]) on stream; the return code as DgeluGemm::run's, 4
+// for an unknown config. `needed` gets the workspace bytes the configuration asks for.
 extern "C" int andrea_dgelu(int config, void* dpre, const void* dout, const void* w2, const void* pre, int n, int f,
                             int c, void* workspace, size_t workspace_bytes, void* stream, size_t* needed) {
     auto s = static_cast<cudaStream_t>(stream);

@@ -33,7 +33,7 @@ def build(lib: Path, cutlass: Path) -> None:
     include = [cutlass / "include", cutlass / "tools" / "util" / "include"]
     missing = [str(p) for p in include if not p.is_dir()]
     if missing:
-        raise SystemExit(f"--cutlass {cutlass}: no {', '.join(missing)}; give the wheel's cutlass_library/source folder")
+        raise SystemExit(f"--cutlass {cutlass}: no {', '.join(missing)}; give the wheel's cutlass_library/source")
     cmd = ["nvcc", "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC",
            "--expt-relaxed-constexpr", *(f"-I{p}" for p in include), "-o", str(lib), str(SOURCE)]
     subprocess.run(cmd, check=True)
