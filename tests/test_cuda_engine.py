@@ -321,11 +321,22 @@ def test_staged_uploads_arrive_in_stream_order(engines):
         sources.append(src.astype(np.int32))
         src[...] = -1  # the caller's array is free once upload returns
         seen.append((before, dst.copy()))
+    # more destinations than the engine keeps staging buffers for: each still gets its own values
+    from andrea.engines.cuda_engine import STAGING_BUFFERS
+
+    many = [cupy.zeros((8, 128), dtype=np.float32) for _ in range(STAGING_BUFFERS + 3)]
+    many_src = [rng.standard_normal((8, 128)).astype(np.float32) for _ in many]
+    for d, src in zip(many, many_src):
+        busy = busy @ busy * np.float32(1e-3)
+        e.upload(d, src, staged=True)
     e.synchronize()
     for i, (before, after) in enumerate(seen):
         expected_before = np.full(dst.shape, -7, np.int32) if i == 0 else sources[i - 1]
         np.testing.assert_array_equal(before.get(), expected_before, err_msg=f"seed {seed}: upload {i} came early")
         np.testing.assert_array_equal(after.get(), sources[i], err_msg=f"seed {seed}: upload {i} came late or wrong")
+    for i, (d, src) in enumerate(zip(many, many_src)):
+        np.testing.assert_array_equal(d.get(), src, err_msg=f"seed {seed}: destination {i} of {len(many)}")
+    assert len(e._staging) <= STAGING_BUFFERS
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])

@@ -37,6 +37,7 @@ from andrea.precision import PRECISIONS
 
 ALIGN = 256  # bytes: every plan buffer starts on this boundary inside the one device allocation
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # cuBLAS's recommended workspace on Hopper
+STAGING_BUFFERS = 16  # pinned host buffers of staged uploads kept (three a model: tokens, targets, weights)
 
 _modules: dict[tuple[str, str, tuple[str, ...], bool], cupy.RawModule] = {}  # (folder, file, options, Hopper build)
 
@@ -227,6 +228,10 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
             return
         key = (ptr(dst), dst.nbytes)
         if key not in self._staging:
+            if len(self._staging) >= STAGING_BUFFERS:  # models come and go on one engine: keep the last few
+                for *_, copied in self._staging.values():
+                    copied.synchronize()
+                self._staging.clear()
             pinned = cupy.cuda.alloc_pinned_memory(dst.nbytes)
             host = np.frombuffer(pinned, dtype=dst.dtype, count=dst.size).reshape(dst.shape)
             self._staging[key] = (pinned, host, cupy.cuda.Event(block=False, disable_timing=True))
