@@ -1,4 +1,4 @@
-"""The MLP backward's DGELU product on CUTLASS's Hopper kernels against cuBLASLt's, at the shapes of ANDREA's steps.
+"""The MLP's GELU products on CUTLASS's Hopper kernels against cuBLASLt's, at the shapes of ANDREA's steps.
 
     python3 dev/cuda/cutlass_dgelu.py --build LIB --cutlass DIR     # once, on any machine with nvcc (about 90 s)
     PYTHONPATH=. python3 dev/cuda/cutlass_dgelu.py --lib LIB [--shapes 120M,12M]
@@ -6,10 +6,11 @@
 --build compiles dev/cuda/cutlass_dgelu.cu into the shared library LIB with CUTLASS's headers from DIR (the
 `cutlass_library/source` folder of the nvidia-cutlass wheel: `pip download --no-deps nvidia-cutlass==4.2.0.0`, then
 unzip it). The run takes fresh random operands at each shape (dout and W_2 scaled as a layer's, pre as a layer's
-pre-activations), runs every CUTLASS configuration and the engine's cuBLASLt DGELU product (the algorithm table's
-choice), checks each against float64 NumPy on a block of rows (both use the tanh GELU; CUTLASS a fast tanh), and
-times each alone in a CUDA graph (timing.graph_ms). It exits 1 where a configuration that ran is off by more than
-bf16's rounding allows, or where none ran.
+pre-activations), runs every CUTLASS configuration of the backward's DGELU product and the engine's cuBLASLt one
+(the algorithm table's choice), then the plain product of the same operands on both (the mainloops' own rate), then
+the forward's GELU_AUX product (pre and act written) on both; it checks each against float64 NumPy on a block of
+rows (all use the tanh GELU; CUTLASS a fast tanh) and times each alone in a CUDA graph (timing.graph_ms). It exits 1
+where a CUTLASS product that ran is off by more than bf16's rounding allows, or where no DGELU configuration ran.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def main() -> int:
     lib = ctypes.CDLL(str(args.lib))
     lib.andrea_dgelu_config_name.restype = ctypes.c_char_p
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.andrea_dgelu.argtypes = [i, p, p, p, p, i, i, i, p, ctypes.c_size_t, p, ctypes.POINTER(ctypes.c_size_t)]
+    size, needed_t = ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
+    lib.andrea_dgelu.argtypes = [i, p, p, p, p, i, i, i, p, size, p, needed_t]
+    lib.andrea_plain.argtypes = [p, p, p, i, i, i, p, size, p, needed_t]
+    lib.andrea_gelu_aux.argtypes = [p, p, p, p, p, i, i, i, p, size, p, needed_t]
     engine = CudaEngine(precision="bf16")
     workspace = cupy.zeros(WORKSPACE_BYTES, dtype=np.uint8)
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
@@ -90,15 +94,24 @@ def main() -> int:
         want = (dout_h[rows].astype(np.float64) @ w2_h.astype(np.float64).T) * gelu_grad(pre_h[rows].astype(np.float64))
         scale = float(np.abs(want).max())
 
-        def check(name: str, out) -> None:
+        def check(name: str, out, want=want, scale=scale, counts=True) -> None:
             nonlocal failed
             got = cupy.asnumpy(out[rows]).astype(np.float64)
             err = float(np.abs(got - want).max()) / scale
             bad = not err < 1e-2  # bf16 output rounding (2^-9) and the fp32 sums, with room for the fast tanh
-            failed |= bad
-            print(f"{shape} {name}: max error {err:.2e} of the largest |dpre|{'  FAILED' if bad else ''}", flush=True)
+            failed |= bad and counts
+            print(f"{shape} {name}: max error {err:.2e} of the largest |value|{'  OFF' if bad else ''}", flush=True)
 
-        out = cupy.asarray(np.full((N, F), np.nan, dtype=ml_dtypes.bfloat16))
+        def empty(rows_, cols):
+            return cupy.asarray(np.full((rows_, cols), np.nan, dtype=ml_dtypes.bfloat16))
+
+        def cutlass_call(fn, *ptrs_and_dims):
+            needed = ctypes.c_size_t(0)
+            code = fn(*ptrs_and_dims, workspace.data.ptr, WORKSPACE_BYTES, cupy.cuda.get_current_stream().ptr,
+                      ctypes.byref(needed))
+            return code, needed.value
+
+        out = empty(N, F)
         if not engine.blas_lt.gemm(out, dout, w2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre):
             print(f"{shape}: cuBLASLt has no DGELU algorithm for the shape", flush=True)
         else:
@@ -109,22 +122,71 @@ def main() -> int:
             print(f"{shape} cuBLASLt DGELU: {ms:.4f} ms", flush=True)
         for config in range(lib.andrea_dgelu_configs()):
             name = lib.andrea_dgelu_config_name(config).decode()
-            out = cupy.asarray(np.full((N, F), np.nan, dtype=ml_dtypes.bfloat16))
-            needed = ctypes.c_size_t(0)
+            out = empty(N, F)
 
             def launch():
-                return lib.andrea_dgelu(config, out.data.ptr, dout.data.ptr, w2.data.ptr, pre.data.ptr, N, F, C,
-                                        workspace.data.ptr, WORKSPACE_BYTES, cupy.cuda.get_current_stream().ptr,
-                                        ctypes.byref(needed))
-            code = launch()
+                return cutlass_call(lib.andrea_dgelu, config, out.data.ptr, dout.data.ptr, w2.data.ptr, pre.data.ptr,
+                                    N, F, C)
+            code, needed = launch()
             if code:
-                print(f"{shape} CUTLASS {name}: not run (code {code}, workspace {needed.value} bytes)", flush=True)
+                print(f"{shape} CUTLASS {name}: not run (code {code}, workspace {needed} bytes)", flush=True)
                 continue
             engine.synchronize()
             ran += 1
             check(f"CUTLASS {name}", out)
             ms = graph_ms(engine, launch)
             print(f"{shape} CUTLASS {name}: {ms:.4f} ms", flush=True)
+
+        # the plain product of the same operands: each library's mainloop alone
+        plain_want = dout_h[rows].astype(np.float64) @ w2_h.astype(np.float64).T
+        plain_scale = float(np.abs(plain_want).max())
+        out = empty(N, F)
+        engine.blas.gemm(out, dout, w2, N, F, C, trans_b=True)
+        engine.synchronize()
+        check("cuBLAS plain", out, plain_want, plain_scale, counts=False)
+        ms = graph_ms(engine, lambda: engine.blas.gemm(out, dout, w2, N, F, C, trans_b=True))
+        print(f"{shape} cuBLAS plain: {ms:.4f} ms", flush=True)
+        out = empty(N, F)
+        args_plain = (out.data.ptr, dout.data.ptr, w2.data.ptr, N, F, C)
+        code, needed = cutlass_call(lib.andrea_plain, *args_plain)
+        if code:
+            print(f"{shape} CUTLASS plain: not run (code {code}, workspace {needed} bytes)", flush=True)
+        else:
+            engine.synchronize()
+            check("CUTLASS plain", out, plain_want, plain_scale)
+            ms = graph_ms(engine, lambda: cutlass_call(lib.andrea_plain, *args_plain))
+            print(f"{shape} CUTLASS plain: {ms:.4f} ms", flush=True)
+
+        # the forward's GELU_AUX product: pre = inp @ W_1, act = GELU(pre)
+        inp_h, inp = draw(N, C, scale=1.0)
+        w1_h, w1 = draw(C, F, scale=C ** -0.5)
+        pre_want = inp_h[rows].astype(np.float64) @ w1_h.astype(np.float64)
+        k = np.sqrt(2.0 / np.pi)
+        act_want = 0.5 * pre_want * (1.0 + np.tanh(k * (pre_want + 0.044715 * pre_want**3)))
+        zeros = cupy.asarray(np.zeros(F, dtype=ml_dtypes.bfloat16))
+        for lib_name in ("cuBLASLt", "CUTLASS"):
+            act, pre_out = empty(N, F), empty(N, F)
+            if lib_name == "cuBLASLt":
+                def run_gelu_aux():
+                    return engine.blas_lt.gemm(act, inp, w1, N, F, C, epilogue="gelu_aux", aux=pre_out)
+                ok = run_gelu_aux()
+            else:
+                args_aux = (act.data.ptr, pre_out.data.ptr, inp.data.ptr, w1.data.ptr, zeros.data.ptr, N, F, C)
+
+                def run_gelu_aux():
+                    return cutlass_call(lib.andrea_gelu_aux, *args_aux)
+                code, needed = run_gelu_aux()
+                ok = code == 0
+                if not ok:
+                    print(f"{shape} CUTLASS GELU_AUX: not run (code {code}, workspace {needed} bytes)", flush=True)
+            if not ok:
+                continue
+            engine.synchronize()
+            counts = lib_name == "CUTLASS"
+            check(f"{lib_name} GELU_AUX pre", pre_out, pre_want, float(np.abs(pre_want).max()), counts)
+            check(f"{lib_name} GELU_AUX act", act, act_want, float(np.abs(act_want).max()), counts)
+            ms = graph_ms(engine, run_gelu_aux)
+            print(f"{shape} {lib_name} GELU_AUX: {ms:.4f} ms", flush=True)
     if not ran:
         print("no CUTLASS configuration ran", flush=True)
     return 1 if failed or not ran else 0
