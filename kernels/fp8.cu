@@ -265,13 +265,13 @@ k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
 
 // ---- many matrices in one launch (the model's weight copies, andrea/ops/fp8.py prepare_fp8_weights) ----
 // A table of n matrices, FP8_TABLE_WORDS int64 words each: x, rows, cols, batch, q, ldq, q_batch, qt, ldqt, qt_batch,
-// slot (4 floats: the descale first, then the fields below), the matrix's first amax block, its first cast tile, then
-// the amax ranges k_adamw reads (kernels/adamw.cu; ops/fp8.py writes them). A block finds its matrix by those first
-// blocks (ascending).
+// slot (4 floats: the descale first, then the fields below), the matrix's first amax chunk, its first cast tile, then
+// the amax ranges k_adamw reads (kernels/adamw.cu; ops/fp8.py writes them). A block finds its matrix by those firsts
+// (ascending).
 #define FP8_TABLE_WORDS 16
 #define FP8_SLOT_AMAX 1   // a slot's amax word (float bits)
 #define FP8_SLOT_TAKEN 2  // its flag, the float after the amax word: k_adamw took the amax (1), or not (0)
-#define FP8_MANY_CHUNK 8192  // activations of one amax block (32 a thread)
+#define FP8_MANY_CHUNK 8192  // activations of one amax chunk (32 a thread)
 
 __device__ __forceinline__ int table_find(const long long* table, int n, int column, long long b) {
     int lo = 0, hi = n - 1;  // the last entry whose first block is <= b

@@ -315,7 +315,7 @@ class CudaOps:
             n, d = np.int32(len(casts)), kernel_defines("fp8")
             self._launch("k_fp8_amax_many", -(-chunks // d["FP8_AMAX_MANY_CHUNKS"]), d["FP8_AMAX_THREADS"], table, n,
                          np.int64(chunks))
-            self._launch("k_fp8_cast_many", grid_cast, kernel_defines("fp8")["FP8_THREADS"], table, n)
+            self._launch("k_fp8_cast_many", grid_cast, d["FP8_THREADS"], table, n)
         else:
             for W, rows, cols, cast in casts:
                 self._fp8_cast(W, rows, cols, "e4m3", **cast, keep=False)
@@ -325,8 +325,8 @@ class CudaOps:
     def _clear_weight_amax(self, slots) -> None:
         """Every weight slot's amax word and the flag after it (k_adamw's) back to zero, its descale kept: rows of
         two words a slot apart, as one k_memset (kernels/memset.cu)."""
-        n, threads = slots.size // SLOT_FLOATS, kernel_defines("memset")["MEMSET_THREADS"]
-        width = kernel_defines("fp8")["FP8_SLOT_TAKEN"] - kernel_defines("fp8")["FP8_SLOT_AMAX"] + 1
+        n, threads, d = slots.size // SLOT_FLOATS, kernel_defines("memset")["MEMSET_THREADS"], kernel_defines("fp8")
+        width = d["FP8_SLOT_TAKEN"] - d["FP8_SLOT_AMAX"] + 1
         self._launch("k_memset", blocks(width * n, threads), threads, np.uint64(ptr(_slot_field(slots, "AMAX"))),
                      np.uint64(slots.itemsize * SLOT_FLOATS), np.uint32(0), np.uint32(slots.itemsize), np.uint64(width),
                      np.uint64(n))
@@ -607,24 +607,23 @@ def _weight_casts(params_fp8, layers, wte) -> tuple:
 
 def _write_weight_table(table, casts) -> tuple[int, int]:
     """Upload k_fp8_amax_many / k_fp8_cast_many's table of these casts (kernels/fp8.cu); its amax chunks and cast
-    tiles in all. Each row's
-    spare words (from AMAX_ROW_WORD) hold, for the matrices sorted by address, the k-th's bytes [start, end) and
-    the address of its amax word: the ranges k_adamw takes the amax of (kernels/adamw.cu)."""
+    tiles in all. Each row's spare words (from AMAX_ROW_WORD) hold, for the matrices sorted by address, the k-th's
+    bytes [start, end) and the address of its amax word: the ranges k_adamw takes the amax of (kernels/adamw.cu)."""
     d = kernel_defines("fp8")
     rows_out = np.zeros((len(casts), d["FP8_TABLE_WORDS"]), dtype=np.int64)
-    blocks_at = tiles_at = 0
+    chunks_at = tiles_at = 0
     for i, (W, rows, cols, c) in enumerate(casts):
         batch = c.get("batch", 1)
         rows_out[i, :AMAX_ROW_WORD] = (ptr(W), rows, cols, batch, ptr(c["q"]), c.get("ldq") or cols,
                                        c.get("q_batch", 0), ptr(c["qt"]), c.get("ldqt") or rows, c.get("qt_batch", 0),
-                                       ptr(c["slot"]), blocks_at, tiles_at)
-        blocks_at += -(-batch * rows * cols // d["FP8_MANY_CHUNK"])
+                                       ptr(c["slot"]), chunks_at, tiles_at)
+        chunks_at += -(-batch * rows * cols // d["FP8_MANY_CHUNK"])
         tiles_at += -(-cols // d["FP8_TILE"]) * -(-rows // d["FP8_TILE"]) * batch
     by_address = sorted(casts, key=lambda cast: ptr(cast[0]))
     for k, (W, *_, c) in enumerate(by_address):
         rows_out[k, AMAX_ROW_WORD:AMAX_ROW_WORD + 3] = (ptr(W), ptr(W) + W.nbytes, ptr(_slot_field(c["slot"], "AMAX")))
     table.set(rows_out.reshape(-1))
-    return blocks_at, tiles_at
+    return chunks_at, tiles_at
 
 
 def _slot_field(slot, name: str):

@@ -80,6 +80,17 @@ def main() -> int:
     workspace = cupy.zeros(WORKSPACE_BYTES, dtype=np.uint8)
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
     failed, ran = False, 0
+
+    def empty(rows_, cols):
+        return cupy.asarray(np.full((rows_, cols), np.nan, dtype=ml_dtypes.bfloat16))
+
+    def cutlass_call(fn, *ptrs_and_dims):
+        """(return code, workspace bytes asked) of a call into the library, on the current stream."""
+        needed = ctypes.c_size_t(0)
+        code = fn(*ptrs_and_dims, workspace.data.ptr, WORKSPACE_BYTES, cupy.cuda.get_current_stream().ptr,
+                  ctypes.byref(needed))
+        return code, needed.value
+
     for shape in args.shapes.split(","):
         N, F, C = SHAPES[shape]
 
@@ -101,15 +112,6 @@ def main() -> int:
             bad = not err < 1e-2  # bf16 output rounding (2^-9) and the fp32 sums, with room for the fast tanh
             failed |= bad and counts
             print(f"{shape} {name}: max error {err:.2e} of the largest |value|{'  OFF' if bad else ''}", flush=True)
-
-        def empty(rows_, cols):
-            return cupy.asarray(np.full((rows_, cols), np.nan, dtype=ml_dtypes.bfloat16))
-
-        def cutlass_call(fn, *ptrs_and_dims):
-            needed = ctypes.c_size_t(0)
-            code = fn(*ptrs_and_dims, workspace.data.ptr, WORKSPACE_BYTES, cupy.cuda.get_current_stream().ptr,
-                      ctypes.byref(needed))
-            return code, needed.value
 
         out = empty(N, F)
         if not engine.blas_lt.gemm(out, dout, w2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre):
