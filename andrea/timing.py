@@ -101,3 +101,15 @@ def peer_pairs(bench: dict):
         precision = variant.replace("-eager", "")
         for peer in [precision] + (["bf16-compile"] if variant == "bf16" else []):
             yield shape, variant, entry, peer, bench.get("baseline", {}).get(f"{shape}/{peer}", {})
+
+
+def against_bf16(bench: dict):
+    """Each engine variant of a benchmark report's `bench` section that is not bf16, beside the engine's bf16 step of
+    the same shape in the same call (precision fp8's bar is a ratio to it). Yields (shape, variant, tokens/s of the
+    variant over bf16's); a shape whose bf16 step did not run yields nothing."""
+    engine = bench.get("engine", {})
+    for key, entry in engine.items():
+        shape, variant = key.split("/")
+        base = engine.get(f"{shape}/bf16")
+        if variant != "bf16" and base:
+            yield shape, variant, entry["tokens_per_s"] / base["tokens_per_s"]

@@ -42,7 +42,7 @@ from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_mi
 from andrea.ops import op_cost  # noqa: E402
 from andrea.precision import PRECISIONS  # noqa: E402
 from andrea.train import model_options  # noqa: E402
-from andrea.timing import OpRecorder, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
+from andrea.timing import OpRecorder, against_bf16, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
@@ -278,6 +278,8 @@ def table() -> str:
             lines.append(f"{engine}   PyTorch {peer:13} {base['ms_per_step']:8.2f} ms {base['tokens_per_s']:>11,} tok/s  "
                          f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread}")
     lines += [f"{engine}   (no PyTorch peer of this precision ran)" for engine, done in paired.items() if not done]
+    lines += [f"{name:5} {variant:11} {ratio:.3f}x ANDREA bf16 (tokens/s, this call)"
+              for name, variant, ratio in against_bf16(report.get("bench", {}))]
     if any(paired.values()):
         host = report["bench"].get("host", {})
         lines.append(f"host: {host.get('cpu', '?')}, {host.get('cpus', '?')} CPUs (the peer launches its kernels from it)")

@@ -46,3 +46,32 @@ def test_the_peer_counts_its_fastest_process_and_keeps_every_run():
     assert "runs_ms" not in runs[1]  # the runs themselves are left as they were
     with pytest.raises(ValueError):
         fastest_peer([])
+
+
+def test_each_variant_reads_against_the_bf16_step_of_its_own_shape_and_call():
+    from andrea.timing import against_bf16
+
+    def entry(tokens_per_s):
+        return {"micro_batch": 8, "ms_per_step": round(8192 / tokens_per_s * 1e3, 2), "tokens_per_s": tokens_per_s}
+
+    bench = {"engine": {"120M/bf16": entry(500_000), "120M/fp8": entry(580_000), "120M/bf16-eager": entry(450_000),
+                        "12M/fp8": entry(3_000_000)}}
+    got = {(shape, variant): ratio for shape, variant, ratio in against_bf16(bench)}
+    assert got == {("120M", "fp8"): pytest.approx(1.16), ("120M", "bf16-eager"): pytest.approx(0.9)}  # 12M: no bf16
+    assert list(against_bf16({})) == []
+
+
+def test_the_benchmark_table_gives_fp8_its_ratio_to_bf16():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+    spec = importlib.util.spec_from_file_location("andrea_bench_script", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = {"120M/bf16": {"micro_batch": 8, "ms_per_step": 14.4, "tokens_per_s": 568_889},
+              "120M/fp8": {"micro_batch": 8, "ms_per_step": 12.4, "tokens_per_s": 660_645}}
+    bench.report["bench"] = {"engine": engine, "baseline": {}, "host": {}}
+    text = bench.table()
+    assert "120M  fp8         1.161x ANDREA bf16" in text
+    assert "failed sections: none" in text
