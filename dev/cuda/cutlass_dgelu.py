@@ -1,7 +1,7 @@
 """The MLP's GELU products on CUTLASS's Hopper kernels against cuBLASLt's, at the shapes of ANDREA's steps.
 
     python3 dev/cuda/cutlass_dgelu.py --build LIB --cutlass DIR     # once, on any machine with nvcc (about 90 s)
-    PYTHONPATH=. python3 dev/cuda/cutlass_dgelu.py --lib LIB [--shapes 120M,12M]
+    PYTHONPATH=. python3 dev/cuda/cutlass_dgelu.py --lib LIB [--shapes 120M,12M] [--step 120M,12M [--gelu-aux]]
 
 --build compiles dev/cuda/cutlass_dgelu.cu into the shared library LIB with CUTLASS's headers from DIR (the
 `cutlass_library/source` folder of the nvidia-cutlass wheel: `pip download --no-deps nvidia-cutlass==4.2.0.0`, then
@@ -11,14 +11,23 @@ pre-activations), runs every CUTLASS configuration of the backward's DGELU produ
 the forward's GELU_AUX product (pre and act written) on both; it checks each against float64 NumPy on a block of
 rows (all use the tanh GELU; CUTLASS a fast tanh) and times each alone in a CUDA graph (timing.graph_ms). It exits 1
 where a CUTLASS product that ran is off by more than bf16's rounding allows, or where no DGELU configuration ran.
+
+--step then runs the benchmark's bf16 training step at those shapes (scripts/bench.py's micro-batch and memory
+options) on two engines in this process: the engine as it is, and one whose cuBLASLt DGELU products (with
+--gelu-aux, its GELU_AUX products too) go to the fastest CUTLASS configuration that passed at the shape. Their
+rounds alternate; it prints the median ms a step of each round and both models' losses over the steps (close, not
+equal: CUTLASS rounds differently). It exits 1 where the routed model's loss parts from the engine's by more than
+--loss-tolerance, or where a routed call did not run on CUTLASS.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +37,7 @@ SOURCE = Path(__file__).with_suffix(".cu")
 SHAPES = {"120M": (8 * 1024, 3072, 768), "12M": (32 * 512, 1536, 384)}  # (tokens N, F, C) of the benchmark's step
 CHECK_ROWS = 64  # rows of dpre checked against float64
 WORKSPACE_BYTES = 64 << 20
+STEP_ROUNDS, STEPS_A_ROUND, WARM_STEPS = 3, 12, 3
 
 
 def build(lib: Path, cutlass: Path) -> None:
@@ -54,6 +64,11 @@ def main() -> int:
     ap.add_argument("--cutlass", type=Path, help="CUTLASS's source folder (with include/) for --build")
     ap.add_argument("--lib", type=Path, help="the library --build made")
     ap.add_argument("--shapes", default="120M,12M")
+    ap.add_argument("--step", default="", help="shapes whose bf16 training step is timed with the products routed "
+                                               "to CUTLASS against the engine's own (after the products' check)")
+    ap.add_argument("--gelu-aux", action="store_true", help="with --step, the GELU_AUX products routed too")
+    ap.add_argument("--loss-tolerance", type=float, default=0.02,
+                    help="with --step, the largest relative difference of a step's loss between the two models")
     args = ap.parse_args()
     if args.build:
         if not args.cutlass:
@@ -80,6 +95,7 @@ def main() -> int:
     workspace = cupy.zeros(WORKSPACE_BYTES, dtype=np.uint8)
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
     failed, ran = False, 0
+    fastest = {}  # shape: (ms, config) of the fastest DGELU configuration that passed its check
 
     def empty(rows_, cols):
         return cupy.asarray(np.full((rows_, cols), np.nan, dtype=ml_dtypes.bfloat16))
@@ -105,13 +121,14 @@ def main() -> int:
         want = (dout_h[rows].astype(np.float64) @ w2_h.astype(np.float64).T) * gelu_grad(pre_h[rows].astype(np.float64))
         scale = float(np.abs(want).max())
 
-        def check(name: str, out, want=want, scale=scale, counts=True) -> None:
+        def check(name: str, out, want=want, scale=scale, counts=True) -> bool:
             nonlocal failed
             got = cupy.asnumpy(out[rows]).astype(np.float64)
             err = float(np.abs(got - want).max()) / scale
             bad = not err < 1e-2  # bf16 output rounding (2^-9) and the fp32 sums, with room for the fast tanh
             failed |= bad and counts
             print(f"{shape} {name}: max error {err:.2e} of the largest |value|{'  OFF' if bad else ''}", flush=True)
+            return not bad
 
         out = empty(N, F)
         if not engine.blas_lt.gemm(out, dout, w2, N, F, C, trans_b=True, epilogue="dgelu", aux=pre):
@@ -135,9 +152,11 @@ def main() -> int:
                 continue
             engine.synchronize()
             ran += 1
-            check(f"CUTLASS {name}", out)
+            passed = check(f"CUTLASS {name}", out)
             ms = graph_ms(engine, launch)
             print(f"{shape} CUTLASS {name}: {ms:.4f} ms", flush=True)
+            if passed and ms < fastest.get(shape, (float("inf"), None))[0]:
+                fastest[shape] = (ms, config)
 
         # the plain product of the same operands: each library's mainloop alone
         plain_want = dout_h[rows].astype(np.float64) @ w2_h.astype(np.float64).T
@@ -191,7 +210,100 @@ def main() -> int:
             print(f"{shape} {lib_name} GELU_AUX: {ms:.4f} ms", flush=True)
     if not ran:
         print("no CUTLASS configuration ran", flush=True)
+    del engine, workspace
+    for shape in filter(None, args.step.split(",")):
+        if shape not in fastest:
+            print(f"{shape} step: no DGELU configuration passed at the shape (--shapes must include it)", flush=True)
+            failed = True
+            continue
+        failed |= not step_ab(lib, shape, fastest[shape][1], args.gelu_aux, args.loss_tolerance)
     return 1 if failed or not ran else 0
+
+
+def route_to_cutlass(engine, lib, config: int, gelu_aux: bool) -> dict:
+    """Sends the engine's bf16 DGELU products (and with `gelu_aux` its GELU_AUX products) to the library's
+    configuration `config` instead of cuBLASLt: the engine's own call where the product takes anything else (FP8,
+    a transpose, alpha, beta, a batch). Returns the counts of calls routed and of routed calls CUTLASS refused."""
+    import cupy
+
+    workspace = cupy.zeros(WORKSPACE_BYTES, dtype=np.uint8)
+    zeros = {}  # F: a bias of zeros (CUTLASS's GELU_AUX epilogue adds one)
+    counts = {"dgelu": 0, "gelu_aux": 0, "refused": 0}
+    own = engine.blas_lt.gemm
+
+    def gemm(c, a, b, m, n, k, **kw):
+        epilogue = kw.get("epilogue", "none")
+        plain = (all(kw.get(name) is None for name in ("a_type", "b_type", "d_type", "algo"))
+                 and kw.get("alpha", 1.0) == 1.0 and kw.get("beta", 0.0) == 0.0 and kw.get("batch", 1) == 1
+                 and not kw.get("trans_a") and c.dtype.itemsize == 2)
+        stream = cupy.cuda.get_current_stream().ptr
+        needed = ctypes.c_size_t(0)
+        code = None
+        if plain and epilogue == "dgelu" and kw.get("trans_b"):
+            counts["dgelu"] += 1
+            code = lib.andrea_dgelu(config, c.data.ptr, a.data.ptr, b.data.ptr, kw["aux"].data.ptr, m, n, k,
+                                    workspace.data.ptr, WORKSPACE_BYTES, stream, ctypes.byref(needed))
+        elif plain and gelu_aux and epilogue == "gelu_aux" and not kw.get("trans_b"):
+            counts["gelu_aux"] += 1
+            if n not in zeros:
+                zeros[n] = cupy.zeros(n, dtype=c.dtype)
+            code = lib.andrea_gelu_aux(c.data.ptr, kw["aux"].data.ptr, a.data.ptr, b.data.ptr, zeros[n].data.ptr, m,
+                                       n, k, workspace.data.ptr, WORKSPACE_BYTES, stream, ctypes.byref(needed))
+        if code == 0:
+            return True
+        counts["refused"] += code is not None
+        return own(c, a, b, m, n, k, **kw)
+
+    engine.blas_lt.gemm = gemm
+    return counts
+
+
+def step_ab(lib, shape: str, config: int, gelu_aux: bool, tolerance: float) -> bool:
+    """The benchmark's bf16 step at `shape` on the engine as it is and routed to CUTLASS, rounds alternating; True
+    where every routed call ran on CUTLASS and the losses agree within `tolerance`."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options
+
+    from andrea.engines.crosscheck import synthetic_micro_batches
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.model import Model, init_params
+
+    model_shape, micro = EXPERIMENTS[shape].model, BENCH[shape]
+    batches = [synthetic_micro_batches(model_shape, micro, 1, s) for s in range(4)]
+    runs = {}
+    for name in ("cuBLASLt", "CUTLASS"):
+        engine = CudaEngine(precision="bf16")
+        counts = route_to_cutlass(engine, lib, config, gelu_aux) if name == "CUTLASS" else None
+        model = Model(engine, model_shape, micro, graphs=True, **options(shape))
+        model.load_state(init_params(model.layout, 0))
+        runs[name] = {"model": model, "counts": counts, "ms": [], "losses": [], "step": 0}
+    for _ in range(STEP_ROUNDS):
+        for name, run in runs.items():
+            model, times = run["model"], []
+            for _ in range(STEPS_A_ROUND):
+                step = run["step"]
+                t = time.perf_counter()
+                loss, _ = model.train_step(batches[step % 4], step=step, lr=lr_at(step), optimizer=OPTIMIZER)
+                model.engine.synchronize()
+                times.append(time.perf_counter() - t)
+                run["losses"].append(float(loss))
+                run["step"] += 1
+            run["ms"].append(statistics.median(times[WARM_STEPS:]) * 1e3)
+    base, routed = runs["cuBLASLt"], runs["CUTLASS"]
+    counts = routed["counts"]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(base["losses"], routed["losses"]))
+    name = lib.andrea_dgelu_config_name(config).decode()
+    routes = "DGELU" + (" and GELU_AUX" if gelu_aux else "")
+    print(f"{shape} bf16 step, {routes} on CUTLASS ({name}): "
+          + " / ".join(f"{a:.3f} -> {b:.3f}" for a, b in zip(base["ms"], routed["ms"]))
+          + f" ms a round; routed calls {counts}", flush=True)
+    print(f"{shape} losses, engine / routed: first {base['losses'][0]:.5f} / {routed['losses'][0]:.5f}, last "
+          f"{base['losses'][-1]:.5f} / {routed['losses'][-1]:.5f}; largest relative difference {worst:.2e}", flush=True)
+    ok = counts["refused"] == 0 and counts["dgelu"] > 0 and worst <= tolerance
+    if not ok:
+        print(f"{shape} step: FAILED (refused calls, no routed DGELU, or losses apart by more than {tolerance})",
+              flush=True)
+    return ok
 
 
 if __name__ == "__main__":
