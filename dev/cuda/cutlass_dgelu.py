@@ -13,10 +13,10 @@ rows (all use the tanh GELU; CUTLASS a fast tanh) and times each alone in a CUDA
 where a CUTLASS product that ran is off by more than bf16's rounding allows, or where no DGELU configuration ran.
 
 --step then runs the benchmark's bf16 training step at those shapes (scripts/bench.py's micro-batch and memory
-options) on two engines in this process: the engine as it is, and one whose cuBLASLt DGELU products (with
---gelu-aux, its GELU_AUX products too) go to the fastest CUTLASS configuration that passed at the shape. Their
-rounds alternate; it prints the median ms a step of each round and both models' losses over the steps (close, not
-equal: CUTLASS rounds differently). It exits 1 where the routed model's loss parts from the engine's by more than
+options) on engines in this process: the engine as it is, one whose cuBLASLt DGELU products go to the fastest CUTLASS
+configuration that passed at the shape, and with --gelu-aux one whose GELU_AUX products go there too. Their rounds
+alternate; it prints the median ms a step of each round and the models' losses (close, not equal: CUTLASS rounds
+differently). It exits 1 where the routed model's loss parts from the engine's by more than
 --loss-tolerance, or where a routed call did not run on CUTLASS.
 """
 
@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="120M,12M")
     ap.add_argument("--step", default="", help="shapes whose bf16 training step is timed with the products routed "
                                                "to CUTLASS against the engine's own (after the products' check)")
-    ap.add_argument("--gelu-aux", action="store_true", help="with --step, the GELU_AUX products routed too")
+    ap.add_argument("--gelu-aux", action="store_true", help="with --step, also a step with the GELU_AUX products routed")
     ap.add_argument("--loss-tolerance", type=float, default=0.02,
                     help="with --step, the largest relative difference of a step's loss between the two models")
     args = ap.parse_args()
@@ -259,8 +259,9 @@ def route_to_cutlass(engine, lib, config: int, gelu_aux: bool) -> dict:
 
 
 def step_ab(lib, shape: str, config: int, gelu_aux: bool, tolerance: float) -> bool:
-    """The benchmark's bf16 step at `shape` on the engine as it is and routed to CUTLASS, rounds alternating; True
-    where every routed call ran on CUTLASS and the losses agree within `tolerance`."""
+    """The benchmark's bf16 step at `shape` on the engine as it is, with its DGELU products on CUTLASS and, with
+    `gelu_aux`, with its GELU_AUX products too, rounds alternating; True where every routed call ran on CUTLASS and
+    the losses agree with the engine's within `tolerance`."""
     sys.path.insert(0, str(REPO / "scripts"))
     from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options
 
@@ -270,15 +271,18 @@ def step_ab(lib, shape: str, config: int, gelu_aux: bool, tolerance: float) -> b
 
     model_shape, micro = EXPERIMENTS[shape].model, BENCH[shape]
     batches = [synthetic_micro_batches(model_shape, micro, 1, s) for s in range(4)]
+    variants = {"cuBLASLt": None, "DGELU on CUTLASS": False}
+    if gelu_aux:
+        variants["DGELU and GELU_AUX on CUTLASS"] = True
     runs = {}
-    for name in ("cuBLASLt", "CUTLASS"):
+    for name, aux in variants.items():
         engine = CudaEngine(precision="bf16")
-        counts = route_to_cutlass(engine, lib, config, gelu_aux) if name == "CUTLASS" else None
+        counts = None if aux is None else route_to_cutlass(engine, lib, config, aux)
         model = Model(engine, model_shape, micro, graphs=True, **options(shape))
         model.load_state(init_params(model.layout, 0))
         runs[name] = {"model": model, "counts": counts, "ms": [], "losses": [], "step": 0}
     for _ in range(STEP_ROUNDS):
-        for name, run in runs.items():
+        for run in runs.values():
             model, times = run["model"], []
             for _ in range(STEPS_A_ROUND):
                 step = run["step"]
@@ -289,20 +293,21 @@ def step_ab(lib, shape: str, config: int, gelu_aux: bool, tolerance: float) -> b
                 run["losses"].append(float(loss))
                 run["step"] += 1
             run["ms"].append(statistics.median(times[WARM_STEPS:]) * 1e3)
-    base, routed = runs["cuBLASLt"], runs["CUTLASS"]
-    counts = routed["counts"]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(base["losses"], routed["losses"]))
-    name = lib.andrea_dgelu_config_name(config).decode()
-    routes = "DGELU" + (" and GELU_AUX" if gelu_aux else "")
-    print(f"{shape} bf16 step, {routes} on CUTLASS ({name}): "
-          + " / ".join(f"{a:.3f} -> {b:.3f}" for a, b in zip(base["ms"], routed["ms"]))
-          + f" ms a round; routed calls {counts}", flush=True)
-    print(f"{shape} losses, engine / routed: first {base['losses'][0]:.5f} / {routed['losses'][0]:.5f}, last "
-          f"{base['losses'][-1]:.5f} / {routed['losses'][-1]:.5f}; largest relative difference {worst:.2e}", flush=True)
-    ok = counts["refused"] == 0 and counts["dgelu"] > 0 and worst <= tolerance
-    if not ok:
-        print(f"{shape} step: FAILED (refused calls, no routed DGELU, or losses apart by more than {tolerance})",
+    base = runs.pop("cuBLASLt")
+    print(f"{shape} bf16 step, engine as it is: " + " / ".join(f"{ms:.3f}" for ms in base["ms"]) + " ms a round",
+          flush=True)
+    ok = True
+    for name, run in runs.items():
+        counts = run["counts"]
+        worst = max(abs(a - b) / abs(a) for a, b in zip(base["losses"], run["losses"]))
+        print(f"{shape} bf16 step, {name} ({lib.andrea_dgelu_config_name(config).decode()}): "
+              + " / ".join(f"{ms:.3f}" for ms in run["ms"]) + f" ms a round; routed calls {counts}; losses, last "
+              f"{base['losses'][-1]:.5f} / {run['losses'][-1]:.5f}, largest relative difference {worst:.2e}",
               flush=True)
+        if counts["refused"] or not counts["dgelu"] or not worst <= tolerance:
+            print(f"{shape} {name}: FAILED (refused calls, no routed DGELU, or losses apart by more than {tolerance})",
+                  flush=True)
+            ok = False
     return ok
 
 
