@@ -213,53 +213,72 @@ __device__ __forceinline__ void act_fold(float* row) {
     row[FP8_ACT_SCALE] = __int_as_float((fp8_scale_exponent(__float_as_uint(m), 8) + 127) << 23);
 }
 
-// act's E4M3 bytes q [rows, cols] transposed into qt [cols, rows] (dW_2 = act^T dY reads it K-major), a 64 x 64
-// tile a block; with `fold` the block (0, 0) folds the pass into its row (act_fold) first. A null qt: the fold
-// alone (grid 1). Grid: (ceil(cols / 64), ceil(rows / 64)).
+// act's E4M3 bytes q [rows, cols] transposed into qt [cols, rows] (dW_2 = act^T dY reads it K-major), FP8_ACT_T_SUB
+// tiles of 64 x 64 stacked along the rows a block, every tile's loads issued before the first is stored (a lone
+// 4 KB tile a block left its SM waiting on launches and single loads); with `fold` the block (0, 0) folds the pass
+// into its row (act_fold) first. A null qt: the fold alone (grid 1). Grid: (ceil(cols / 64), ceil(rows / (64 x
+// FP8_ACT_T_SUB))).
+#define FP8_ACT_T_SUB 4
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt, int rows, int cols, float* row,
             int fold) {
     if (fold && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) act_fold(row);
     if (qt == nullptr) return;
-    __shared__ unsigned tile[FP8_TILE][FP8_TILE / 4 + 1];  // [row][4 columns a word]; a word of pad a row
-    const int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    __shared__ unsigned tile[FP8_ACT_T_SUB * FP8_TILE][FP8_TILE / 4 + 1];  // [row][4 columns a word]; a word of pad
+    const int r0 = blockIdx.y * FP8_ACT_T_SUB * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
     const int part = threadIdx.x % 4, line = threadIdx.x / 4;  // 16 bytes a thread: a quarter of a tile line
-    const int r = r0 + line, c = c0 + part * 16;
-    if (r < rows && c + 16 <= cols && (cols % 16) == 0 && (reinterpret_cast<size_t>(q) % 16) == 0) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q + static_cast<long long>(r) * cols + c);
-        tile[line][part * 4] = v.x;
-        tile[line][part * 4 + 1] = v.y;
-        tile[line][part * 4 + 2] = v.z;
-        tile[line][part * 4 + 3] = v.w;
-    } else {
-        for (int w = 0; w < 4; ++w) {
-            unsigned word = 0;
-            for (int j = 0; j < 4; ++j) {
-                const int cj = c + 4 * w + j;
-                if (r < rows && cj < cols) word |= static_cast<unsigned>(q[static_cast<long long>(r) * cols + cj]) << (8 * j);
+    const int c = c0 + part * 16;
+    const bool vec = c + 16 <= cols && (cols % 16) == 0 && (reinterpret_cast<size_t>(q) % 16) == 0;
+    uint4 v[FP8_ACT_T_SUB];
+#pragma unroll
+    for (int k = 0; k < FP8_ACT_T_SUB; ++k) {
+        const int r = r0 + k * FP8_TILE + line;
+        if (vec && r < rows) v[k] = *reinterpret_cast<const uint4*>(q + static_cast<long long>(r) * cols + c);
+    }
+#pragma unroll
+    for (int k = 0; k < FP8_ACT_T_SUB; ++k) {
+        const int tr = k * FP8_TILE + line, r = r0 + tr;
+        if (vec && r < rows) {
+            tile[tr][part * 4] = v[k].x;
+            tile[tr][part * 4 + 1] = v[k].y;
+            tile[tr][part * 4 + 2] = v[k].z;
+            tile[tr][part * 4 + 3] = v[k].w;
+        } else {
+            for (int w = 0; w < 4; ++w) {
+                unsigned word = 0;
+                for (int j = 0; j < 4; ++j) {
+                    const int cj = c + 4 * w + j;
+                    if (r < rows && cj < cols) word |= static_cast<unsigned>(q[static_cast<long long>(r) * cols + cj]) << (8 * j);
+                }
+                tile[tr][part * 4 + w] = word;
             }
-            tile[line][part * 4 + w] = word;
         }
     }
     __syncthreads();
-    // qt's row c0 + line, columns r0 + part * 16 ..: the bytes of tile column `line`, rows part * 16 ..
-    const int out_row = c0 + line, out_col = r0 + part * 16;
+    // qt's row c0 + line, columns r0 + 64 k + part * 16 ..: the bytes of tile column `line`, rows 64 k + part * 16 ..
+    const int out_row = c0 + line;
     if (out_row >= cols) return;
-    unsigned words[4];
-    for (int w = 0; w < 4; ++w) {
-        unsigned word = 0;
-        for (int j = 0; j < 4; ++j) {
-            const unsigned b = (tile[part * 16 + 4 * w + j][line / 4] >> (8 * (line % 4))) & 0xffu;
-            word |= b << (8 * j);
+    const bool vec_out = (rows % 16) == 0 && (reinterpret_cast<size_t>(qt) % 16) == 0;
+#pragma unroll
+    for (int k = 0; k < FP8_ACT_T_SUB; ++k) {
+        const int out_col = r0 + k * FP8_TILE + part * 16;
+        if (out_col >= rows) break;
+        unsigned words[4];
+        for (int w = 0; w < 4; ++w) {
+            unsigned word = 0;
+            for (int j = 0; j < 4; ++j) {
+                const unsigned b = (tile[k * FP8_TILE + part * 16 + 4 * w + j][line / 4] >> (8 * (line % 4))) & 0xffu;
+                word |= b << (8 * j);
+            }
+            words[w] = word;
         }
-        words[w] = word;
-    }
-    unsigned char* out = qt + static_cast<long long>(out_row) * rows + out_col;
-    if (out_col + 16 <= rows && (rows % 16) == 0 && (reinterpret_cast<size_t>(qt) % 16) == 0) {
-        *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
-    } else {
-        for (int j = 0; j < 16; ++j)
-            if (out_col + j < rows) out[j] = static_cast<unsigned char>((words[j / 4] >> (8 * (j % 4))) & 0xffu);
+        unsigned char* out = qt + static_cast<long long>(out_row) * rows + out_col;
+        if (vec_out && out_col + 16 <= rows) {
+            *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
+        } else {
+            for (int j = 0; j < 16; ++j)
+                if (out_col + j < rows) out[j] = static_cast<unsigned char>((words[j / 4] >> (8 * (j % 4))) & 0xffu);
+        }
     }
 }
 

@@ -870,7 +870,7 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, cols", [(128, 192), (100, 72), (37, 24), (64, 64)])
+@pytest.mark.parametrize("rows, cols", [(128, 192), (100, 72), (37, 24), (64, 64), (520, 80), (1024, 64)])
 def test_the_act_transpose_and_the_history_fold_are_the_reference_s(engine, rows, cols):
     """k_fp8_act_t: every byte of q^T, in ragged tiles and without 16-byte accesses; its fold of a row (random
     history, amax and scale) the reference's fold_act_amax, every float."""
@@ -884,7 +884,7 @@ def test_the_act_transpose_and_the_history_fold_are_the_reference_s(engine, rows
     fp8.fold_act_amax(want, float(row[fp8.act_field("AMAX")]))
     dq, dqt, drow = cupy.asarray(q), cupy.full(rows * cols, 0xA5, dtype=np.uint8), cupy.asarray(row)
     d = fp8.kernel_defines("fp8")
-    grid = (-(-cols // d["FP8_TILE"]), -(-rows // d["FP8_TILE"]))
+    grid = fp8.act_t_grid(rows, cols)
     engine.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (dq, dqt, np.int32(rows), np.int32(cols), drow, np.int32(1)))
     np.testing.assert_array_equal(cupy.asnumpy(dqt).reshape(cols, rows), q.reshape(rows, cols).T)
     np.testing.assert_array_equal(cupy.asnumpy(drow), want)

@@ -194,6 +194,12 @@ def act_field(name: str) -> int:
     return kernel_defines("fp8")[f"FP8_ACT_{name}"]
 
 
+def act_t_grid(rows: int, cols: int) -> tuple[int, int]:
+    """k_fp8_act_t's grid transposing E4M3 bytes [rows, cols]: a block a 64-column strip of FP8_ACT_T_SUB tiles."""
+    d = kernel_defines("fp8")
+    return -(-cols // d["FP8_TILE"]), -(-rows // (d["FP8_TILE"] * d["FP8_ACT_T_SUB"]))
+
+
 def history_buffers(L: int) -> tuple:
     """A training model's act history under fp8 rounding: a row a layer (kernels/fp8.cu), state carried from step
     to step (and in .state.json), as m and v are."""

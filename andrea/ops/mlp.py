@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, act_field, amax_arg, delayed_act_amax, descale, dgelu_amax,
-                            dgelu_factor)
+from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, act_field, act_t_grid, amax_arg, delayed_act_amax, descale,
+                            dgelu_amax, dgelu_factor)
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, ptr, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
@@ -123,7 +123,7 @@ class CudaOps:
         if fold:
             self._fp8_book["e4m3_acts"].add((ptr(act), act.nbytes))
         d = kernel_defines("fp8")
-        grid = (-(-F // d["FP8_TILE"]), -(-N // d["FP8_TILE"])) if transpose else (1, 1)
+        grid = act_t_grid(N, F) if transpose else (1, 1)
         self.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F),
                                                           row, np.int32(fold)))
         if transpose:
