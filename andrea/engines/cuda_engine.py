@@ -222,9 +222,8 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         launches (and its next micro-batch's) would wait for it with the device idle. A staging buffer is written
         again only after its last copy ran (its event)."""
         self._fp8_wrote(dst)
-        src = np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape)
         if not staged:
-            dst.set(src)
+            dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
             return
         key = (ptr(dst), dst.nbytes)
         if key not in self._staging:
@@ -237,7 +236,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
             self._staging[key] = (pinned, host, cupy.cuda.Event(block=False, disable_timing=True))
         _, host, copied = self._staging[key]
         copied.synchronize()
-        host[...] = src
+        host[...] = np.reshape(src, dst.shape)  # converted as it is copied into the pinned buffer: one pass
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memcpyAsync(ptr(dst), host.ctypes.data, dst.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
                                       stream.ptr)
