@@ -77,18 +77,25 @@ class ActBound(Fp8EmulationEngine):
     def fp8_operand(self, a, fmt: str, amax: float | None = None):
         if a is not self._act or amax is not None:
             return super().fp8_operand(a, fmt, amax)
-        x = np.asarray(a, dtype=np.float32)
-        own = fp8.own_amax(np, x)
-        if own > self._bound:
-            raise AssertionError(f"act's amax {own} over its bound {self._bound}")
-        q = fp8.fake_quantize(np, x, fmt, self._bound)
-        if own > 0:
-            self.slack.append(float(np.log2(self._bound / own)))
-            nonzero = x != 0
-            self.flushed[0] += int((nonzero & (q == 0)).sum())
-            self.flushed[1] += int((nonzero & (fp8.fake_quantize(np, x, fmt) == 0)).sum())
-            self.flushed[2] += int(nonzero.sum())
-        return q.astype(self.dtype)
+        return rounded_at_bound(a, fmt, self._bound, "act", self.slack, self.flushed).astype(self.dtype)
+
+
+def rounded_at_bound(a, fmt: str, bound: float, what: str, slack: list, flushed: list, room: float = 0.0):
+    """a's FP8 rounding (fake_quantize) at the scale of `bound`, after checking that a's amax is at most bound * (1 +
+    room); log2(bound / amax) goes into `slack`, and `flushed` counts a's nonzero values that round to 0 at the
+    bound's scale, at a's own, and all of them."""
+    x = np.asarray(a, dtype=np.float32)
+    own = fp8.own_amax(np, x)
+    if own > bound * (1 + room):
+        raise AssertionError(f"{what}'s amax {own} over its bound {bound}")
+    q = fp8.fake_quantize(np, x, fmt, bound)
+    if own > 0:
+        slack.append(float(np.log2(bound / own)))
+        nonzero = x != 0
+        flushed[0] += int((nonzero & (q == 0)).sum())
+        flushed[1] += int((nonzero & (fp8.fake_quantize(np, x, fmt) == 0)).sum())
+        flushed[2] += int(nonzero.sum())
+    return q
 
 
 def main(argv=None) -> int:
