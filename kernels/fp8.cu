@@ -293,7 +293,7 @@ k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
 #define FP8_MANY_CHUNK 8192  // activations of one amax chunk (32 a thread)
 
 __device__ __forceinline__ int table_find(const long long* table, int n, int column, long long b) {
-    int lo = 0, hi = n - 1;  // the last entry whose first block is <= b
+    int lo = 0, hi = n - 1;  // the last entry whose first block (chunk, tile) is <= b
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
         if (table[mid * FP8_TABLE_WORDS + column] <= b) lo = mid;

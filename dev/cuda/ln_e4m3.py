@@ -25,6 +25,10 @@ sys.path.insert(0, str(REPO))
 
 import cupy as cp  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_ln_bound import ln_bound  # noqa: E402
+
 from andrea.engines.cuda_engine import CudaEngine  # noqa: E402
 from andrea.kernels_build import build_options, kernel_source  # noqa: E402
 from andrea.ops import fp8  # noqa: E402
@@ -41,12 +45,6 @@ def module() -> cp.RawModule:
     source = kernel_source("fp8") + (REPO / "kernels/layernorm.cu").read_text().replace(INCLUDE, "") + \
         (Path(__file__).parent / "ln_e4m3.cu").read_text().replace(INCLUDE, "")
     return cp.RawModule(code=source, options=build_options("fp8"), backend="nvrtc")
-
-
-def ln_bound(gamma: np.ndarray, beta: np.ndarray) -> float:
-    """The kernel's bound in float32, as dev/cuda/fp8_ln_bound.py computes it."""
-    k = np.float32(np.sqrt(np.float32(gamma.size - 1)))
-    return float(np.max(np.abs(gamma).astype(np.float32) * k + np.abs(beta).astype(np.float32)))
 
 
 def host_f32(a) -> np.ndarray:
@@ -76,19 +74,19 @@ class Paths:
                                   q=cp.zeros(N * C, dtype=np.uint8), qt=cp.zeros(N * C, dtype=np.uint8),
                                   descale=cp.zeros(4, dtype=np.float32))
 
-    def engine_path(self, amax=None) -> None:
-        """k_layernorm_fwd (fused, its output's amax into `amax` where given), then k_fp8_cast at the scale of `amax`
-        (the step's order), or of the bound."""
+    def engine_path(self, own_amax: bool = False) -> None:
+        """k_layernorm_fwd (fused; with `own_amax` its output's amax too), then k_fp8_cast at the scale of that amax
+        (the step's order), or else of the bound."""
         o, e, N, C = self.out["engine"], self.engine, self.N, self.C
         threads = kernel_defines("layernorm")["LN_THREADS"]
-        word = self.amax if amax else np.uint64(0)
+        word = self.amax if own_amax else np.uint64(0)
         e._launch("k_layernorm_fwd", blocks(N, threads // 32), threads, o["y"], o["mean"], o["rstd"], o["x"],
                   self.gamma, self.beta, np.int64(N), np.int32(C), self.a, self.b, np.int32(1), word)
         d = kernel_defines("fp8")
         grid = (-(-C // d["FP8_TILE"]), -(-N // d["FP8_TILE"]), 1)
         e.k["k_fp8_cast"](grid, (d["FP8_THREADS"],), (
             o["q"], np.int64(C), np.int64(0), o["qt"], np.int64(N), np.int64(0), o["descale"],
-            self.amax if amax else self.bound_word, o["y"], np.int32(N), np.int32(C), np.int32(0)))
+            self.amax if own_amax else self.bound_word, o["y"], np.int32(N), np.int32(C), np.int32(0)))
 
     def kernel_path(self) -> None:
         o, N, C = self.out["kernel"], self.N, self.C
@@ -139,7 +137,7 @@ def main(argv=None) -> int:
         print(f"{name} N {N} C {C}: {verdict} (the bound 2^{slack:.2f} over the output's amax)", flush=True)
         if name == "ragged":
             continue
-        now = graph_ms(engine, lambda: paths.engine_path(amax=True), reps=7)
+        now = graph_ms(engine, lambda: paths.engine_path(own_amax=True), reps=7)
         new = graph_ms(engine, paths.kernel_path, reps=7)
         moved = 2 * N * C * 2 + 2 * N * C  # a, b read, x written (bf16), X and X^T written (E4M3)
         print(f"  LayerNorm + cast {now * 1e3:.2f} us; the LayerNorm writing E4M3 {new * 1e3:.2f} us "
