@@ -16,7 +16,7 @@ import numpy as np
 from andrea.config import ModelShape
 from andrea.layout import ParameterLayout
 from andrea.memory import layer_buffer, loss_piece, plan_model, recomputing_layers
-from andrea.ops import attn_qkv, fp8
+from andrea.ops import attn_qkv, fp8, layernorm
 from andrea.ops.grad_norm import clip_scale
 from andrea.ops.loss import LOSS_SLOTS, weighted_mean
 
@@ -114,6 +114,8 @@ class Model:
         # buffer the others share (its saved transpose is dropped when the next layer writes it)
         rebuilt_lns = self.recompute_layers if "layernorm" in self.recompute else 0
         kept_lns = 2 * (shape.n_layer - rebuilt_lns) + (1 if rebuilt_lns else 0)
+        if layernorm.writes_e4m3(micro_batch * shape.seq_len, shape.d_model):
+            kept_lns = 0  # the LayerNorms write X^T into their own outputs' bytes (ops/layernorm.py)
         # under FP8 rounding a training pass casts act at the scale of an amax history, a row a layer (ops/fp8.py),
         # and keeps act^T in act's own bytes; data-parallel ranks cast at their own amax (a history would differ
         # between ranks, and a checkpoint holds one)
@@ -220,20 +222,23 @@ class Model:
         res, L = b["residual"], self.shape.n_layer
         e.embed_fwd(res[0], b["tokens"], P["wte"], P["wpe"])
         p0 = P["layers"][0]
-        e.layernorm_fwd(self.saved("ln1", 0), b["ln1_mean"][0], b["ln1_rstd"][0], res[0], p0["LN1.gamma"], p0["LN1.beta"])
+        # The layers' LayerNorm outputs feed only attn_qkv's and the MLP's products: under fp8 they are written as
+        # E4M3 bytes (`e4m3`, ops/layernorm.py); LNf's feeds the classifier and wte's gradient in bf16.
+        e.layernorm_fwd(self.saved("ln1", 0), b["ln1_mean"][0], b["ln1_rstd"][0], res[0], p0["LN1.gamma"], p0["LN1.beta"],
+                        e4m3=True)
         # Each residual add runs with the LayerNorm that reads its sum (residual_add, then layernorm_fwd).
         for l, (p, w) in enumerate(zip(P["layers"], W["layers"])):
             e.attn_qkv_fwd(b["qkv"][l], self.saved("ln1", l), w["W_QKV"])
             e.attn_fwd(b["atty"][l], b["att"][l], b["qkv"][l], H)
             e.attn_out_fwd(b["branch"], b["atty"][l], w["W_O"])
             e.residual_layernorm_fwd(b["residual_mid"][l], self.saved("ln2", l), b["ln2_mean"][l], b["ln2_rstd"][l],
-                                     res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"])
+                                     res[l], b["branch"], p["LN2.gamma"], p["LN2.beta"], e4m3=True)
             e.mlp_fwd(b["branch"], self.saved("mlp_pre", l), self.saved("mlp_act", l), self.saved("ln2", l), w["W_1"],
                       w["W_2"], recompute=self.recomputes("gelu", l), act_history=self._act_row(l) if backward else None)
             if l + 1 < L:
                 q = P["layers"][l + 1]
                 e.residual_layernorm_fwd(res[l + 1], self.saved("ln1", l + 1), b["ln1_mean"][l + 1], b["ln1_rstd"][l + 1],
-                                         b["residual_mid"][l], b["branch"], q["LN1.gamma"], q["LN1.beta"])
+                                         b["residual_mid"][l], b["branch"], q["LN1.gamma"], q["LN1.beta"], e4m3=True)
             else:
                 e.residual_layernorm_fwd(res[L], b["lnf"], b["lnf_mean"], b["lnf_rstd"], b["residual_mid"][l], b["branch"],
                                          P["LNf.gamma"], P["LNf.beta"])
@@ -298,7 +303,8 @@ class Model:
             p, w, g = P["layers"][l], W["layers"][l], G["layers"][l]
             # x_out = x_mid + mlp(LN2(x_mid))
             if self.recomputes("layernorm", l):
-                e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"], p["LN2.beta"])
+                e.layernorm_fwd(b["ln"], b["ln2_mean"][l], b["ln2_rstd"][l], b["residual_mid"][l], p["LN2.gamma"],
+                                p["LN2.beta"], e4m3=True)
             # pre and act are rebuilt inside mlp_bwd; d_mlp_pre is the one-layer act buffer where there is one
             dpre = b["mlp_act_layer"] if "gelu" in self.recompute else b["d_mlp_pre"]
             e.mlp_bwd(b["d_ln"], g["W_1"], g["W_2"], dpre, d_branch, self.saved("ln2", l), self.saved("mlp_pre", l),
@@ -311,7 +317,8 @@ class Model:
                            overwrite_weights=first)
             e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
             if self.recomputes("layernorm", l):
-                e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"])
+                e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"],
+                                e4m3=True)
             e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], d_qkv, self.saved("ln1", l), w["W_QKV"], overwrite=True,
                            overwrite_weights=first)
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])

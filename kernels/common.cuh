@@ -159,6 +159,15 @@ __device__ __forceinline__ unsigned short fp8x2(float lo, float hi, int e5m2) {
     return r;
 }
 
+// The scale's exponent e (s = 2^e) for amax bits `a`: amax = 1.f * 2^k, the format's max 1.75 * 2^emax,
+// so e = emax - k, one less where the mantissa is over 1.75; kept inside float's normal range.
+__device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
+    if (a == 0u) return 0;  // all zeros: any scale, 1
+    const int k = static_cast<int>((a >> 23) & 0xffu) - 127;
+    const int e = emax - k - ((a & 0x7fffffu) > 0x600000u ? 1 : 0);
+    return max(-126, min(127, e));
+}
+
 // 16 bytes of activations as floats: ACT_VEC of them (4 float or 8 lowp). Elementwise kernels move 16
 // bytes per load and store where every pointer they touch is 16-byte aligned (aligned16), else one element.
 #define ACT_VEC (16 / (int)sizeof(act_t))

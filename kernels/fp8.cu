@@ -42,15 +42,6 @@ extern "C" __global__ void __launch_bounds__(FP8_AMAX_THREADS) k_fp8_amax(unsign
     block_amax(amax, amax_span(x, 0, n, blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x, lanes));
 }
 
-// The scale's exponent e (s = 2^e) for amax bits `a`: amax = 1.f * 2^k, the format's max 1.75 * 2^emax,
-// so e = emax - k, one less where the mantissa is over 1.75; kept inside float's normal range.
-__device__ __forceinline__ int fp8_scale_exponent(unsigned a, int emax) {
-    if (a == 0u) return 0;  // all zeros: any scale, 1
-    const int k = static_cast<int>((a >> 23) & 0xffu) - 127;
-    const int e = emax - k - ((a & 0x7fffffu) > 0x600000u ? 1 : 0);
-    return max(-126, min(127, e));
-}
-
 // 8 activations of a tile row from column c (zeros past rows or cols): one 16-byte load where all 8 are in bounds
 // and aligned.
 __device__ __forceinline__ void load8(const act_t* row, int r, int rows, int c, int cols, bool whole, bool vec,

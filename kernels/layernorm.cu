@@ -410,3 +410,105 @@ k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, i
         dbeta[c] = add ? dbeta[c] + part[1][0][cx] : part[1][0][cx];
     }
 }
+
+// The forward writing its output as E4M3 bytes only, in both layouts precision fp8's products read: X [rows, C]
+// (the forward product's operand) and X^T [C, rows] (the weight gradient's), at the scale of a bound known before
+// the pass, max over columns of sqrt(C - 1) |gamma| + |beta| (a row's deviations sum to 0, so its |xhat| is at most
+// sqrt(C - 1)): no amax and no cast pass follow it (andrea/ops/layernorm.py). Each value is k_layernorm_fwd's, as
+// that kernel stores it in act_t, then scaled and converted as k_fp8_cast does. A warp a row, its groups held in
+// registers as stored; the block's LN_E4M3_ROWS x C bytes gather in shared memory for X^T. C a multiple of ACT_VEC
+// and at most LN_E4M3_MAX_C; every row 16-byte aligned. Block 0 writes the descale 1 / s. qt null: X alone (a
+// forward with no backward after it).
+#define LN_E4M3_ROWS 32  // rows a block: a warp a row
+#define LN_E4M3_THREADS (LN_E4M3_ROWS * WARP_SIZE)
+#define LN_E4M3_MAX_C 1024  // widest row: the block's bytes in 33 KB of static shared memory
+#define LN_E4M3_GROUPS (LN_E4M3_MAX_C / (WARP_SIZE * ACT_VEC))  // ACT_VEC-wide groups a lane at most
+
+extern "C" __global__ void __launch_bounds__(LN_E4M3_THREADS)
+k_layernorm_fwd_e4m3(unsigned char* q, unsigned char* qt, float* descale, float* mean, float* rstd, act_t* inp,
+                     const float* gamma, const float* beta, long long n_rows, int C, const act_t* a,
+                     const act_t* residual, int fused) {
+    __shared__ __align__(16) unsigned char tile[LN_E4M3_ROWS][LN_E4M3_MAX_C + 16];  // [row][col]; 16 bytes of pad
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const long long r0 = static_cast<long long>(blockIdx.x) * LN_E4M3_ROWS, row = r0 + warp;
+    // the bound, from gamma and beta alone: every warp finds the same (a max, in any order)
+    const float k = sqrtf(static_cast<float>(C - 1));
+    float bound = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE)
+        bound = fmaxf(bound, __fadd_rn(__fmul_rn(fabsf(gamma[c]), k), fabsf(beta[c])));  // no FMA: NumPy's rounding
+    bound = warp_max(bound);
+    const int e = fp8_scale_exponent(__float_as_uint(bound), 8);
+    const float s = __int_as_float((e + 127) << 23);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *descale = __int_as_float((127 - e) << 23);
+    if (row < n_rows) {
+        act_t* x = inp + row * C;
+        float v[LN_E4M3_GROUPS][ACT_VEC];
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < LN_E4M3_GROUPS; j++) {
+            const int c = (lane + WARP_SIZE * j) * ACT_VEC;
+            if (c >= C) continue;
+            if (fused) {
+                float w[ACT_VEC];
+                load_vec(a + row * C + c, v[j]);
+                load_vec(residual + row * C + c, w);
+#pragma unroll
+                for (int i = 0; i < ACT_VEC; i++) v[j][i] = as_stored(v[j][i] + w[i]);
+                store_vec(x + c, v[j]);
+            } else {
+                load_vec(x + c, v[j]);
+            }
+#pragma unroll
+            for (int i = 0; i < ACT_VEC; i++) sum += v[j][i];
+        }
+        const float m = warp_sum(sum) / C;
+        float sq = 0.0f;
+#pragma unroll
+        for (int j = 0; j < LN_E4M3_GROUPS; j++) {
+            if ((lane + WARP_SIZE * j) * ACT_VEC >= C) continue;
+#pragma unroll
+            for (int i = 0; i < ACT_VEC; i++) sq += (v[j][i] - m) * (v[j][i] - m);
+        }
+        const float r = 1.0f / sqrtf(warp_sum(sq) / C + LN_EPS);
+#pragma unroll
+        for (int j = 0; j < LN_E4M3_GROUPS; j++) {
+            const int c = (lane + WARP_SIZE * j) * ACT_VEC;
+            if (c >= C) continue;
+            float g[ACT_VEC], b[ACT_VEC], y[ACT_VEC];
+            load_f32(gamma + c, g);
+            load_f32(beta + c, b);
+            // as k_layernorm_fwd computes and stores it, then scaled
+#pragma unroll
+            for (int i = 0; i < ACT_VEC; i++) y[i] = as_stored((v[j][i] - m) * r * g[i] + b[i]) * s;
+            unsigned w[ACT_VEC / 4];  // the group's bytes, the lower column first
+#pragma unroll
+            for (int i = 0; i < ACT_VEC / 4; i++)
+                w[i] = fp8x2(y[4 * i], y[4 * i + 1], 0) | static_cast<unsigned>(fp8x2(y[4 * i + 2], y[4 * i + 3], 0)) << 16;
+#pragma unroll
+            for (int i = 0; i < ACT_VEC / 4; i++) {
+                reinterpret_cast<unsigned*>(q + row * C + c)[i] = w[i];
+                reinterpret_cast<unsigned*>(&tile[warp][c])[i] = w[i];
+            }
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
+    }
+    if (qt == nullptr) return;  // the same in every thread of the block
+    __syncthreads();
+    // X^T: the block's rows are LN_E4M3_ROWS consecutive bytes of each of its C rows; a thread takes 16 a turn
+    const int valid = static_cast<int>(min(static_cast<long long>(LN_E4M3_ROWS), n_rows - r0));
+    for (int t = threadIdx.x; t < (LN_E4M3_ROWS / 16) * C; t += LN_E4M3_THREADS) {
+        const int c = t / (LN_E4M3_ROWS / 16), h = (t % (LN_E4M3_ROWS / 16)) * 16;
+        unsigned char* out = qt + static_cast<long long>(c) * n_rows + r0 + h;
+        if (h + 16 <= valid && n_rows % 16 == 0) {
+            unsigned w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int i = 0; i < 16; i++) w[i / 4] |= static_cast<unsigned>(tile[h + i][c]) << (8 * (i % 4));
+            *reinterpret_cast<uint4*>(out) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else {
+            for (int i = 0; h + i < valid; i++) out[i] = tile[h + i][c];
+        }
+    }
+}

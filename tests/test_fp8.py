@@ -718,12 +718,14 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     the backward) and with every cast running its own amax pass gives the same bytes, with far fewer passes:
     each scale is the same function of the same tensor. d_model 1040 takes the LayerNorm backward's wide-row
     kernel, the recompute options the shared scratch buffers. Without the act history (which casts act at its
-    scale inside a pass, and at its own amax's outside one), so that act's casts are in the comparison too. In
-    a pass no amax word is zeroed by a memset of its own (the pass's table is zeroed once as it opens)."""
+    scale inside a pass, and at its own amax's outside one) and the LayerNorms' E4M3 outputs (at their bound's
+    scale inside a pass), so that act's and the LayerNorm outputs' casts are in the comparison too. In a pass no
+    amax word is zeroed by a memset of its own (the pass's table is zeroed once as it opens)."""
     from andrea.config import ModelShape
     from andrea.engines.crosscheck import train_run
 
     _without_act_history(engine, monkeypatch)
+    _without_e4m3_layernorms(monkeypatch)
 
     shape = ModelShape(n_layer=2, d_model=d_model, n_head=n_head, vocab_size=512, seq_len=64)
     launches, preparing = [], []
@@ -767,6 +769,13 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     assert kept_passes < own_passes / 2, (kept_passes, own_passes)
 
 
+def _without_e4m3_layernorms(monkeypatch) -> None:
+    """Models and ops from here to the test's end write the LayerNorm outputs in bf16, cast by the products."""
+    from andrea.ops import layernorm
+
+    monkeypatch.setattr(layernorm, "writes_e4m3", lambda rows, C: False)
+
+
 def _without_act_history(engine, monkeypatch) -> None:
     """Models made on `engine` from here to the test's end keep no act history (act cast at its own amax)."""
     import dataclasses
@@ -775,26 +784,30 @@ def _without_act_history(engine, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("history", [False, True])
+@pytest.mark.parametrize("history, e4m3_lns", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("recompute, recompute_layers", [((), None), (("gelu",), 1), (("gelu",), None),
                                                          (("layernorm",), 1), (("layernorm", "gelu"), None)])
-def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, recompute_layers, history):
+def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, recompute_layers, history, e4m3_lns):
     """The X^T that the forward's casts save into fp8_act_t (the MLP's act for dW_2, the two LayerNorm outputs
     for dW_QKV and dW_1) and the backward's products read give the bytes of casting X again in the backward,
     with one cast fewer for each saved X a backward call reads (calls on the host: a recorded micro-batch
     replays without any); the layers that rebuild X (recompute gelu, layernorm) cast it again. The plan holds a
     place for each kept X and the one LayerNorm buffer that the rebuilding layers share. With the act history,
-    act^T lives in act's own bytes: no place for it, and no cast of act either way."""
+    act^T lives in act's own bytes: no place for it, and no cast of act either way; with the LayerNorms writing
+    E4M3 (ops/layernorm.py), so do their outputs' X^T, the rebuilt ones' too."""
     from andrea.config import ModelShape
     from andrea.engines.crosscheck import train_run
 
     if not history:
         _without_act_history(engine, monkeypatch)
+    if not e4m3_lns:
+        _without_e4m3_layernorms(monkeypatch)
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     L = shape.n_layer
     r = recompute_layers or L
     kept_acts = 0 if history else L - (r if "gelu" in recompute else 0)
-    kept_lns = L - (r if "layernorm" in recompute else 0)  # layers that keep their two LayerNorm outputs
+    # layers that keep their two LayerNorm outputs' X^T in fp8_act_t
+    kept_lns = 0 if e4m3_lns else L - (r if "layernorm" in recompute else 0)
     calls = {"_fp8_cast": 0, "mlp_bwd": 0}
     for name in calls:
         def counted(self, *a, _name=name, _method=getattr(type(engine), name), **k):
@@ -811,14 +824,15 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
         return r, dict(calls)
 
     saved, saved_calls = run()
-    shared_ln = kept_lns < L  # the one LayerNorm buffer of the layers that rebuild theirs
+    shared_ln = not e4m3_lns and kept_lns < L  # the one LayerNorm buffer of the layers that rebuild theirs
     assert len(engine._fp8_act_t_places) == kept_acts + 2 * kept_lns + shared_ln
     from andrea.model import Model
 
     plan = Model(engine, shape, 4, recompute=recompute, recompute_layers=recompute_layers).plan
     N, C = 4 * shape.seq_len, shape.d_model
     want = kept_acts * fp8._padded(N * 4 * C) + (2 * kept_lns + shared_ln) * fp8._padded(N * C)
-    assert {b.name: b for b in plan.buffers}["fp8_act_t"].shape == (want,)
+    held = {b.name: b for b in plan.buffers}.get("fp8_act_t")
+    assert (0 if held is None else held.shape[0]) == want
     monkeypatch.setattr(type(engine), "_fp8_transpose_place", lambda self, x: None)
     again, again_calls = run()
     assert saved.digest == again.digest, (saved.losses, again.losses)
@@ -831,7 +845,7 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
 @pytest.mark.gpu
 def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
     """Model.forward (evaluation, in the training model's memory) writes neither the classifier's E5M2 d_logits
-    nor the LayerNorm outputs' transposes, which only a backward reads; its loss is the bits of the training pass's
+    nor the LayerNorm outputs' transposes (in fp8_act_t or in their own bytes), which only a backward reads; its loss is the bits of the training pass's
     forward without an act history (act at its own amax: as an evaluation of the checkpoint in a new process), and
     that pass writes both."""
     import cupy
@@ -846,7 +860,11 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
     def run():  # (the forward's loss, the training pass's)
         model = Model(engine, shape, 4)
         model.load_state(init_params(model.layout, 5))
-        held = [engine.own[k] for k in ("fp8_dlogits", "fp8_act_t")]
+        planned = {b.name for b in model.plan.buffers}
+        held = [engine.own[k] for k in ("fp8_dlogits", "fp8_act_t") if k in planned]
+        # the LayerNorm outputs' second halves: X^T where the LayerNorms write E4M3 (ops/layernorm.py)
+        held += [model.saved(name, 0).reshape(-1).view(np.uint8)[model.saved(name, 0).nbytes // 2:]
+                 for name in ("ln1", "ln2")]
         for h in held:
             h.fill(0x5A)
 
@@ -854,9 +872,9 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
             return [bool((cupy.asnumpy(h) == 0x5A).all()) for h in held]
 
         loss = model.forward(tokens, targets)
-        assert untouched() == [True, True]
+        assert untouched() == [True] * len(held)
         losses = loss, model.forward_backward(tokens, targets)
-        assert untouched() == [False, False]
+        assert untouched() == [False] * len(held)
         return losses
 
     with monkeypatch.context() as m:
@@ -955,3 +973,61 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
     for k in ("out", "dinp", "dW_1", "dW_2"):
         np.testing.assert_array_equal(again[k].view(np.uint8), delayed[k].view(np.uint8))
     np.testing.assert_array_equal(row_again, row)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, C, fused", [(256, 64, True), (208, 48, False), (4096, 768, True), (1008, 384, False)])
+def test_the_layernorm_writes_its_output_as_e4m3_at_the_bound_s_scale(engine, monkeypatch, N, C, fused):
+    """Inside a pass a LayerNorm given `e4m3` writes X and X^T as the bytes of its bf16 output cast at e4m3_bound's
+    scale (quantize), the residual sum, mean and rstd as without the flag; the products take those bytes
+    (_fp8_cast_saving, _fp8_saved_transpose), and a read as bf16 (_fp8_readable) gets the plain LayerNorm's bits.
+    A forward alone leaves X^T's half of the bytes unwritten; outside a pass the flag changes nothing."""
+    import cupy
+
+    from andrea.ops.layernorm import e4m3_bound
+
+    if engine.own.get("fp8_amax") is None:  # the pass's slots, as a model's plan gives them
+        monkeypatch.setitem(engine.own, "fp8_amax", cupy.zeros(fp8.SLOT_FLOATS * 8, dtype=np.float32))
+    rng = np.random.default_rng()
+    gamma = (1 + 0.3 * rng.standard_normal(C)).astype(np.float32)
+    beta = (0.2 * rng.standard_normal(C)).astype(np.float32)
+    host = {"a": _bf16(rng.standard_normal((N, C)) * 2 + 0.5), "b": _bf16(rng.standard_normal((N, C)))}
+    dev = {k: cupy.asarray(v.astype("bfloat16")) for k, v in host.items()}
+    dev["gamma"], dev["beta"] = cupy.asarray(gamma), cupy.asarray(beta)
+    bound = e4m3_bound(gamma, beta)
+
+    def run(e4m3, in_pass=True, backward=True):
+        res = dev["a"].copy() if not fused else cupy.full((N, C), np.nan, dtype="bfloat16")
+        out = cupy.full((N, C), np.nan, dtype="bfloat16")
+        mean, rstd = cupy.full(N, np.nan, dtype=np.float32), cupy.full(N, np.nan, dtype=np.float32)
+        got = {}
+        with engine.fp8_pass(backward) if in_pass else contextlib.nullcontext():
+            if fused:
+                engine.residual_layernorm_fwd(res, out, mean, rstd, dev["a"], dev["b"], dev["gamma"], dev["beta"],
+                                              e4m3=e4m3)
+            else:
+                engine.layernorm_fwd(out, mean, rstd, res, dev["gamma"], dev["beta"], e4m3=e4m3)
+            got["bytes"] = cupy.asnumpy(out).reshape(-1).view(np.uint8).copy()
+            if e4m3 and in_pass:
+                q, descale = engine._fp8_cast_saving(out, N, C, None, False)
+                got["q"], got["descale"] = cupy.asnumpy(q).reshape(N, C), float(cupy.asnumpy(descale)[0])
+                saved = engine._fp8_saved_transpose(out)
+                got["qt"] = None if saved is None else cupy.asnumpy(saved[0]).reshape(C, N)
+                engine._fp8_readable(out)
+                assert engine._fp8_saved_transpose(out) is None  # the bytes are gone with the rerun
+        got.update(res=cupy.asnumpy(res), mean=cupy.asnumpy(mean), rstd=cupy.asnumpy(rstd), out=cupy.asnumpy(out))
+        return got
+
+    plain, written, alone, outside = run(False), run(True), run(True, backward=False), run(True, in_pass=False)
+    want, descale = fp8.quantize(plain["out"].astype(np.float32), "e4m3", amax=bound)
+    np.testing.assert_array_equal(written["q"], want)
+    np.testing.assert_array_equal(written["qt"], want.T)
+    assert written["descale"] == descale == 2.0 ** -fp8.scale_exponent(bound, "e4m3")
+    np.testing.assert_array_equal(written["bytes"], np.concatenate([want.reshape(-1), want.T.reshape(-1)]))
+    np.testing.assert_array_equal(alone["q"], want)
+    assert alone["qt"] is None
+    assert np.isnan(alone["bytes"][N * C:].view("bfloat16").astype(np.float32)).all()  # X^T's half untouched
+    for got in (written, alone, outside):
+        for k in ("res", "mean", "rstd", "out"):
+            np.testing.assert_array_equal(got[k].view(np.uint8), plain[k].view(np.uint8), err_msg=k)
+    assert np.abs(plain["out"].astype(np.float32)).max() <= bound * (1 + 2.0**-7)

@@ -46,13 +46,14 @@ class CudaOps:
         N = inp.size // C
         self._fp8_wrote(qkv)
         if not (self._fp8_ok(N, C) and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
+            self._fp8_readable(inp)
             self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
     def _attn_qkv_fwd_fp8(self, qkv, inp, W_QKV, N, C) -> bool:
         """qkv[i] = X @ W_i on FP8 operands: X [N, C] and each W_i^T [C, C], one batched product (False: not run);
         X^T kept for the backward's dW_QKV (_fp8_cast_saving)."""
         xq, wt = self._fp8_operands(N * C, 3 * C * C)
-        sx = self._fp8_cast_saving(inp, N, C, xq, True)
+        xq, sx = self._fp8_cast_saving(inp, N, C, xq, True)
         wt, sw = self._fp8_weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
         return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C,
                               fast=True)
@@ -79,6 +80,7 @@ class CudaOps:
         done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, beta_w, N, C)
                               if self._fp8_ok(N, C) else (False, False))
         if not done_dW:  # the three C x C weight gradients as one batched product
+            self._fp8_readable(inp)
             self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, ldb=ld, beta=beta_w, batch=3, stride_b=plane,
                            stride_c=C * C)
         if done_dinp:

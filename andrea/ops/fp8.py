@@ -155,7 +155,7 @@ def operand_bytes(B: int, T: int, C: int) -> int:
 # ---- the reference -----------------------------------------------------------------------------
 def scale_exponent(amax: float, fmt: str) -> int:
     """e with s = 2^e the largest power of two where amax * s <= the format's largest value (float32 amax;
-    0 for amax 0), kept inside float32's normal range: kernels/fp8.cu's fp8_scale_exponent."""
+    0 for amax 0), kept inside float32's normal range: kernels/common.cuh's fp8_scale_exponent."""
     bits = int(np.float32(amax).view(np.uint32))
     if bits == 0:
         return 0
@@ -402,8 +402,10 @@ class CudaOps:
             raise RuntimeError("fp8_pass: a pass is already open")
         if self.own.get("fp8_amax") is not None:
             self.zero(self.own["fp8_amax"])
-        # e4m3_acts: the MLP acts whose forward wrote them as E4M3 bytes (the act history's path, ops/mlp.py)
-        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "e4m3_acts": set()}
+        # e4m3_acts: the MLP acts whose forward wrote them as E4M3 bytes (the act history's path, ops/mlp.py);
+        # e4m3_lns: the LayerNorm outputs written as E4M3 bytes only (_fp8_ln_written)
+        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "e4m3_acts": set(),
+                          "e4m3_lns": {}}
         try:
             yield
         finally:
@@ -417,11 +419,30 @@ class CudaOps:
         """An op wrote these without their amax: drop every kept tensor they overlap (and its saved transpose)."""
         if self._fp8_book is None:
             return
-        for book in (self._fp8_book["kept"], self._fp8_book["transposed"]):
+        for book in (self._fp8_book["kept"], self._fp8_book["transposed"], self._fp8_book["e4m3_lns"]):
             for b in bufs:
                 lo, hi = ptr(b), ptr(b) + b.nbytes
                 for key in [k for k in book if k[0] < hi and lo < k[0] + k[1]]:
                     del book[key]
+
+    def _fp8_ln_written(self, out, q, qt, descale, rerun) -> None:
+        """A LayerNorm wrote out as E4M3 bytes only (ops/layernorm.py): X in q, X^T in qt (None: none), at the descale
+        given, kept for the pass's products; `rerun()` writes out in bf16 instead (_fp8_readable)."""
+        key = (ptr(out), out.nbytes)
+        self._fp8_book["e4m3_lns"][key] = (q, descale, rerun)
+        if qt is not None:
+            self._fp8_book["transposed"][key] = (qt, descale)
+
+    def _fp8_readable(self, *xs) -> None:
+        """Every x of xs whose LayerNorm wrote it as E4M3 bytes only gets its bf16 values: the LayerNorm runs again
+        (from its input, mean and rstd, so the same bits as ever), dropping the bytes. Whatever reads x as bf16 in a
+        pass calls this first: a product with no FP8 algorithm, a cast."""
+        if self._fp8_book is None:
+            return
+        for x in xs:
+            written = self._fp8_book["e4m3_lns"].pop((ptr(x), x.nbytes), None)
+            if written is not None:
+                written[2]()
 
     def _fp8_transpose_place(self, x):
         """x's place in fp8_act_t (its E4M3 transpose, kept from a forward's cast to the backward), assigned on
@@ -487,6 +508,7 @@ class CudaOps:
         is kept, else its amax pass runs into a new slot of the pass (kept for x's later casts with `keep`), or
         outside one into scale slot `slot` (an engine slot's index, or a slot array of the caller's own, which a
         pass leaves to the caller: a weight's copy keeps its descale there)."""
+        self._fp8_readable(x)
         book = self._fp8_book
         known = book["kept"].get((ptr(x), x.nbytes)) if book is not None else None
         if known is not None:
@@ -518,6 +540,7 @@ class CudaOps:
         (`fp8=False`: the plain product in every precision). `save_transpose`: the cast keeps inp^T for the
         backward where it can (_fp8_saved_transpose)."""
         if not (fp8 and self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M, save_transpose=save_transpose)):
+            self._fp8_readable(inp)
             self.blas.gemm(out, inp, W, N, M, K)
 
     def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True, cast=None,
@@ -534,20 +557,25 @@ class CudaOps:
         if unfinished is not None and not (done_dW and done_dinp):
             unfinished()
         if not done_dW:
+            self._fp8_readable(inp)
             self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=beta_w)
         if not done_dinp:
             self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
 
-    def _fp8_cast_saving(self, x, rows: int, cols: int, q, save: bool):
-        """x [rows, cols] cast to E4M3 into q as _fp8_cast does (its descale); with `save`, x^T too, into x's place
-        in fp8_act_t, kept for the backward (_fp8_saved_transpose) where x has a place and its amax a slot of the
-        pass (the descale is then the slot's, current until x is rewritten)."""
+    def _fp8_cast_saving(self, x, rows: int, cols: int, q, save: bool) -> tuple:
+        """(x [rows, cols] in E4M3, its descale): the bytes its LayerNorm wrote (_fp8_ln_written, x^T saved too), or x
+        cast into q as _fp8_cast does; with `save`, x^T too, into x's place in fp8_act_t, kept for the backward
+        (_fp8_saved_transpose) where x has a place and its amax a slot of the pass (the descale is then the slot's,
+        current until x is rewritten)."""
+        key = (ptr(x), x.nbytes)
+        if self._fp8_book is not None and key in self._fp8_book["e4m3_lns"]:
+            written, descale, _ = self._fp8_book["e4m3_lns"][key]
+            return written, descale
         xt = self._fp8_transpose_place(x) if save else None
         sx = self._fp8_cast(x, rows, cols, "e4m3", 0, q=q, qt=xt)
-        key = (ptr(x), x.nbytes)
         if xt is not None and key in self._fp8_book["kept"]:
             self._fp8_book["transposed"][key] = (xt, sx)
-        return sx
+        return q, sx
 
     def _fp8_transpose(self, x, rows: int, cols: int, qt) -> tuple:
         """(x^T in E4M3, its descale): the forward's where it saved it, else x [rows, cols] cast into qt."""
@@ -558,7 +586,7 @@ class CudaOps:
         """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written.
         `save_transpose`: X^T too, kept for the backward (_fp8_cast_saving)."""
         xq, wt = self._fp8_operands(N * K, K * M)
-        sx = self._fp8_cast_saving(inp, N, K, xq, save_transpose)
+        xq, sx = self._fp8_cast_saving(inp, N, K, xq, save_transpose)
         return self._fp8_times_weight(out, xq, sx, W, N, K, M, into=wt, **kw)
 
     def _fp8_times_weight(self, out, xq, sx, W, N, K, M, into, **kw) -> bool:

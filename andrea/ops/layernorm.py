@@ -1,6 +1,12 @@
 """layernorm_fwd / layernorm_bwd (kernels/layernorm.cu), with the residual connection fused on either
 side: residual_layernorm_fwd (residual_add, then the LayerNorm reading its sum) and
-layernorm_residual_bwd (the LayerNorm's backward, then that residual connection's backward in place)."""
+layernorm_residual_bwd (the LayerNorm's backward, then that residual connection's backward in place).
+
+Under precision fp8 the layers' LayerNorms (`e4m3`: the inputs of attn_qkv's and the MLP's products) write their
+output, inside a model's pass, as E4M3 bytes only, in both layouts the products read (X^T only where a backward
+follows), at the scale of `e4m3_bound`, a bound of |out| from gamma and beta known before the pass
+(k_layernorm_fwd_e4m3): no amax, no cast pass, no bf16 write. The bytes are the bf16 LayerNorm's cast at that
+scale. The fp8 emulation rounds out at the same scale; elsewhere the flag changes nothing."""
 
 from __future__ import annotations
 
@@ -8,16 +14,31 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
-from andrea.ops.fp8 import amax_arg
+from andrea.ops.fp8 import amax_arg, fp8_shapes_ok
 from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr, start_grad
 
 LN_EPS = 1e-5
 KERNELS = {"layernorm": ("k_layernorm_fwd", "k_layernorm_bwd", "k_layernorm_bwd_sum",
-                         *(f"k_layernorm_bwd_cached{j}" for j in range(1, 5)))}
+                         *(f"k_layernorm_bwd_cached{j}" for j in range(1, 5)), "k_layernorm_fwd_e4m3")}
 # The cached backward (k_layernorm_bwd_cached<J>): J 16-byte groups a lane, J = 1 .. its instances above.
 LN_BWD_MAX_GROUPS = 4
 LN_BWD_ROWS = 32  # rows of a chunk of the cached backward (more where ln_partials could not hold that many chunks)
 LN_MAX_C = 4096  # widest row the backward's partial sums (ln_partials) hold
+
+
+def e4m3_bound(gamma, beta) -> float:
+    """max over columns of sqrt(C - 1) |gamma| + |beta| in float32, the product and the sum rounded apart (as
+    k_layernorm_fwd_e4m3 finds it): a bound of |out| for any row, whose deviations sum to 0, so that its |xhat| is
+    at most sqrt(C - 1)."""
+    gamma, beta = (np.asarray(v, dtype=np.float32) for v in (gamma, beta))
+    k = np.float32(np.sqrt(np.float32(gamma.size - 1)))
+    return float(np.max(np.abs(gamma) * k + np.abs(beta)))
+
+
+def writes_e4m3(rows: int, C: int) -> bool:
+    """Whether an fp8 training pass writes a LayerNorm output of `rows` x C as E4M3 bytes, as far as its shape
+    decides (_layernorm_fwd_e4m3): shapes the FP8 products take, a row the kernel holds."""
+    return fp8_shapes_ok(rows, C) and C <= kernel_defines("layernorm")["LN_E4M3_MAX_C"]
 
 
 def engine_buffers() -> tuple[BufferSpec, ...]:
@@ -26,18 +47,21 @@ def engine_buffers() -> tuple[BufferSpec, ...]:
 
 
 class NumpyOps:
-    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta):
+    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, e4m3=False):
+        """`e4m3`: out as the fp8 products read it, rounded at e4m3_bound's scale (module docstring)."""
         mean[...] = inp.mean(axis=-1)
         xc = inp - mean[..., None]
         rstd[...] = 1.0 / np.sqrt((xc * xc).mean(axis=-1) + LN_EPS)
         np.multiply(xc * rstd[..., None], gamma, out=out)
         out += beta
+        if e4m3:  # fp8_operand is the identity outside the fp8 emulation
+            out[...] = self.fp8_operand(out, "e4m3", e4m3_bound(gamma, beta))
 
-    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta):
+    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta, e4m3=False):
         """residual_add(res_out, a, b) then layernorm_fwd(out, mean, rstd, res_out, ...): the residual
         connection and the LayerNorm after it (an engine may run them as one pass)."""
         self.residual_add(res_out, a, b)
-        self.layernorm_fwd(out, mean, rstd, res_out, gamma, beta)
+        self.layernorm_fwd(out, mean, rstd, res_out, gamma, beta, e4m3)
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False, overwrite_weights=False):
         xhat = (inp - mean[..., None]) * rstd[..., None]
@@ -62,22 +86,53 @@ class NumpyOps:
 
 
 class CudaOps:
-    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta):
-        self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0)
+    def layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, e4m3=False):
+        """`e4m3`: out written as E4M3 bytes only where the pass's products read it so (_layernorm_fwd_e4m3)."""
+        self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0, e4m3)
 
-    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta):
+    def residual_layernorm_fwd(self, res_out, out, mean, rstd, a, b, gamma, beta, e4m3=False):
         """residual_add(res_out, a, b) then layernorm_fwd(out, mean, rstd, res_out, ...), in one pass."""
-        self._layernorm_fwd(out, mean, rstd, res_out, gamma, beta, a, b, 1)
+        self._layernorm_fwd(out, mean, rstd, res_out, gamma, beta, a, b, 1, e4m3)
 
-    def _layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, a, b, fused):
+    def _layernorm_fwd(self, out, mean, rstd, inp, gamma, beta, a, b, fused, e4m3=False):
         C = inp.shape[-1]
         rows = inp.size // C
         threads = kernel_defines("layernorm")["LN_THREADS"]
         if fused:
             self._fp8_wrote(inp)
+        if e4m3 and self._layernorm_fwd_e4m3(out, mean, rstd, inp, gamma, beta, a, b, fused):
+            return
         amax = amax_arg(self._fp8_produced(out))  # null outside an fp8 pass
         self._launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
                      out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused), amax)
+
+    def _layernorm_fwd_e4m3(self, out, mean, rstd, inp, gamma, beta, a, b, fused) -> bool:
+        """out [rows, C] as E4M3 bytes in its own: X in the first half and, where a backward follows, X^T [C, rows] in
+        the second, at e4m3_bound's scale (k_layernorm_fwd_e4m3), kept in the pass's book for the products
+        (_fp8_ln_written) with the descale in a slot of the pass. False where the FP8 products would not read it so
+        (nothing written): outside a pass, shapes they do not take, rows wider than the kernel's, not 16-byte
+        aligned, or no slot left. A product that reads out as bf16 after all first has the LayerNorm run again
+        from inp, mean and rstd (_fp8_readable)."""
+        k = kernel_defines("layernorm")
+        C = inp.shape[-1]
+        rows = inp.size // C
+        if not (self.fp8 and self._fp8_book is not None and writes_e4m3(rows, C)
+                and all(ptr(x) % 16 == 0 for x in (out, inp, a, b))):
+            return False
+        slot = self._fp8_next_slot()
+        if slot is None:
+            return False
+        self._fp8_wrote(out)
+        descale = self._fp8_amax_slot(slot)[:1]
+        half = out.nbytes // 2
+        q, qt = out.reshape(-1).view(np.uint8)[:half], out.reshape(-1).view(np.uint8)[half:]
+        qt = qt if self._fp8_backward_follows() else None
+        self._launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), k["LN_E4M3_THREADS"], q,
+                     np.uint64(0) if qt is None else qt, descale,
+                     mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
+        self._fp8_ln_written(out, q, qt, descale,
+                             lambda: self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0))
+        return True
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False, overwrite_weights=False):
         self._layernorm_bwd(dinp, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, 0, overwrite, overwrite_weights)

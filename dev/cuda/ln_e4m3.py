@@ -1,11 +1,11 @@
-"""The LayerNorm forward writing E4M3 itself (dev/cuda/ln_e4m3.cu) against what precision fp8 runs today for each of
-a layer's two LayerNorm outputs: k_layernorm_fwd (the residual add fused, the output in bf16 with its amax), then
-k_fp8_cast (both E4M3 layouts at that amax's scale).
+"""The LayerNorm forward writing E4M3 itself (kernels/layernorm.cu's k_layernorm_fwd_e4m3) against what precision fp8
+ran before it for each of a layer's two LayerNorm outputs: k_layernorm_fwd (the residual add fused, the output in
+bf16 with its amax), then k_fp8_cast (both E4M3 layouts at that amax's scale).
 
     PYTHONPATH=. python3 dev/cuda/ln_e4m3.py [--shapes 120M,12M]
 
-The kernel scales by a bound of the output known before the pass (dev/cuda/fp8_ln_bound.py: its rounding on the
-CPU), so it writes X and X^T as it normalises, with no amax and no cast pass. First, on fresh random inputs at the
+The kernel scales by a bound of the output known before the pass (andrea/ops/layernorm.py's e4m3_bound; its rounding
+on the CPU: dev/cuda/fp8_ln_bound.py), so it writes X and X^T as it normalises, with no amax and no cast pass. First, on fresh random inputs at the
 benchmark's shapes and a ragged one, its bytes are checked against the engine's own kernels with the cast at the same
 bound (k_fp8_cast reads the bound where it reads the amax): the residual sum, mean, rstd, X and X^T must be the same
 bits, the descale the bound's, and X the reference `quantize` of the engine's bf16 output at the bound. Then both
@@ -25,26 +25,14 @@ sys.path.insert(0, str(REPO))
 
 import cupy as cp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fp8_ln_bound import ln_bound  # noqa: E402
-
 from andrea.engines.cuda_engine import CudaEngine  # noqa: E402
-from andrea.kernels_build import build_options, kernel_source  # noqa: E402
 from andrea.ops import fp8  # noqa: E402
+from andrea.ops.layernorm import e4m3_bound  # noqa: E402
 from andrea.ops.base import blocks, kernel_defines  # noqa: E402
 from andrea.timing import graph_ms  # noqa: E402
 
 SHAPES = {"120M": (8 * 1024, 768), "12M": (32 * 512, 384)}  # the benchmark's tokens a step, d_model
 RAGGED = (1000, 136)  # rows not a whole number of blocks nor of 16 (X^T written byte by byte at the edge)
-INCLUDE = '#include "common.cuh"'
-
-
-def module() -> cp.RawModule:
-    """fp8.cu (common.cuh spliced in), then layernorm.cu and ln_e4m3.cu without their includes: one bf16 build."""
-    source = kernel_source("fp8") + (REPO / "kernels/layernorm.cu").read_text().replace(INCLUDE, "") + \
-        (Path(__file__).parent / "ln_e4m3.cu").read_text().replace(INCLUDE, "")
-    return cp.RawModule(code=source, options=build_options("fp8"), backend="nvrtc")
 
 
 def host_f32(a) -> np.ndarray:
@@ -55,8 +43,8 @@ def host_f32(a) -> np.ndarray:
 class Paths:
     """Both paths over one set of device buffers of N rows of C."""
 
-    def __init__(self, engine: CudaEngine, k_ln_e4m3, N: int, C: int, rng: np.random.Generator):
-        self.engine, self.k, self.N, self.C = engine, k_ln_e4m3, N, C
+    def __init__(self, engine: CudaEngine, N: int, C: int, rng: np.random.Generator):
+        self.engine, self.N, self.C = engine, N, C
         bf16 = engine.traits.act_dtype
         self.a, self.b = cp.zeros((N, C), dtype=bf16), cp.zeros((N, C), dtype=bf16)
         engine.upload(self.a, (rng.standard_normal((N, C)) * 2 + 0.5).astype(np.float32))
@@ -64,7 +52,7 @@ class Paths:
         self.gamma_h = (1 + 0.3 * rng.standard_normal(C)).astype(np.float32)
         self.beta_h = (0.2 * rng.standard_normal(C)).astype(np.float32)
         self.gamma, self.beta = cp.asarray(self.gamma_h), cp.asarray(self.beta_h)
-        self.bound = ln_bound(self.gamma_h, self.beta_h)
+        self.bound = e4m3_bound(self.gamma_h, self.beta_h)
         self.bound_word = cp.asarray(np.array([self.bound], dtype=np.float32).view(np.uint32))
         self.amax = cp.zeros(1, dtype=np.uint32)
         self.out = {}
@@ -89,9 +77,10 @@ class Paths:
             self.amax if own_amax else self.bound_word, o["y"], np.int32(N), np.int32(C), np.int32(0)))
 
     def kernel_path(self) -> None:
-        o, N, C = self.out["kernel"], self.N, self.C
-        self.k((blocks(N, 32),), (1024,), (o["q"], o["qt"], o["descale"], o["mean"], o["rstd"], o["x"], self.gamma,
-                                           self.beta, np.int64(N), np.int32(C), self.a, self.b, np.int32(1)))
+        o, N, C, d = self.out["kernel"], self.N, self.C, kernel_defines("layernorm")
+        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), d["LN_E4M3_THREADS"], o["q"], o["qt"],
+                            o["descale"], o["mean"], o["rstd"], o["x"], self.gamma, self.beta, np.int64(N), np.int32(C),
+                            self.a, self.b, np.int32(1))
 
 
 def check(paths: Paths) -> list[str]:
@@ -123,13 +112,13 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="120M,12M", help=f"of {tuple(SHAPES)} (default 120M,12M)")
     args = ap.parse_args(argv)
     engine = CudaEngine(precision="fp8")
-    k = module().get_function("k_ln_e4m3")
-    print(f"k_ln_e4m3: {k.num_regs} registers, {k.local_size_bytes} bytes of local memory", flush=True)
+    k = engine.k["k_layernorm_fwd_e4m3"]
+    print(f"k_layernorm_fwd_e4m3: {k.num_regs} registers, {k.local_size_bytes} bytes of local memory", flush=True)
     rng = np.random.default_rng(20261205)
     failed = False
     shapes = [(name, SHAPES[name]) for name in args.shapes.split(",")] + [("ragged", RAGGED)]
     for name, (N, C) in shapes:
-        paths = Paths(engine, k, N, C, rng)
+        paths = Paths(engine, N, C, rng)
         bad = check(paths)
         failed |= bool(bad)
         slack = np.log2(paths.bound / float(np.abs(host_f32(paths.out["engine"]["y"])).max()))
