@@ -20,6 +20,12 @@ scale saturate at E4M3's largest, as cvt.satfinite does. This spares act's bf16 
 the pass's own scale (the row's SCALE_NOW), without folding. A forward alone (evaluation) and a product outside a
 model's pass cast act at its own amax, as before.
 
+The layers' two LayerNorm outputs (attn_qkv's and the MLP's input) take the scale of a bound too, from gamma and
+beta (ops/layernorm.py, e4m3_bound): inside a model's pass the LayerNorm writes them as E4M3 bytes itself, X and
+X^T in the output's own bytes, with no amax, no cast and no bf16 write (`_fp8_ln_written`); whatever would read
+such an output as bf16 first has the LayerNorm run again (`_fp8_readable`). Where the kernel does not take the
+shape (a row wider than LN_E4M3_MAX_C), they are cast at their own amax as below.
+
 One gradient takes the scale of a bound of its amax instead of its own: the MLP backward's dpre = (dout @ W_2^T) *
 GELU'(pre), cast to E5M2 by the pass that applies GELU' (k_fp8_cast_dgelu), so that it is read once as it comes
 from the product and written as both FP8 layouts at once (and as bf16 only where the caller keeps dpre); its own
@@ -34,12 +40,12 @@ amax is found once: the LayerNorms, the GELU passes and the bf16 attention backw
 store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
 own amax pass is kept for the tensor's later casts. The scales, and so the bytes, are those of casts that each
 run their own pass; a test compares them bit for bit. The inputs of the weight gradients' products that the
-forward casts too are cast once: the two LayerNorm outputs (for dW_QKV and dW_1) and, without an act history,
-the MLP's act (the GELU epilogue's output, for dW_2 = act^T dY). The forward's cast writes X^T too, into X's place in `fp8_act_t` (a
-training plan's, one for each such tensor a layer keeps), and the backward's product reads it with the forward's
-descale (`_fp8_saved_transpose`): a read of X less and a write of X's elements in bytes more a layer, the same
-bytes as casting it again. A forward alone (`fp8_pass(backward=False)`: evaluation) writes
-neither act^T nor the classifier's E5M2 d_logits (ops/loss.py), which only a backward reads.
+forward casts too are cast once: the two LayerNorm outputs where they are cast (for dW_QKV and dW_1) and, without
+an act history, the MLP's act (the GELU epilogue's output, for dW_2 = act^T dY). The forward's cast writes X^T too,
+into X's place in `fp8_act_t` (a training plan's, one for each such tensor a layer keeps), and the backward's
+product reads it with the forward's descale (`_fp8_saved_transpose`): a read of X less and a write of X's elements
+in bytes more a layer, the same bytes as casting it again. A forward alone (`fp8_pass(backward=False)`:
+evaluation) writes no X^T and no E5M2 d_logits of the classifier (ops/loss.py), which only a backward reads.
 
 Accumulation: Hopper's FP8 tensor cores sum in fewer bits than FP32; cuBLASLt by default promotes the partial
 sums to FP32 as K goes, and with fast accumulation does not (5-15% faster a product at 120M). The forward products
@@ -52,7 +58,7 @@ Hopper's FP8 products take both operands K-major, so each product gets the layou
 cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
 transposes written by the same pass that writes the plain layout. The operands live in the engine's
 `fp8_operands` buffer, one op at a time (the plan sizes it: `operand_bytes`); the scales in
-`fp8_scales`. Attention, LayerNorm and the optimizer stay as in bf16.
+`fp8_scales`. Attention, the LayerNorms' statistics and the optimizer stay as in bf16.
 
 The tied classifier (andrea/ops/loss.py) runs two of its three products on FP8 operands: the logits x wte^T
 (x and wte in E4M3) and the input gradient d_logits wte (d_logits in E5M2). d_logits = p - onehot lies in
