@@ -36,7 +36,7 @@ def e4m3_bound(gamma, beta) -> float:
 
 
 def writes_e4m3(rows: int, C: int) -> bool:
-    """Whether an fp8 training pass writes a LayerNorm output of `rows` x C as E4M3 bytes, as far as its shape
+    """Whether a model's pass under fp8 writes a LayerNorm output of `rows` x C as E4M3 bytes, as far as its shape
     decides (_layernorm_fwd_e4m3): shapes the FP8 products take, a row the kernel holds."""
     return fp8_shapes_ok(rows, C) and C <= kernel_defines("layernorm")["LN_E4M3_MAX_C"]
 
@@ -112,7 +112,7 @@ class CudaOps:
         (_fp8_ln_written) with the descale in a slot of the pass. False where the FP8 products would not read it so
         (nothing written): outside a pass, shapes they do not take, rows wider than the kernel's, not 16-byte
         aligned, or no slot left. A product that reads out as bf16 after all first has the LayerNorm run again
-        from inp, mean and rstd (_fp8_readable)."""
+        from inp, the sum it wrote (_fp8_readable)."""
         k = kernel_defines("layernorm")
         C = inp.shape[-1]
         rows = inp.size // C
