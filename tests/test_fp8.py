@@ -194,6 +194,45 @@ def test_a_cast_in_a_pass_zeroes_no_amax_word_of_its_own():
     assert zeroed == [1] and np.shares_memory(launched[-2][1], book.own["fp8_scales"])
 
 
+def test_a_layernorm_s_e4m3_bytes_serve_the_products_until_its_output_is_written_or_read_as_bf16():
+    """In a pass the bytes a LayerNorm wrote as E4M3 (_fp8_ln_written) are what the products take, X and X^T with
+    the LayerNorm's descale, in place of casts; a write over the output drops them; a read of it as bf16
+    (_fp8_readable, and any cast of it) has the LayerNorm run again, once, and drops them. A forward alone has no
+    X^T; outside a pass nothing is kept."""
+    book = _Book(slots=4)
+    book.own["fp8_scales"] = np.zeros(fp8.SLOT_FLOATS * fp8.SCALE_SLOTS, dtype=np.float32)
+    book._launch = lambda *a: None
+    book.k = {"k_fp8_cast": lambda grid, block, args: None}
+    out, reruns = _Array(0, 512), []
+
+    def written(qt="XT"):
+        book._fp8_ln_written(out, "X", qt, "descale", lambda: reruns.append(len(reruns)))
+
+    with book.fp8_pass():
+        written()
+        assert book._fp8_cast_saving(out, 16, 16, "scratch", True) == ("X", "descale")
+        assert book._fp8_transpose(out, 16, 16, "scratch") == ("XT", "descale")
+        book._fp8_readable(_Array(512, 512))  # another tensor: nothing to run
+        assert reruns == []
+        book._fp8_readable(out)
+        book._fp8_readable(out)
+        assert reruns == [0] and book._fp8_saved_transpose(out) is None
+        written()
+        book._fp8_wrote(_Array(500, 64))  # over its end
+        book._fp8_readable(out)
+        assert reruns == [0] and book._fp8_saved_transpose(out) is None
+        written()
+        assert book._fp8_cast_saving(out, 16, 16, "scratch", False) == ("X", "descale")
+        book._fp8_cast(out, 16, 16, "e4m3", 0)  # a cast reads out as bf16
+        assert reruns == [0, 1] and book._fp8_saved_transpose(out) is None
+    with book.fp8_pass(backward=False):
+        written(qt=None)
+        assert book._fp8_saved_transpose(out) is None
+        assert book._fp8_cast_saving(out, 16, 16, "scratch", False) == ("X", "descale")
+    book._fp8_readable(out)  # outside a pass
+    assert reruns == [0, 1]
+
+
 def test_each_kept_act_gets_a_place_of_its_own_in_fp8_act_t():
     """Inside a pass each act gets a 256-byte aligned place of one byte an element, the same one each time,
     beside the others'; none outside a pass or once the buffer is full; a new buffer starts its places again.

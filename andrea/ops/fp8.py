@@ -446,8 +446,9 @@ class CudaOps:
         if self._fp8_book is None:
             return
         for x in xs:
-            written = self._fp8_book["e4m3_lns"].pop((ptr(x), x.nbytes), None)
+            written = self._fp8_book["e4m3_lns"].get((ptr(x), x.nbytes))
             if written is not None:
+                self._fp8_wrote(x)  # its bytes, X^T with them, are overwritten
                 written[2]()
 
     def _fp8_transpose_place(self, x):
