@@ -78,7 +78,7 @@ class Paths:
 
     def kernel_path(self) -> None:
         o, N, C, d = self.out["kernel"], self.N, self.C, kernel_defines("layernorm")
-        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), d["LN_E4M3_THREADS"], o["q"], o["qt"],
+        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), 32 * d["LN_E4M3_ROWS"], o["q"], o["qt"],
                             o["descale"], o["mean"], o["rstd"], o["x"], self.gamma, self.beta, np.int64(N), np.int32(C),
                             self.a, self.b, np.int32(1))
 
