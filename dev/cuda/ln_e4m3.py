@@ -3,6 +3,7 @@ ran before it for each of a layer's two LayerNorm outputs: k_layernorm_fwd (the 
 bf16 with its amax), then k_fp8_cast (both E4M3 layouts at that amax's scale).
 
     PYTHONPATH=. python3 dev/cuda/ln_e4m3.py [--shapes 120M,12M]
+    ANDREA_KERNELS=other/kernels PYTHONPATH=. python3 dev/cuda/ln_e4m3.py    # a variant's kernels
 
 The kernel scales by a bound of the output known before the pass (andrea/ops/layernorm.py's e4m3_bound; its rounding
 on the CPU: dev/cuda/fp8_ln_bound.py), so it writes X and X^T as it normalises, with no amax and no cast pass. First, on fresh random inputs at the
@@ -78,7 +79,8 @@ class Paths:
 
     def kernel_path(self) -> None:
         o, N, C, d = self.out["kernel"], self.N, self.C, kernel_defines("layernorm")
-        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), 32 * d["LN_E4M3_ROWS"], o["q"], o["qt"],
+        warps = d.get("LN_E4M3_WARPS", d["LN_E4M3_ROWS"])  # a warp a row where the kernel names no LN_E4M3_WARPS
+        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), 32 * warps, o["q"], o["qt"],
                             o["descale"], o["mean"], o["rstd"], o["x"], self.gamma, self.beta, np.int64(N), np.int32(C),
                             self.a, self.b, np.int32(1))
 
