@@ -420,7 +420,9 @@ k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, i
 // and at most LN_E4M3_MAX_C; every row 16-byte aligned. Block 0 writes the descale 1 / s. qt null: X alone (a
 // forward with no backward after it).
 #define LN_E4M3_ROWS 32  // rows a block: a warp a row
-#define LN_E4M3_THREADS (LN_E4M3_ROWS * WARP_SIZE)
+#define LN_E4M3_WARPS 32  // warps a block (its launcher reads this): as many as rows
+#define LN_E4M3_THREADS (LN_E4M3_WARPS * WARP_SIZE)
+static_assert(LN_E4M3_WARPS == LN_E4M3_ROWS, "k_layernorm_fwd_e4m3 gives each warp one row");
 #define LN_E4M3_MAX_C 1024  // widest row: the block's bytes in 33 KB of static shared memory
 #define LN_E4M3_GROUPS (LN_E4M3_MAX_C / (WARP_SIZE * ACT_VEC))  // ACT_VEC-wide groups a lane at most
 

@@ -127,7 +127,7 @@ class CudaOps:
         half = out.nbytes // 2
         q, qt = out.reshape(-1).view(np.uint8)[:half], out.reshape(-1).view(np.uint8)[half:]
         qt = qt if self._fp8_backward_follows() else None
-        self._launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), 32 * k["LN_E4M3_ROWS"], q,
+        self._launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), 32 * k["LN_E4M3_WARPS"], q,
                      np.uint64(0) if qt is None else qt, descale,
                      mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
         self._fp8_ln_written(out, q, qt, descale,

@@ -79,10 +79,9 @@ class Paths:
 
     def kernel_path(self) -> None:
         o, N, C, d = self.out["kernel"], self.N, self.C, kernel_defines("layernorm")
-        warps = d.get("LN_E4M3_WARPS", d["LN_E4M3_ROWS"])  # a warp a row where the kernel names no LN_E4M3_WARPS
-        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), 32 * warps, o["q"], o["qt"],
-                            o["descale"], o["mean"], o["rstd"], o["x"], self.gamma, self.beta, np.int64(N), np.int32(C),
-                            self.a, self.b, np.int32(1))
+        self.engine._launch("k_layernorm_fwd_e4m3", blocks(N, d["LN_E4M3_ROWS"]), 32 * d["LN_E4M3_WARPS"], o["q"],
+                            o["qt"], o["descale"], o["mean"], o["rstd"], o["x"], self.gamma, self.beta, np.int64(N),
+                            np.int32(C), self.a, self.b, np.int32(1))
 
 
 def check(paths: Paths) -> list[str]:
