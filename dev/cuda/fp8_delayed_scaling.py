@@ -87,13 +87,20 @@ def model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--width", type=int, default=64, help="d_model, heads of 16 (default 64: tests/test_fp8.py's)")
     ap.add_argument("--layers", type=int, default=2, help="n_layer (default 2)")
     ap.add_argument("--vocab", type=int, default=512, help="vocab_size (default 512)")
+    ap.add_argument("--seq-len", type=int, default=64, help="seq_len (default 64); a step takes 512 tokens, or one "
+                    "sequence where it is longer")
+
+
+def run_arguments(args) -> dict:
+    """train_run's arguments of the options: the model, 512 tokens a step (one sequence where seq_len is longer)."""
+    shape = ModelShape(n_layer=args.layers, d_model=args.width, n_head=args.width // 16, vocab_size=args.vocab,
+                       seq_len=args.seq_len)
+    return dict(shape=shape, micro_batch=max(1, 512 // args.seq_len), n_micro=1, steps=args.steps)
 
 
 def references(args) -> tuple[dict, float]:
     """(train_run's arguments of the options, the fp32 run's final loss), after printing it and current scaling's."""
-    shape = ModelShape(n_layer=args.layers, d_model=args.width, n_head=args.width // 16, vocab_size=args.vocab,
-                       seq_len=64)
-    run = dict(shape=shape, micro_batch=8, n_micro=1, steps=args.steps)
+    run = run_arguments(args)
     ref = train_run(NumpyEngine(), **run).losses[-1]
     current = train_run(Fp8EmulationEngine(act_history=False), **run).losses[-1]
     print(f"fp32 {ref:.6f}; fp8, current scaling {current:.6f} ({(current - ref) / ref:+.3%})", flush=True)

@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_act_bound import rounded_at_bound  # noqa: E402
-from fp8_delayed_scaling import model_arguments  # noqa: E402
+from fp8_delayed_scaling import model_arguments, run_arguments  # noqa: E402
 
-from andrea.config import ModelShape  # noqa: E402
 from andrea.engines.crosscheck import train_run  # noqa: E402
 from andrea.engines.fp8_emulation import Fp8EmulationEngine  # noqa: E402
 from andrea.engines.numpy_engine import NumpyEngine  # noqa: E402
@@ -99,9 +98,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_arguments(ap)
     args = ap.parse_args(argv)
-    shape = ModelShape(n_layer=args.layers, d_model=args.width, n_head=args.width // 16, vocab_size=args.vocab,
-                       seq_len=64)
-    run = dict(shape=shape, micro_batch=8, n_micro=1, steps=args.steps)
+    run = run_arguments(args)
     ref = train_run(NumpyEngine(), **run).losses[-1]
     shipped = train_run(Fp8EmulationEngine(), **run).losses[-1]
     engine = LnBound()
