@@ -19,6 +19,7 @@ flushes to zero, and exits 1 if a bound's run ends more than 1.5% from fp32 (the
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -98,22 +99,30 @@ def rounded_at_bound(a, fmt: str, bound: float, what: str, slack: list, flushed:
     return q
 
 
+def bound_run(engine, run: dict, ref: float, what: str) -> float:
+    """Train a study engine (its `slack` and `flushed` kept by rounded_at_bound) on `run`, print its final loss against
+    fp32's `ref`, how far its bound sat over the amax and the share of nonzero values its scale flushed to 0; its
+    relative distance from ref (inf where nothing was rounded at the bound)."""
+    loss = train_run(engine, **run).losses[-1]
+    if not engine.slack:
+        print(f"fp8, {what}: nothing was rounded at the bound", flush=True)
+        return math.inf
+    lost, own, total = engine.flushed
+    print(f"fp8, {what} {loss:.6f} ({(loss - ref) / ref:+.3%}); the bound over the amax: "
+          f"2^{np.mean(engine.slack):.2f} on average, 2^{np.max(engine.slack):.2f} at most, over {len(engine.slack)} "
+          f"casts; nonzero values flushed to 0: {lost / max(total, 1):.4%} (at their own scale "
+          f"{own / max(total, 1):.4%})", flush=True)
+    return abs(loss - ref) / ref
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_arguments(ap)
     ap.add_argument("--bounds", default=",".join(BOUNDS), help=f"bounds to try, comma-separated (default {BOUNDS})")
     args = ap.parse_args(argv)
     run, ref = references(args)
-    worst = 0.0
-    for kind in args.bounds.split(","):
-        engine = ActBound(kind)
-        loss = train_run(engine, **run).losses[-1]
-        worst = max(worst, abs(loss - ref) / ref)
-        lost, own, total = engine.flushed
-        print(f"fp8, act at the '{kind}' bound's scale {loss:.6f} ({(loss - ref) / ref:+.3%}); the bound over act's "
-              f"amax: 2^{np.mean(engine.slack):.2f} on average, 2^{np.max(engine.slack):.2f} at most, over "
-              f"{len(engine.slack)} casts; act's nonzero values flushed to 0: {lost / total:.3%} (at its own scale "
-              f"{own / total:.3%})", flush=True)
+    worst = max(bound_run(ActBound(kind), run, ref, f"act at the '{kind}' bound's scale")
+                for kind in args.bounds.split(","))
     return 0 if worst <= LIMIT else 1
 
 

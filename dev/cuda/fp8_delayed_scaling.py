@@ -98,12 +98,13 @@ def run_arguments(args) -> dict:
     return dict(shape=shape, micro_batch=max(1, 512 // args.seq_len), n_micro=1, steps=args.steps)
 
 
-def references(args) -> tuple[dict, float]:
-    """(train_run's arguments of the options, the fp32 run's final loss), after printing it and current scaling's."""
+def references(args, baseline=None, name: str = "current scaling") -> tuple[dict, float]:
+    """(train_run's arguments of the options, the fp32 run's final loss), after printing it and the final loss of the
+    `baseline` engine, `name` (default: the fp8 emulation with current scaling throughout)."""
     run = run_arguments(args)
     ref = train_run(NumpyEngine(), **run).losses[-1]
-    current = train_run(Fp8EmulationEngine(act_history=False), **run).losses[-1]
-    print(f"fp32 {ref:.6f}; fp8, current scaling {current:.6f} ({(current - ref) / ref:+.3%})", flush=True)
+    base = train_run(baseline or Fp8EmulationEngine(act_history=False), **run).losses[-1]
+    print(f"fp32 {ref:.6f}; fp8, {name} {base:.6f} ({(base - ref) / ref:+.3%})", flush=True)
     return run, ref
 
 

@@ -29,12 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_act_bound import rounded_at_bound  # noqa: E402
-from fp8_delayed_scaling import model_arguments, run_arguments  # noqa: E402
+from fp8_act_bound import bound_run, rounded_at_bound  # noqa: E402
+from fp8_delayed_scaling import model_arguments, references  # noqa: E402
 
-from andrea.engines.crosscheck import train_run  # noqa: E402
 from andrea.engines.fp8_emulation import Fp8EmulationEngine  # noqa: E402
-from andrea.engines.numpy_engine import NumpyEngine  # noqa: E402
 
 LIMIT = 0.015
 
@@ -79,17 +77,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_arguments(ap)
     args = ap.parse_args(argv)
-    run = run_arguments(args)
-    ref = train_run(NumpyEngine(), **run).losses[-1]
-    shipped = train_run(Fp8EmulationEngine(), **run).losses[-1]
-    engine = DqkvBound()
-    bound = train_run(engine, **run).losses[-1]
-    lost, own, total = engine.flushed
-    print(f"fp32 {ref:.6f}; fp8 as shipped {shipped:.6f} ({(shipped - ref) / ref:+.3%}); fp8, dqkv at the bound's "
-          f"scale {bound:.6f} ({(bound - ref) / ref:+.3%}); the bound over dqkv's amax: 2^{np.mean(engine.slack):.2f} "
-          f"on average, 2^{np.max(engine.slack):.2f} at most, over {len(engine.slack)} casts; its nonzero values "
-          f"flushed to 0: {lost / max(total, 1):.4%} (at its own scale {own / max(total, 1):.4%})", flush=True)
-    return 0 if abs(bound - ref) / ref <= LIMIT and engine.slack else 1
+    run, ref = references(args, Fp8EmulationEngine(), "as shipped")
+    return 0 if bound_run(DqkvBound(), run, ref, "dqkv at the bound's scale") <= LIMIT else 1
 
 
 if __name__ == "__main__":

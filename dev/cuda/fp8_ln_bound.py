@@ -23,18 +23,15 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_act_bound import rounded_at_bound  # noqa: E402
-from fp8_delayed_scaling import model_arguments, run_arguments  # noqa: E402
+from fp8_act_bound import bound_run, rounded_at_bound  # noqa: E402
+from fp8_delayed_scaling import model_arguments, references  # noqa: E402
 
-from andrea.engines.crosscheck import train_run  # noqa: E402
 from andrea.engines.fp8_emulation import Fp8EmulationEngine  # noqa: E402
-from andrea.engines.numpy_engine import NumpyEngine  # noqa: E402
 from andrea.ops.layernorm import e4m3_bound  # noqa: E402
 
 LIMIT = 0.015
@@ -71,20 +68,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_arguments(ap)
     args = ap.parse_args(argv)
-    run = run_arguments(args)
-    ref = train_run(NumpyEngine(), **run).losses[-1]
-    own_scale = train_run(OwnScale(), **run).losses[-1]
-    engine = LnBound()
-    bound = train_run(engine, **run).losses[-1]
-    lost, own, total = engine.flushed
-    print(f"fp32 {ref:.6f}; fp8, the LayerNorm outputs at their own scale {own_scale:.6f} "
-          f"({(own_scale - ref) / ref:+.3%}); fp8 as shipped, the layers' LayerNorm "
-          f"outputs at the bound's scale {bound:.6f} ({(bound - ref) / ref:+.3%}); the bound over their amax: "
-          f"2^{np.mean(engine.slack):.2f} on average, 2^{np.max(engine.slack):.2f} at most, over {len(engine.slack)} "
-          f"casts; their nonzero values flushed to 0: {lost / max(total, 1):.4%} (at their own scale "
-          f"{own / max(total, 1):.4%})", flush=True)
-    return 0 if abs(bound - ref) / ref <= LIMIT and engine.slack else 1
-
+    run, ref = references(args, OwnScale(), "the LayerNorm outputs at their own scale")
+    return 0 if bound_run(LnBound(), run, ref, "as shipped, the layers' LayerNorm outputs at the bound's scale") \
+        <= LIMIT else 1
 
 if __name__ == "__main__":
     sys.exit(main())
