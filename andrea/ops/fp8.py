@@ -673,6 +673,15 @@ def _slot_field(slot, name: str):
     return slot[at:at + 1]
 
 
+def e4m3_halves(x) -> tuple:
+    """x's bytes (a 16-bit [rows, cols]) as two uint8 [rows * cols] halves, X and X^T in E4M3: where an op writes its
+    output in both FP8 layouts in that output's own memory (the MLP's act under the act history, the layers'
+    LayerNorm outputs)."""
+    b = x.reshape(-1).view(np.uint8)
+    half = b.size // 2
+    return b[:half], b[half:]
+
+
 def amax_arg(amax):
     """A kernel's amax argument: the word, or a null pointer for None."""
     return np.uint64(0) if amax is None else amax

@@ -14,7 +14,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
-from andrea.ops.fp8 import amax_arg, fp8_shapes_ok
+from andrea.ops.fp8 import amax_arg, e4m3_halves, fp8_shapes_ok
 from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr, start_grad
 
 LN_EPS = 1e-5
@@ -124,8 +124,7 @@ class CudaOps:
             return False
         self._fp8_wrote(out)
         descale = self._fp8_amax_slot(slot)[:1]
-        half = out.nbytes // 2
-        q, qt = out.reshape(-1).view(np.uint8)[:half], out.reshape(-1).view(np.uint8)[half:]
+        q, qt = e4m3_halves(out)
         qt = qt if self._fp8_backward_follows() else None
         self._launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), 32 * k["LN_E4M3_WARPS"], q,
                      np.uint64(0) if qt is None else qt, descale,

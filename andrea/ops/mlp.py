@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, act_field, act_t_grid, amax_arg, delayed_act_amax, descale,
-                            dgelu_amax, dgelu_factor)
+                            dgelu_amax, dgelu_factor, e4m3_halves)
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, ptr, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
@@ -79,7 +79,7 @@ class CudaOps:
         if self._act_delayed(act_history, N, C) and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=True,
                                                                           transpose=not recompute):
             self._fp8_wrote(out)
-            q, _ = _act_bytes(act)
+            q, _ = e4m3_halves(act)
             if not self._fp8_times_weight(out, q, _field(act_history, "DESCALE_NOW"), W_2, N, F, C,
                                           into=self._fp8_operands(F * C)[0]):
                 raise RuntimeError(f"mlp_fwd: no FP8 algorithm for act @ W_2 ({N} x {F} x {C}) after act was written "
@@ -113,7 +113,7 @@ class CudaOps:
         False where cuBLASLt has no algorithm for the product (nothing written)."""
         C, F = W_1.shape
         N = inp.size // C
-        q, qt = _act_bytes(act)
+        q, qt = e4m3_halves(act)
         self._fp8_wrote(pre, act)
         # the forward keeps inp^T for dW_1
         if not self._linear_fwd_fp8(q, inp, W_1, N, C, F, save_transpose=fold, epilogue="gelu_aux", aux=pre,
@@ -218,14 +218,6 @@ class CudaOps:
             dq, dt, out_descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, dgelu_factor(C),
             np.int32(store)))
         return out_descale
-
-
-def _act_bytes(act) -> tuple:
-    """act's bytes (a 16-bit [N, F]) as two uint8 [N * F] halves: act in E4M3 and act^T in E4M3, under the delayed
-    path."""
-    b = act.reshape(-1).view(np.uint8)
-    half = b.size // 2
-    return b[:half], b[half:]
 
 
 def _field(row, name: str):
