@@ -116,15 +116,15 @@ class Model:
         kept_lns = 2 * (shape.n_layer - rebuilt_lns) + (1 if rebuilt_lns else 0)
         if layernorm.writes_e4m3(micro_batch * shape.seq_len, shape.d_model):
             kept_lns = 0  # the LayerNorms write X^T into their own outputs' bytes (ops/layernorm.py)
-        # under FP8 rounding a training pass casts act at the scale of an amax history, a row a layer (ops/fp8.py),
-        # and keeps act^T in act's own bytes; data-parallel ranks cast at their own amax (a history would differ
-        # between ranks, and a checkpoint holds one)
-        self.act_history = training and engine.traits.fp8_act_history and data_parallel is None
-        if self.act_history:
+        # under FP8 rounding a training pass writes act and dqkv at the scales of amax histories, a row a layer each
+        # (ops/fp8.py), and keeps their transposes in their own bytes; data-parallel ranks cast at their own amax (a
+        # history would differ between ranks, and a checkpoint holds one)
+        self.histories = training and engine.traits.fp8_histories and data_parallel is None
+        if self.histories:
             kept_acts = 0
         copies = (fp8.plan_buffers(micro_batch, shape.seq_len, shape.d_model, shape.n_layer, shape.vocab_size, loss_rows,
                                    kept_acts, kept_lns) if engine.traits.fp8_products else ())
-        if self.act_history:
+        if self.histories:
             copies += fp8.history_buffers(shape.n_layer)
         if training and engine.traits.qkv_weight_rows:
             copies += attn_qkv.plan_buffers(shape.d_model, shape.n_layer, engine.traits.act_dtype)
@@ -169,24 +169,27 @@ class Model:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
             e.zero_grads(self.buf["grads"])
-        if self.act_history:
-            self.load_act_history(None)
+        if self.histories:
+            self.load_histories({})
 
-    def act_history_state(self) -> list | None:
-        """The act history (ops/fp8.py) as .state.json holds it: a list of float32 values a layer (exact as JSON
-        floats); None without one."""
-        if not self.act_history:
-            return None
-        return self.engine.to_host(self.buf["fp8_act_history"]).astype(np.float32).tolist()
+    def history_state(self) -> dict:
+        """The histories (ops/fp8.py) as .state.json holds them, under their buffers' names (fp8_act_history,
+        fp8_dqkv_history): a list of float32 values a layer each (exact as JSON floats); empty without them."""
+        if not self.histories:
+            return {}
+        return {f"fp8_{name}_history": self.engine.to_host(self.buf[f"fp8_{name}_history"]).astype(np.float32).tolist()
+                for name in fp8.HISTORIES}
 
-    def load_act_history(self, rows: list | None) -> None:
-        """Restore the act history act_history_state gave (None: a run's start, no pass seen)."""
-        b = self.buf["fp8_act_history"]
-        host = fp8.reset_act_history(np.zeros(b.shape, dtype=np.float32)) if rows is None else \
-            np.asarray(rows, dtype=np.float32)
-        if host.shape != tuple(b.shape):
-            raise ValueError(f"an act history of shape {host.shape} for a model whose rows are {tuple(b.shape)}")
-        self.engine.upload(b, host)
+    def load_histories(self, state: dict) -> None:
+        """Restore the histories history_state gave, from a dict holding them (a .state.json); one it lacks starts
+        as a run does, no pass seen (a state written before the dqkv history has none of it)."""
+        for name in fp8.HISTORIES:
+            b, rows = self.buf[f"fp8_{name}_history"], state.get(f"fp8_{name}_history")
+            host = fp8.reset_history(np.zeros(b.shape, dtype=np.float32), name) if rows is None else \
+                np.asarray(rows, dtype=np.float32)
+            if host.shape != tuple(b.shape):
+                raise ValueError(f"a {name} history of shape {host.shape} for a model whose rows are {tuple(b.shape)}")
+            self.engine.upload(b, host)
 
     def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         e = self.engine
@@ -269,7 +272,11 @@ class Model:
 
     def _act_row(self, l: int):
         """Layer l's row of the act history (None without one)."""
-        return self.buf["fp8_act_history"][l] if self.act_history else None
+        return self.buf["fp8_act_history"][l] if self.histories else None
+
+    def _dqkv_row(self, l: int):
+        """Layer l's row of the dqkv history (None without one)."""
+        return self.buf["fp8_dqkv_history"][l] if self.histories else None
 
     def recomputes(self, option: str, l: int) -> bool:
         """Whether layer l's backward recomputes what `option` names."""
@@ -315,12 +322,13 @@ class Model:
             # x_mid = x_in + attn_out(attn(attn_qkv(LN1(x_in))))
             e.attn_out_bwd(b["d_atty"], g["W_O"], d_branch, b["atty"][l], w["W_O"], overwrite=True,
                            overwrite_weights=first)
-            e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True)
+            e.attn_bwd(d_qkv, b["d_att"], b["d_atty"], b["qkv"][l], b["atty"][l], b["att"][l], H, overwrite=True,
+                       dqkv_history=self._dqkv_row(l))
             if self.recomputes("layernorm", l):
                 e.layernorm_fwd(b["ln"], b["ln1_mean"][l], b["ln1_rstd"][l], res[l], p["LN1.gamma"], p["LN1.beta"],
                                 e4m3=True)
             e.attn_qkv_bwd(b["d_ln"], g["W_QKV"], d_qkv, self.saved("ln1", l), w["W_QKV"], overwrite=True,
-                           overwrite_weights=first)
+                           overwrite_weights=first, dqkv_history=self._dqkv_row(l))
             ln1 = (g["LN1.gamma"], g["LN1.beta"], b["d_ln"], res[l], p["LN1.gamma"], b["ln1_mean"][l], b["ln1_rstd"][l])
             if l > 0:  # the previous layer's MLP branch joined the stream here
                 e.layernorm_residual_bwd(dres, d_branch, *ln1, overwrite_weights=first)

@@ -339,8 +339,8 @@ class Trainer:
         self.best = best if best and best["step"] <= step else None
         if self.model.loss_scale is not None and "loss_scale" in state:
             self.model.loss_scale.load(state["loss_scale"])
-        if self.model.act_history and state.get("fp8_act_history") is not None:
-            self.model.load_act_history(state["fp8_act_history"])
+        if self.model.histories:
+            self.model.load_histories(state)
         self.recent_checkpoints = [c for c in state.get("checkpoints", []) if c["step"] <= step]
         matched = [c for c in self.recent_checkpoints if c["step"] == step]
         self.elapsed_before = float(matched[-1]["elapsed_s"]) if matched else 0.0
@@ -470,7 +470,7 @@ class Trainer:
             "checkpoints": self.recent_checkpoints,
             "skipped_steps": self.skipped_steps,
             **({"loss_scale": self.model.loss_scale.state()} if self.model.loss_scale else {}),
-            **({"fp8_act_history": self.model.act_history_state()} if self.model.act_history else {}),
+            **self.model.history_state(),
             "restarts": int(os.environ.get(RESTARTS_ENV, "0")),
             "elapsed_s": elapsed,
             "written_at": datetime.now(timezone.utc).isoformat(),

@@ -305,6 +305,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // base + 64 off: the start of a head's slice.
 __device__ __forceinline__ const bf16* at64(const bf16* base, unsigned off) { return base + ((size_t)off << 6); }
 __device__ __forceinline__ bf16* at64(bf16* base, unsigned off) { return base + ((size_t)off << 6); }
+// The same element of a byte image of the tensor (E5M2 gradients); null stays null.
+__device__ __forceinline__ unsigned char* at64(unsigned char* base, unsigned off) {
+    return base == nullptr ? nullptr : base + ((size_t)off << 6);
+}
 
 // Starts copying rows [row0, row0 + ROWS) of one head's [T, 64] slice at64(base, off) (row stride C) into the
 // swizzled tile at shared address `tile`; rows at or past T read as zero (their copies name row T - 1, inside the
@@ -381,10 +385,35 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
     }
 }
 
-// The backward's gradients: added into dqkv, or (add = 0) written over whatever it held, unzeroed.
+// store_rows<false>'s values as E5M2 bytes at the scale s instead: each rounded to bf16 as that store rounds it, then
+// scaled and converted as k_fp8_cast converts that output (kernels/fp8.cu), into dst, the same layout a byte an element.
+__device__ __forceinline__ void store_rows_e5m2(unsigned char* __restrict__ dst, const float (&acc)[8][4],
+                                                const float (&scale)[2], int row0, int T, int C, int t, float s,
+                                                float& top) {
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int row = row0 + 8 * half;
+        if (row >= T) continue;
+        unsigned short* d = reinterpret_cast<unsigned short*>(dst + (long long)row * C + 2 * t);
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const float x = acc[n][2 * half] * scale[half], y = acc[n][2 * half + 1] * scale[half];
+            top = fmaxf(top, fmaxf(fabsf(x), fabsf(y)));
+            float lo, hi;
+            unpack_lowp2(pack_lowp2(x, y), lo, hi);
+            d[4 * n] = fp8x2(lo * s, hi * s, 1);
+        }
+    }
+}
+
+// The backward's gradients: added into dqkv, or (add = 0) written over whatever it held, unzeroed; or, with e5m2
+// (precision fp8's dqkv under delayed scaling, add 0), written as E5M2 bytes at the scale *e5m2_scale into e5m2 (the
+// byte image of dqkv's layout: `dst - dqkv` elements in, as bytes).
 __device__ __forceinline__ void store_grad_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
-                                                int row0, int T, int C, int t, int add, float& top) {
-    if (add) store_rows<true>(dst, acc, scale, row0, T, C, t, top);
+                                                int row0, int T, int C, int t, int add, float& top,
+                                                unsigned char* e5m2, const float* e5m2_scale) {
+    if (e5m2 != nullptr) store_rows_e5m2(e5m2, acc, scale, row0, T, C, t, *e5m2_scale, top);
+    else if (add) store_rows<true>(dst, acc, scale, row0, T, C, t, top);
     else store_rows<false>(dst, acc, scale, row0, T, C, t, top);
 }
 
@@ -769,7 +798,8 @@ __device__ __forceinline__ void dq_step_wg(unsigned Ks, unsigned Vs, const unsig
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16* dout, const bf16* y,
                                             const bf16* qkv, const float* lse, int B, int T, int C, int H,
-                                            float scale, int add, unsigned* amax, int dld, int dplane) {
+                                            float scale, int add, unsigned* amax, int dld, int dplane,
+                                            unsigned char* e5m2, const float* e5m2_scale) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
@@ -841,20 +871,23 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
 #pragma unroll
-    for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, dld, t, add, top);
+    for (int i = 0; i < WT; i++)
+        store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, dld, t, add, top, at64(e5m2, hs.seq), e5m2_scale);
     if (amax != nullptr) warp_amax(amax, top);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                   int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
+                   int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
+                   unsigned char* e5m2, const float* e5m2_scale) {
+    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
-                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
+                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
+                 unsigned char* e5m2, const float* e5m2_scale) {
+    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
 }
 #endif
 
@@ -1005,7 +1038,8 @@ __device__ __forceinline__ void kv_step_wg(unsigned Qs, unsigned dYs, unsigned L
 template <bool WG>
 __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv,
                                             const float* lse, int B, int T, int C, int H, float scale, int add,
-                                            unsigned* amax, int dld, int dplane) {
+                                            unsigned* amax, int dld, int dplane, unsigned char* e5m2,
+                                            const float* e5m2_scale) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
     constexpr int NBUF = WG ? 3 : 2;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 keys");
@@ -1087,8 +1121,10 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     float top = 0.0f;
 #pragma unroll
     for (int i = 0; i < WT; i++) {
-        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, dld, t, add, top);
-        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, dld, t, add, top);
+        store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, dld, t, add, top,
+                        at64(e5m2, hs.seq + hs.plane), e5m2_scale);
+        store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, dld, t, add, top,
+                        at64(e5m2, hs.seq + 2 * hs.plane), e5m2_scale);
     }
     if (amax != nullptr) warp_amax(amax, top);
 }
@@ -1096,8 +1132,9 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
 // Runs after k_attn_bwd_dq_bf16, whose D it reads.
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
+                int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
+                unsigned char* e5m2, const float* e5m2_scale) {
+    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
 }
 #ifdef ATTN_WGMMA
 // Runs after k_attn_bwd_dq_wg, whose D it reads; with ATTN_BF16_WG_KV_SMEM bytes of dynamic shared memory (the
@@ -1105,7 +1142,8 @@ k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qk
 extern "C" __constant__ int attn_wg_kv_smem = ATTN_BF16_WG_KV_SMEM;
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
-                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane) {
-    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane);
+                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
+                 unsigned char* e5m2, const float* e5m2_scale) {
+    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
 }
 #endif

@@ -176,44 +176,47 @@ k_fp8_cast_dgelu(unsigned char* q, unsigned char* qt, float* descale, act_t* dpr
                     cols, 1, blockIdx.x, blockIdx.y, 0, store != 0);
 }
 
-// ---- the MLP's act under delayed scaling (andrea/ops/fp8.py: the act history) ----
-// Inside a training pass the MLP's up product writes act = GELU(pre) in E4M3 itself, at a scale known before it
-// runs: the largest power of two that fits the largest amax of the layer's last FP8_ACT_HISTORY passes. A layer's
-// row of FP8_ACT_ROW floats holds, at these offsets:
-#define FP8_ACT_HISTORY 16     // passes in the history
-#define FP8_ACT_ROW 32         // floats of a layer's row (16-byte aligned fields: cuBLASLt's scale pointers)
-#define FP8_ACT_SCALE 0        // s of the next pass (the product's D scale)
-#define FP8_ACT_SCALE_NOW 4    // s of this pass (a recompute's D scale)
-#define FP8_ACT_DESCALE_NOW 8  // 1 / s of this pass (the products that read act)
-#define FP8_ACT_AMAX 12        // amax |act| of the last product (its AMAX_D, before the scale)
-#define FP8_ACT_AT 13          // where the history takes the next amax (a float, 0 .. FP8_ACT_HISTORY - 1)
-#define FP8_ACT_PAST 16        // the history: FP8_ACT_HISTORY amaxes
+// ---- tensors under delayed scaling (andrea/ops/fp8.py: the histories) ----
+// Inside a training pass the MLP's up product writes act = GELU(pre) in E4M3 itself, and the attention backward
+// writes dqkv in E5M2 itself (kernels/attn_bf16.cu), each at a scale known before it runs: the largest power of two
+// that fits the largest amax of the layer's last FP8_HIST_PASSES passes. A layer's row of FP8_HIST_ROW floats (one
+// for act, one for dqkv) holds, at these offsets:
+#define FP8_HIST_PASSES 16      // passes in the history
+#define FP8_HIST_ROW 32         // floats of a layer's row (16-byte aligned fields: cuBLASLt's scale pointers)
+#define FP8_HIST_SCALE 0        // s of the next pass (the producer's scale)
+#define FP8_HIST_SCALE_NOW 4    // s of this pass (a recompute's D scale)
+#define FP8_HIST_DESCALE_NOW 8  // 1 / s of this pass (the products that read the tensor)
+#define FP8_HIST_AMAX 12        // this pass's amax (act's AMAX_D; dqkv's kernels' atomic max); 0 after a fold
+#define FP8_HIST_AT 13          // where the history takes the next amax (a float, 0 .. FP8_HIST_PASSES - 1)
+#define FP8_HIST_PAST 16        // the history: FP8_HIST_PASSES amaxes
 
-// The pass's product is done: its scale becomes this pass's, its amax goes into the history, and the next pass's
-// scale is that of the history's largest (NaN passed over). One thread.
-__device__ __forceinline__ void act_fold(float* row) {
-    const float s = row[FP8_ACT_SCALE];
+// The pass's producer is done: its scale becomes this pass's, its amax goes into the history (the word back to 0 for
+// the next pass's atomic max), and the next pass's scale is that of the history's largest for the format whose
+// largest value is 1.75 * 2^emax (NaN passed over). One thread.
+__device__ __forceinline__ void history_fold(float* row, int emax) {
+    const float s = row[FP8_HIST_SCALE];
     const int e = static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;
-    row[FP8_ACT_SCALE_NOW] = s;
-    row[FP8_ACT_DESCALE_NOW] = __int_as_float((127 - e) << 23);
-    const int at = static_cast<int>(row[FP8_ACT_AT]);
-    row[FP8_ACT_PAST + at] = row[FP8_ACT_AMAX];
-    row[FP8_ACT_AT] = static_cast<float>((at + 1) % FP8_ACT_HISTORY);
+    row[FP8_HIST_SCALE_NOW] = s;
+    row[FP8_HIST_DESCALE_NOW] = __int_as_float((127 - e) << 23);
+    const int at = static_cast<int>(row[FP8_HIST_AT]);
+    row[FP8_HIST_PAST + at] = row[FP8_HIST_AMAX];
+    row[FP8_HIST_AMAX] = 0.0f;
+    row[FP8_HIST_AT] = static_cast<float>((at + 1) % FP8_HIST_PASSES);
     float m = 0.0f;
-    for (int k = 0; k < FP8_ACT_HISTORY; ++k) m = fmaxf(m, row[FP8_ACT_PAST + k]);
-    row[FP8_ACT_SCALE] = __int_as_float((fp8_scale_exponent(__float_as_uint(m), 8) + 127) << 23);
+    for (int k = 0; k < FP8_HIST_PASSES; ++k) m = fmaxf(m, row[FP8_HIST_PAST + k]);
+    row[FP8_HIST_SCALE] = __int_as_float((fp8_scale_exponent(__float_as_uint(m), emax) + 127) << 23);
 }
 
-// act's E4M3 bytes q [rows, cols] transposed into qt [cols, rows] (dW_2 = act^T dY reads it K-major), FP8_ACT_T_SUB
-// tiles of 64 x 64 stacked along the rows a block, every tile's loads issued before the first is stored (a lone
-// 4 KB tile a block left its SM waiting on launches and single loads); with `fold` the block (0, 0) folds the pass
-// into its row (act_fold) first. A null qt: the fold alone (grid 1). Grid: (ceil(cols / 64), ceil(rows / (64 x
-// FP8_ACT_T_SUB))).
+// FP8 bytes q [rows, cols] transposed into qt [cols, rows] (act's for dW_2 = act^T dY, dqkv's for dW_QKV: K-major),
+// FP8_ACT_T_SUB tiles of 64 x 64 stacked along the rows a block, every tile's loads issued before the first is stored
+// (a lone 4 KB tile a block left its SM waiting on launches and single loads); with `fold_emax` (the format's: 8
+// E4M3, 15 E5M2; 0 none) the block (0, 0) folds the pass into its row (history_fold) first. A null qt: the fold alone
+// (grid 1). Grid: (ceil(cols / 64), ceil(rows / (64 x FP8_ACT_T_SUB))).
 #define FP8_ACT_T_SUB 4
 extern "C" __global__ void __launch_bounds__(FP8_THREADS)
 k_fp8_act_t(const unsigned char* __restrict__ q, unsigned char* __restrict__ qt, int rows, int cols, float* row,
-            int fold) {
-    if (fold && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) act_fold(row);
+            int fold_emax) {
+    if (fold_emax && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) history_fold(row, fold_emax);
     if (qt == nullptr) return;
     __shared__ unsigned tile[FP8_ACT_T_SUB * FP8_TILE][FP8_TILE / 4 + 1];  // [row][4 columns a word]; a word of pad
     const int r0 = blockIdx.y * FP8_ACT_T_SUB * FP8_TILE, c0 = blockIdx.x * FP8_TILE;

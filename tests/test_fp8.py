@@ -195,7 +195,7 @@ def test_a_cast_in_a_pass_zeroes_no_amax_word_of_its_own():
 
 
 def test_a_layernorm_s_e4m3_bytes_serve_the_products_until_its_output_is_written_or_read_as_bf16():
-    """In a pass the bytes a LayerNorm wrote as E4M3 (_fp8_ln_written) are what the products take, X and X^T with
+    """In a pass the bytes a LayerNorm wrote as E4M3 (_fp8_bytes_written) are what the products take, X and X^T with
     the LayerNorm's descale, in place of casts; a write over the output drops them; a read of it as bf16
     (_fp8_readable, and any cast of it) has the LayerNorm run again, once, and drops them. A forward alone has no
     X^T; outside a pass nothing is kept."""
@@ -206,7 +206,7 @@ def test_a_layernorm_s_e4m3_bytes_serve_the_products_until_its_output_is_written
     out, reruns = _Array(0, 512), []
 
     def written(qt="XT"):
-        book._fp8_ln_written(out, "X", qt, "descale", lambda: reruns.append(len(reruns)))
+        book._fp8_bytes_written(out, "X", qt, "descale", lambda: reruns.append(len(reruns)), "e4m3")
 
     with book.fp8_pass():
         written()
@@ -282,34 +282,39 @@ def test_a_training_plan_holds_act_t_for_each_layer_that_keeps_its_act():
     assert "fp8_act_t" not in {b.name for b in fp8.plan_buffers(B, T, C, 3, 301, loss_rows=B * T)}
 
 
-def _act_row(history=()):
-    """A layer's act history row at a run's start, with `history` amaxes already folded in (host float32)."""
-    row = fp8.reset_act_history(np.zeros(fp8.act_field("ROW"), dtype=np.float32))
+def _history_row(history=(), name="act"):
+    """A layer's row of history `name` at a run's start, with `history` amaxes already folded in (host float32)."""
+    row = fp8.reset_history(np.zeros(fp8.history_field("ROW"), dtype=np.float32), name)
     for a in history:
-        fp8.fold_act_amax(row, a)
+        fp8.fold_amax(row, a, fp8.HISTORIES[name][0])
     return row
 
 
-def test_the_act_history_scales_each_pass_by_the_largest_of_its_last_passes():
-    """A pass's act scale is the largest power of two that fits the largest amax of the layer's last passes (1 at a
-    run's start), the pass before's scale becomes the pass's own (its descale, exact), NaN is passed over, and an
-    amax leaves the history after FP8_ACT_HISTORY passes."""
-    n = fp8.act_field("HISTORY")
-    row = _act_row()
-    assert row[fp8.act_field("SCALE")] == 1.0
+@pytest.mark.parametrize("name", list(fp8.HISTORIES))
+def test_a_history_scales_each_pass_by_the_largest_of_its_last_passes(name):
+    """A pass's scale is the largest power of two that fits the largest amax of the layer's last passes in the
+    history's format (at a run's start: act's 1, dqkv's that of amax 1), the pass before's scale becomes the pass's
+    own (its descale, exact), NaN is passed over, the amax word is back at 0, and an amax leaves the history after
+    FP8_HIST_PASSES passes."""
+    fmt, start = fp8.HISTORIES[name]
+    n = fp8.history_field("PASSES")
+    row = _history_row(name=name)
+    assert row[fp8.history_field("SCALE")] == {"act": 1.0, "dqkv": 2.0**15}[name] == 2.0 ** fp8.scale_exponent(start, fmt)
     rng = np.random.default_rng()
     seen = []
     for i, a in enumerate([300.0, *rng.uniform(0.5, 4.0, 2 * n), float("nan"), 0.25]):
-        before = float(row[fp8.act_field("SCALE")])
-        fp8.fold_act_amax(row, a)
+        before = float(row[fp8.history_field("SCALE")])
+        row[fp8.history_field("AMAX")] = a  # what the producer left there
+        fp8.fold_amax(row, a, fmt)
         seen.append(a)
-        assert row[fp8.act_field("SCALE_NOW")] == before
-        assert row[fp8.act_field("DESCALE_NOW")] == np.float32(1.0 / before)
-        assert fp8.act_amax_now(row) * before == fp8.FORMATS["e4m3"][1]
+        assert row[fp8.history_field("SCALE_NOW")] == before
+        assert row[fp8.history_field("DESCALE_NOW")] == np.float32(1.0 / before)
+        assert fp8.amax_now(row, fmt) * before == fp8.FORMATS[fmt][1]
         largest = np.fmax.reduce(np.array(seen[-n:], dtype=np.float32))
-        assert row[fp8.act_field("SCALE")] == 2.0 ** fp8.scale_exponent(largest, "e4m3"), i
-        assert int(row[fp8.act_field("AT")]) == (i + 1) % n
-    assert row[fp8.act_field("SCALE")] > 2.0 ** fp8.scale_exponent(300.0, "e4m3")  # 300 left the history
+        assert row[fp8.history_field("SCALE")] == 2.0 ** fp8.scale_exponent(largest, fmt), i
+        assert int(row[fp8.history_field("AT")]) == (i + 1) % n
+        assert row[fp8.history_field("AMAX")] == 0.0
+    assert row[fp8.history_field("SCALE")] > 2.0 ** fp8.scale_exponent(300.0, fmt)  # 300 left the history
 
 
 def test_the_fp8_emulation_rounds_act_at_the_history_s_scale():
@@ -334,19 +339,54 @@ def test_the_fp8_emulation_rounds_act_at_the_history_s_scale():
         return out, dW_2, act
 
     own_out, own_dW_2, act = run(None)
-    row = _act_row([1e3 * np.abs(act).max()])  # a history far above act: a scale 2^10 below its own
-    at = int(row[fp8.act_field("AT")])
+    row = _history_row([1e3 * np.abs(act).max()])  # a history far above act: a scale 2^10 below its own
+    at = int(row[fp8.history_field("AT")])
     out, dW_2, _ = run(row)
-    at_scale = q(act, "e4m3", fp8.act_amax_now(row))
+    at_scale = q(act, "e4m3", fp8.amax_now(row, "e4m3"))
     np.testing.assert_array_equal(out, E.mm(at_scale, q(W_2, "e4m3")))
     np.testing.assert_array_equal(dW_2, E.mm(at_scale.T, q(dout, "e5m2")))
     assert not np.array_equal(out, own_out) and not np.array_equal(dW_2, own_dW_2)
-    assert row[fp8.act_field("PAST") + at] == np.float32(np.abs(act).max())
+    assert row[fp8.history_field("PAST") + at] == np.float32(np.abs(act).max())
 
 
-def test_a_resumed_fp8_emulation_run_restores_its_act_history():
-    """Steps, then the weights, m, v and the act history through JSON into a fresh model, then more steps: the
-    bytes of the run without the break. Resuming without the history gives other bytes (it is state)."""
+def test_the_fp8_emulation_rounds_dqkv_at_the_history_s_scale():
+    """With a history row attn_bwd folds dqkv's amax into it and attn_qkv_bwd's products read dqkv rounded at the
+    pass's scale (not its own amax's)."""
+    from andrea.engines.fp8_emulation import Fp8EmulationEngine
+
+    E = Fp8EmulationEngine()
+    rng = np.random.default_rng()
+    B, T, C, H = 2, 16, 32, 2
+    qkv = rng.standard_normal((3, B, T, C)).astype(np.float32)
+    out, att = np.zeros((B, T, C), np.float32), np.zeros((B, H, T, T), np.float32)
+    E.attn_fwd(out, att, qkv, H)
+    dout, inp = (rng.standard_normal((B, T, C)).astype(np.float32) for _ in range(2))
+    W_QKV = rng.standard_normal((3, C, C)).astype(np.float32) * C**-0.5
+    q = E.fp8_operand
+
+    def run(row):
+        dqkv, datt = np.zeros((3, B, T, C), np.float32), np.zeros((B, H, T, T), np.float32)
+        E.attn_bwd(dqkv, datt, dout, qkv, out, att, H, overwrite=True, dqkv_history=row)
+        dinp, dW = np.zeros((B, T, C), np.float32), np.zeros((3, C, C), np.float32)
+        E.attn_qkv_bwd(dinp, dW, dqkv, inp, W_QKV, overwrite=True, overwrite_weights=True, dqkv_history=row)
+        return dqkv, dinp, dW
+
+    dqkv, own_dinp, own_dW = run(None)
+    row = _history_row([1e3 * np.abs(dqkv).max()], "dqkv")  # a history far above dqkv: a scale 2^10 below its own
+    at = int(row[fp8.history_field("AT")])
+    again, dinp, dW = run(row)
+    np.testing.assert_array_equal(again, dqkv)
+    at_scale = q(dqkv, "e5m2", fp8.amax_now(row, "e5m2"))
+    x, W = q(inp, "e4m3").reshape(-1, C), q(W_QKV, "e4m3")
+    np.testing.assert_array_equal(dW, np.stack([E.mm(x.T, at_scale[i].reshape(-1, C)) for i in range(3)]))
+    np.testing.assert_array_equal(dinp, sum(E.mm(at_scale[i], W[i].T) for i in range(3)))
+    assert not np.array_equal(dinp, own_dinp) and not np.array_equal(dW, own_dW)
+    assert row[fp8.history_field("PAST") + at] == np.float32(np.abs(dqkv).max())
+
+
+def test_a_resumed_fp8_emulation_run_restores_its_histories():
+    """Steps, then the weights, m, v and the act and dqkv histories through JSON into a fresh model, then more steps:
+    the bytes of the run without the break. Resuming without either history gives other bytes (each is state)."""
     import json
 
     from andrea.config import ModelShape
@@ -370,19 +410,22 @@ def test_a_resumed_fp8_emulation_run_restores_its_act_history():
     steps(whole, 0, 5)
     broken = fresh()
     steps(broken, 0, 3)
-    saved, history = broken.host_state(), json.loads(json.dumps(broken.act_history_state()))
-    assert np.any(np.asarray(history)[:, fp8.act_field("PAST")] > 0)
+    saved, state = broken.host_state(), json.loads(json.dumps(broken.history_state()))
+    assert sorted(state) == ["fp8_act_history", "fp8_dqkv_history"]
+    for rows in state.values():
+        assert np.asarray(rows).shape == (2, fp8.history_field("ROW"))
+        assert np.all(np.asarray(rows)[:, fp8.history_field("PAST")] > 0)
     results = []
-    for restore in (True, False):
+    for restored in (state, {}, {"fp8_act_history": state["fp8_act_history"]},
+                     {"fp8_dqkv_history": state["fp8_dqkv_history"]}):
         resumed = fresh()
         resumed.load_state(*saved)
-        if restore:
-            resumed.load_act_history(history)
+        resumed.load_histories(restored)
         steps(resumed, 3, 5)
         results.append(resumed.host_state()[0])
     np.testing.assert_array_equal(results[0], whole.host_state()[0])
-    assert np.asarray(resumed.act_history_state()).shape == (2, fp8.act_field("ROW"))
-    assert not np.array_equal(results[1], results[0])
+    for partial in results[1:]:
+        assert not np.array_equal(partial, results[0])
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
@@ -819,7 +862,7 @@ def _without_act_history(engine, monkeypatch) -> None:
     """Models made on `engine` from here to the test's end keep no act history (act cast at its own amax)."""
     import dataclasses
 
-    monkeypatch.setattr(engine, "traits", dataclasses.replace(engine.traits, fp8_act_history=False))
+    monkeypatch.setattr(engine, "traits", dataclasses.replace(engine.traits, fp8_histories=False))
 
 
 @pytest.mark.gpu
@@ -902,7 +945,7 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
         planned = {b.name for b in model.plan.buffers}
         held = [engine.own[k] for k in ("fp8_dlogits", "fp8_act_t") if k in planned]
         # the LayerNorm outputs' second halves: X^T where the LayerNorms write E4M3 (ops/layernorm.py)
-        held += [fp8.e4m3_halves(model.saved(name, 0))[1] for name in ("ln1", "ln2")]
+        held += [fp8.fp8_halves(model.saved(name, 0))[1] for name in ("ln1", "ln2")]
         for h in held:
             h.fill(0x5A)
 
@@ -929,21 +972,23 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
 @pytest.mark.parametrize("rows, cols", [(128, 192), (100, 72), (37, 24), (64, 64), (520, 80), (1024, 64)])
 def test_the_act_transpose_and_the_history_fold_are_the_reference_s(engine, rows, cols):
     """k_fp8_act_t: every byte of q^T, in ragged tiles and without 16-byte accesses; its fold of a row (random
-    history, amax and scale) the reference's fold_act_amax, every float."""
+    history, amax and scale) the reference's fold_amax, every float, for the act history's E4M3 and dqkv's E5M2."""
     import cupy
 
     rng = np.random.default_rng()
     q = rng.integers(0, 256, rows * cols, dtype=np.uint8)
-    row = _act_row(rng.uniform(0.01, 100.0, rng.integers(1, 40)))
-    row[fp8.act_field("AMAX")] = rng.uniform(0.01, 300.0)
-    want = row.copy()
-    fp8.fold_act_amax(want, float(row[fp8.act_field("AMAX")]))
-    dq, dqt, drow = cupy.asarray(q), cupy.full(rows * cols, 0xA5, dtype=np.uint8), cupy.asarray(row)
-    d = fp8.kernel_defines("fp8")
-    grid = fp8.act_t_grid(rows, cols)
-    engine.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (dq, dqt, np.int32(rows), np.int32(cols), drow, np.int32(1)))
-    np.testing.assert_array_equal(cupy.asnumpy(dqt).reshape(cols, rows), q.reshape(rows, cols).T)
-    np.testing.assert_array_equal(cupy.asnumpy(drow), want)
+    for name, (fmt, _) in fp8.HISTORIES.items():
+        row = _history_row(rng.uniform(0.01, 100.0, rng.integers(1, 40)), name)
+        row[fp8.history_field("AMAX")] = rng.uniform(0.01, 300.0)
+        want = row.copy()
+        fp8.fold_amax(want, float(row[fp8.history_field("AMAX")]), fmt)
+        dq, dqt, drow = cupy.asarray(q), cupy.full(rows * cols, 0xA5, dtype=np.uint8), cupy.asarray(row)
+        d = fp8.kernel_defines("fp8")
+        grid = fp8.act_t_grid(rows, cols)
+        engine.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (dq, dqt, np.int32(rows), np.int32(cols), drow,
+                                                            np.int32(fp8.FORMATS[fmt][0])))
+        np.testing.assert_array_equal(cupy.asnumpy(dqt).reshape(cols, rows), q.reshape(rows, cols).T)
+        np.testing.assert_array_equal(cupy.asnumpy(drow), want)
 
 
 @pytest.mark.gpu
@@ -965,8 +1010,8 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
     act_ref = 0.5 * pre_ref * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre_ref + 0.044715 * pre_ref**3)))
     # a history whose scale saturates act's largest values: 448 / s lies in [h, 2 h) for a history amax h (the
     # largest power of two s with h s <= 448), so h at 45% of act's amax puts it under 90% of that amax
-    start = _act_row([0.45 * float(np.abs(act_ref).max())])
-    s = float(start[fp8.act_field("SCALE")])
+    start = _history_row([0.45 * float(np.abs(act_ref).max())])
+    s = float(start[fp8.history_field("SCALE")])
 
     def run(row, recompute=False):
         out, pre, act, dpre = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F), (N, F)))
@@ -974,7 +1019,7 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
         dW_1, dW_2 = cupy.full((C, F), np.nan, dtype=np.float32), cupy.full((F, C), np.nan, dtype=np.float32)
         drow = None if row is None else cupy.asarray(row)
         if drow is not None:
-            drow[fp8.act_field("AMAX")] = 1e30  # the product writes the amax, whatever the word held
+            drow[fp8.history_field("AMAX")] = 1e30  # the product writes the amax, whatever the word held
         with engine.fp8_pass():
             engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=recompute, act_history=drow)
             if recompute:
@@ -997,10 +1042,10 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
     assert np.isclose(np.abs(act).max(), largest) and (np.abs(act_ref) > largest).any()  # saturated, no NaN
     near = np.abs(act - np.clip(act_ref, -largest, largest))
     assert (near <= 0.07 * np.abs(act_ref) + 2.0**-9 / s + 1e-2 * np.abs(act_ref).max() * 2.0**-6).all()
-    want = start.copy()
-    fp8.fold_act_amax(want, float(row[fp8.act_field("AMAX")]))
+    want, amax = start.copy(), float(row[fp8.history_field("PAST") + int(start[fp8.history_field("AT")])])
+    fp8.fold_amax(want, amax, "e4m3")
     np.testing.assert_array_equal(row, want)
-    assert abs(row[fp8.act_field("AMAX")] / np.abs(act_ref).max() - 1) < 2e-2
+    assert abs(amax / np.abs(act_ref).max() - 1) < 2e-2
     dout = fp8.dequantize(*fp8.quantize(host["dout"], "e5m2"), "e5m2")
     for k, ref in (("out", act @ deq["W_2"]), ("dW_2", act.T @ dout)):
         rel = np.linalg.norm(delayed[k] - ref) / np.linalg.norm(ref)
@@ -1010,7 +1055,69 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
         assert rel <= 1e-2, (k, rel)
     for k in ("out", "dinp", "dW_1", "dW_2"):
         np.testing.assert_array_equal(again[k].view(np.uint8), delayed[k].view(np.uint8))
+    # the same row, but for the amax word: the recompute's product wrote act's amax again, after the fold
+    assert row_again[fp8.history_field("AMAX")] == amax
+    row_again[fp8.history_field("AMAX")] = 0.0
     np.testing.assert_array_equal(row_again, row)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, H", [(2, 128, 2), (1, 208, 3)])
+def test_the_attention_backward_writes_dqkv_in_e5m2_at_the_history_s_scale(engine, B, T, H):
+    """In a training pass with a dqkv history row attn_bwd writes the model's rows of dqkv as E5M2 bytes only: X
+    [N, 3C] the bytes of the plain backward's bf16 dqkv cast at the row's scale (quantize; values past it saturate),
+    X^T [3C, N] beside them; the pass is folded into the row as the reference folds dqkv's amax; attn_qkv_bwd's
+    products take those bytes at this pass's descale (against float64 products of them), and a read of dqkv as
+    bf16 (_fp8_readable) runs the backward again: the plain bits."""
+    import cupy
+
+    rng = np.random.default_rng()
+    C = 64 * H
+    N = B * T
+    qkv = cupy.asarray(_bf16(rng.standard_normal((3, B, T, C))).astype("bfloat16"))
+    dout = cupy.asarray(_bf16(rng.standard_normal((B, T, C)) * 1e-2).astype("bfloat16"))
+    inp = _bf16(rng.standard_normal((N, C)))
+    W = _bf16(rng.standard_normal((3, C, C)) * C**-0.5)
+    out, lse = cupy.full((B, T, C), np.nan, dtype="bfloat16"), cupy.full((B, H, T), np.nan, dtype=np.float32)
+    engine.attn_fwd(out, lse, qkv, H)
+
+    def backward(row=None):
+        rows = cupy.full((B, T, 3, C), np.nan, dtype="bfloat16")
+        view, delta = rows.transpose(2, 0, 1, 3), cupy.full((B, H, T), np.nan, dtype=np.float32)
+        engine.attn_bwd(view, delta, dout, qkv, out, lse, H, overwrite=True, dqkv_history=row)
+        return rows, view
+
+    plain = cupy.asnumpy(backward()[0]).astype(np.float32).reshape(N, 3 * C)
+    amax = float(np.abs(plain).max())
+    start = _history_row([0.45 * amax], "dqkv")  # a scale that saturates dqkv's largest values (the act test's)
+    s = float(start[fp8.history_field("SCALE")])
+    drow = cupy.asarray(start)
+    dinp, dW = cupy.full((N, C), np.nan, dtype=np.float32), cupy.full((3, C, C), np.nan, dtype=np.float32)
+    with engine.fp8_pass():
+        rows, view = backward(drow)
+        assert engine._fp8_only(view, "e5m2") is not None
+        got = cupy.asnumpy(rows).reshape(-1).view(np.uint8).copy()
+        engine.attn_qkv_bwd(dinp, dW, view, cupy.asarray(inp.reshape(B, T, C).astype("bfloat16")),
+                            cupy.asarray(W.astype("bfloat16")), overwrite=True, overwrite_weights=True,
+                            dqkv_history=drow)
+        engine._fp8_readable(view)
+        reread = cupy.asnumpy(rows).astype(np.float32).reshape(N, 3 * C)
+    q, qt = got[:N * 3 * C].reshape(N, 3 * C), got[N * 3 * C:].reshape(3 * C, N)
+    want_q, _ = fp8.quantize(plain, "e5m2", fp8.FORMATS["e5m2"][1] / s)
+    np.testing.assert_array_equal(q, want_q.reshape(N, 3 * C))
+    np.testing.assert_array_equal(qt, q.T)
+    assert (np.abs(plain) * s > fp8.FORMATS["e5m2"][1]).any()  # some saturated
+    want = start.copy()
+    fp8.fold_amax(want, amax, "e5m2")
+    np.testing.assert_array_equal(cupy.asnumpy(drow), want)
+    np.testing.assert_array_equal(reread.view(np.uint32), plain.view(np.uint32))
+    dq = fp8.dequantize(q, 1.0 / s, "e5m2")
+    x, w = (fp8.dequantize(*fp8.quantize(a, "e4m3"), "e4m3") for a in (inp, W))
+    ref = {"dW": np.stack([x.T @ dq[:, i * C:(i + 1) * C] for i in range(3)]),
+           "dinp": sum(dq[:, i * C:(i + 1) * C] @ w[i].T for i in range(3))}
+    for k, a in (("dW", dW), ("dinp", dinp)):
+        rel = np.linalg.norm(cupy.asnumpy(a) - ref[k]) / np.linalg.norm(ref[k])
+        assert rel <= 1e-2, (k, rel)
 
 
 @pytest.mark.gpu

@@ -111,7 +111,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())
         self.own = {b.name: cupy.zeros(b.shape, dtype=b.dtype) for b in own}
         self.traits = EngineTraits(attention="lse", act_dtype=p.act_dtype, loss_scaling=p.loss_scaling, graphs=True,
-                                   own_buffers=own, fp8_products=p.fp8_products, fp8_act_history=p.fp8_products,
+                                   own_buffers=own, fp8_products=p.fp8_products, fp8_histories=p.fp8_products,
                                    qkv_weight_rows=not p.fp8_products)  # fp8 keeps its own [C, 3C] copy
         self._decay_ranges: tuple = ()
         # 16-bit builds: GELU and its gradient as epilogues of the MLP's products (cuBLASLt, same workspace);

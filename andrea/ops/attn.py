@@ -16,7 +16,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
-from andrea.ops.fp8 import amax_arg
+from andrea.ops.fp8 import FORMATS, act_t_grid, amax_arg, delayed_amax, fp8_halves, history_slot
 
 KERNELS = {"attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
            "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")}
@@ -73,8 +73,10 @@ class NumpyOps:
         att[...] = s
         out[...] = _merge_heads(self.mm(att, v))
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
-        """`out` is the forward's Y: rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T."""
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False, dqkv_history=None):
+        """`out` is the forward's Y: rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T.
+        `dqkv_history`: the layer's row of the dqkv history under fp8 rounding (a training pass's), into which dqkv's
+        amax is folded (attn_qkv_bwd then rounds dqkv at the pass's scale)."""
         start_grad(dqkv, overwrite)
         q, k, v = (_heads(qkv[i], n_head) for i in range(3))
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -85,6 +87,7 @@ class NumpyOps:
         dqkv[0] += _merge_heads(self.mm(ds, k))
         dqkv[1] += _merge_heads(self.mm(ds.transpose(0, 1, 3, 2), q))
         dqkv[2] += _merge_heads(self.mm(att.transpose(0, 1, 3, 2), dy))
+        delayed_amax(dqkv_history, dqkv, True, "e5m2")
 
 
 class CudaOps:
@@ -129,7 +132,9 @@ class CudaOps:
         self.k["k_attn_fwd"](grid, (kernel_defines("attn")["ATTN_THREADS"],), (out, att, qkv, *dims),
                              shared_mem=shared_memory()["k_attn_fwd"])
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False, dqkv_history=None):
+        """`dqkv_history` (a training pass under fp8): where the model's rows of dqkv go to FP8 products, dqkv is
+        written as E5M2 bytes only, at the history's scale (_dqkv_e5m2)."""
         self._fp8_wrote(dqkv, datt)
         add = np.int32(not overwrite)
         ld, plane = (np.int32(n) for n in grad_rows(dqkv))
@@ -138,11 +143,18 @@ class CudaOps:
             heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
             _, dq, kv, kv_smem = self._bf16_kernels()
-            amax = amax_arg(self._fp8_produced(dqkv))  # both kernels' stores, one word; null outside an fp8 pass
+            e5m2 = self._dqkv_e5m2(dqkv, dqkv_history, overwrite)
+            if e5m2 is not None:  # the bytes, the scale, the amax word (the history's)
+                q8, scale, amax = e5m2[0], history_slot(dqkv_history, "SCALE"), history_slot(dqkv_history, "AMAX")
+            else:  # both kernels' stores' amax, one word; null outside an fp8 pass
+                q8, scale, amax = np.uint64(0), np.uint64(0), amax_arg(self._fp8_produced(dqkv))
             self.k[dq]((heads, -(-T // rows)), (threads,),
-                       (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane))
+                       (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane, q8, scale))
             self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,),
-                       (dqkv, datt, dout, qkv, att, *dims, add, amax, ld, plane), shared_mem=kv_smem)
+                       (dqkv, datt, dout, qkv, att, *dims, add, amax, ld, plane, q8, scale), shared_mem=kv_smem)
+            if e5m2 is not None:
+                self._dqkv_e5m2_done(dqkv, dqkv_history, *e5m2,
+                                     rerun=lambda: self.attn_bwd(dqkv, datt, dout, qkv, out, att, n_head, overwrite))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         threads, smem = (kernel_defines("attn")["ATTN_THREADS"],), shared_memory()
@@ -151,6 +163,30 @@ class CudaOps:
                                 shared_mem=smem["k_attn_bwd_dq"])
         self.k["k_attn_bwd"](grid, threads, (dqkv, datt, dout, qkv, att, *dims, add, ld, plane),
                              shared_mem=smem["k_attn_bwd"])
+
+    def _dqkv_e5m2(self, dqkv, row, overwrite: bool):
+        """(X, X^T): the halves of the bytes of the model's rows of dqkv [N, 3C] (ops/fp8.py fp8_halves) that the
+        attention backward writes as E5M2, at the dqkv history's scale, where it takes that path: a row given (a
+        training pass whose backward follows, under fp8), dqkv written over (not added into), laid out as rows, and
+        FP8 products for attn_qkv_bwd's shapes; else None (dqkv in bf16)."""
+        if row is None or not overwrite or self.blas_lt is None or self._fp8_book is None:
+            return None
+        C = dqkv.shape[-1]
+        N = dqkv[0].size // C
+        if grad_rows(dqkv) != (3 * C, C) or not self._fp8_ok(N, C):
+            return None
+        return fp8_halves(self.xp.moveaxis(dqkv, 0, -2).reshape(N, 3 * C))
+
+    def _dqkv_e5m2_done(self, dqkv, row, q, qt, rerun) -> None:
+        """After the kernels wrote dqkv's E5M2 bytes q: its transpose qt [3C, N] (dW_QKV's operand), the pass folded
+        into the row, and the bytes kept for attn_qkv_bwd at this pass's descale; `rerun()` writes dqkv in bf16
+        instead, for a product that reads it so (_fp8_readable)."""
+        C = dqkv.shape[-1]
+        N = dqkv[0].size // C
+        threads = kernel_defines("fp8")["FP8_THREADS"]
+        self.k["k_fp8_act_t"](act_t_grid(N, 3 * C), (threads,), (q, qt, np.int32(N), np.int32(3 * C), row,
+                                                                  np.int32(FORMATS["e5m2"][0])))
+        self._fp8_bytes_written(dqkv, q, qt, history_slot(row, "DESCALE_NOW"), rerun, "e5m2")
 
 
 def grad_rows(dqkv) -> tuple[int, int]:

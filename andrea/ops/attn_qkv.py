@@ -11,6 +11,7 @@ import numpy as np
 from andrea.memory import BufferSpec
 from andrea.ops.attn import grad_rows
 from andrea.ops.base import Draw, OpCase, blocks, start_grad
+from andrea.ops.fp8 import delayed_amax
 
 KERNELS = {"attn_qkv": ("k_qkv_rows",)}
 QKV_ROWS_THREADS = 256  # k_qkv_rows: a warp a row, any multiple of 32
@@ -22,19 +23,23 @@ def engine_buffers() -> tuple:
 
 class NumpyOps:
     """`fp8_operand` is what each product reads: the array itself, or in the fp8 emulation its FP8 rounding
-    (engines/fp8_emulation.py), one scale per tensor as the CUDA fp8 path casts it."""
+    (engines/fp8_emulation.py), one scale per tensor as the CUDA fp8 path casts it. `dqkv_history`: the layer's row
+    of the dqkv history (a training pass's, under fp8 rounding), at whose scale for this pass dqkv is rounded (its
+    attn_bwd folded it)."""
 
     def attn_qkv_fwd(self, qkv, inp, W_QKV):
         x, W = self.fp8_operand(inp, "e4m3"), self.fp8_operand(W_QKV, "e4m3")
         for i in range(3):
             self.mm(x, W[i], out=qkv[i])
 
-    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False):
+    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False,
+                     dqkv_history=None):
         start_grad(dinp, overwrite)
         start_grad(dW_QKV, overwrite_weights)
         C = inp.shape[-1]
         x2 = self.fp8_operand(inp, "e4m3").reshape(-1, C)
-        dq, W = self.fp8_operand(dqkv, "e5m2"), self.fp8_operand(W_QKV, "e4m3")
+        dq = self.fp8_operand(dqkv, "e5m2", delayed_amax(dqkv_history, dqkv, False, "e5m2"))
+        W = self.fp8_operand(W_QKV, "e4m3")
         for i in range(3):
             dW_QKV[i] += self.mm(x2.T, dq[i].reshape(-1, C))
             dinp += self.mm(dq[i], W[i].T)
@@ -70,7 +75,10 @@ class CudaOps:
                      np.int64(layer), np.int32(L), np.int32(C))
         self._qkv_rows = {W.data.ptr: (W, w_qkv_rows[l]) for l, W in enumerate(Ws)}
 
-    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False):
+    def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False,
+                     dqkv_history=None):
+        """`dqkv_history`: unread here; where attn_bwd wrote dqkv as E5M2 bytes at its scale, the products take those
+        bytes (or, any product reading it in bf16, attn_bwd runs again: _fp8_readable)."""
         C = inp.shape[-1]
         N = inp.size // C
         self._fp8_wrote(dinp)
@@ -80,11 +88,12 @@ class CudaOps:
         done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, beta_w, N, C)
                               if self._fp8_ok(N, C) else (False, False))
         if not done_dW:  # the three C x C weight gradients as one batched product
-            self._fp8_readable(inp)
+            self._fp8_readable(inp, dqkv)
             self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, ldb=ld, beta=beta_w, batch=3, stride_b=plane,
                            stride_c=C * C)
         if done_dinp:
             return
+        self._fp8_readable(dqkv)
         copy = self._qkv_rows.get(W_QKV.data.ptr) if rows is not None else None
         if copy is not None and copy[0].shape == W_QKV.shape:  # dinp = [dQ dK dV] @ [W_Q W_K W_V]^T, over 3C
             self.blas.gemm(dinp, rows, copy[1], N, C, 3 * C, trans_b=True, beta=0.0 if overwrite else 1.0)
@@ -100,7 +109,10 @@ class CudaOps:
         of the two ran."""
         xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
         xt, sx = self._fp8_transpose(inp, N, C, xt)
-        if rows is not None:  # its transpose [3C, N] is dq_i^T [C, N] after one another
+        written = self._fp8_only(dqkv, "e5m2")
+        if written is not None:  # attn_bwd's bytes: [N, 3C] and its transpose (ops/attn.py)
+            (dq, sd), (dqt, _) = written, self._fp8_saved_transpose(dqkv)
+        elif rows is not None:  # its transpose [3C, N] is dq_i^T [C, N] after one another
             sd = self._fp8_cast(rows, N, 3 * C, "e5m2", 1, q=dq, qt=dqt)
         else:
             sd = self._fp8_cast(dqkv, N, C, "e5m2", 1, q=dq, ldq=3 * C, q_batch=C, qt=dqt, qt_batch=C * N, batch=3)

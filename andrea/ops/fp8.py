@@ -11,7 +11,7 @@ hand.
 
 One tensor is scaled from a history instead (delayed scaling): the MLP's act = GELU(pre) in a training pass.
 Its up product writes act in E4M3 itself (cuBLASLt's FP8 output: D_SCALE, with pre beside it in bf16 for the
-backward's GELU') at the scale of the largest amax of the layer's last FP8_ACT_HISTORY passes, and reports act's
+backward's GELU') at the scale of the largest amax of the layer's last FP8_HIST_PASSES passes, and reports act's
 amax (AMAX_D, before the scale); k_fp8_act_t then writes act^T (dW_2's operand) and folds the pass into the
 layer's row of the history (kernels/fp8.cu: the row's layout; `fold_act_amax` is its reference). Values past the
 scale saturate at E4M3's largest, as cvt.satfinite does. This spares act's bf16 write, its amax pass and its cast
@@ -22,7 +22,7 @@ model's pass cast act at its own amax, as before.
 
 The layers' two LayerNorm outputs (attn_qkv's and the MLP's input) take the scale of a bound too, from gamma and
 beta (ops/layernorm.py, e4m3_bound): inside a model's pass the LayerNorm writes them as E4M3 bytes itself, X and
-X^T in the output's own bytes, with no amax, no cast and no bf16 write (`_fp8_ln_written`); whatever would read
+X^T in the output's own bytes, with no amax, no cast and no bf16 write (`_fp8_bytes_written`); whatever would read
 such an output as bf16 first has the LayerNorm run again (`_fp8_readable`). Where the kernel does not take the
 shape (a row wider than LN_E4M3_MAX_C), they are cast at their own amax as below.
 
@@ -193,61 +193,76 @@ def dgelu_amax(C: int, dout_descale: float, w_descale: float) -> float:
     return float(dgelu_factor(C) * np.float32(dout_descale) * np.float32(w_descale))
 
 
-# ---- the MLP's act under delayed scaling ------------------------------------------------------
-def act_field(name: str) -> int:
-    """The offset of a field of a layer's act history row (kernels/fp8.cu's FP8_ACT_<NAME>), or its sizes
-    ("HISTORY", "ROW")."""
-    return kernel_defines("fp8")[f"FP8_ACT_{name}"]
+# ---- tensors under delayed scaling: the act and dqkv histories -------------------------------
+# A history's tensor -> (its format, the amax whose scale a run's first pass takes): act starts at the scale 1 (amax
+# 0, no pass seen); dqkv, a mean loss's gradient, at that of amax 1, so that its first pass keeps values down to
+# 2^-31 (at the scale 1 most of them would flush to zero before the history has seen one pass).
+HISTORIES = {"act": ("e4m3", 0.0), "dqkv": ("e5m2", 1.0)}
+
+
+def history_field(name: str) -> int:
+    """The offset of a field of a layer's history row (kernels/fp8.cu's FP8_HIST_<NAME>), or its sizes ("PASSES",
+    "ROW")."""
+    return kernel_defines("fp8")[f"FP8_HIST_{name}"]
+
+
+def history_slot(row, name: str):
+    """A one-float view of a field of a layer's history row (a device pointer for cuBLASLt or a kernel)."""
+    at = history_field(name)
+    return row[at:at + 1]
 
 
 def act_t_grid(rows: int, cols: int) -> tuple[int, int]:
-    """k_fp8_act_t's grid transposing E4M3 bytes [rows, cols]: a block a 64-column strip of FP8_ACT_T_SUB tiles."""
+    """k_fp8_act_t's grid transposing FP8 bytes [rows, cols]: a block a 64-column strip of FP8_ACT_T_SUB tiles."""
     d = kernel_defines("fp8")
     return -(-cols // d["FP8_TILE"]), -(-rows // (d["FP8_TILE"] * d["FP8_ACT_T_SUB"]))
 
 
 def history_buffers(L: int) -> tuple:
-    """A training model's act history under fp8 rounding: a row a layer (kernels/fp8.cu), state carried from step
-    to step (and in .state.json), as m and v are."""
-    return (BufferSpec("fp8_act_history", (L, act_field("ROW")), "float32", "optimizer"),)
+    """A training model's histories under fp8 rounding (`fp8_<tensor>_history`): a row a layer each (kernels/fp8.cu),
+    state carried from step to step (and in .state.json), as m and v are."""
+    return tuple(BufferSpec(f"fp8_{name}_history", (L, history_field("ROW")), "float32", "optimizer")
+                 for name in HISTORIES)
 
 
-def reset_act_history(rows: np.ndarray) -> np.ndarray:
-    """The rows of a run's start (host float32): no pass seen, the first pass's scale 1 (that of amax 0)."""
+def reset_history(rows: np.ndarray, name: str) -> np.ndarray:
+    """The rows of a run's start (host float32) of history `name`: no pass seen, the first pass's scale that of the
+    history's start amax (HISTORIES)."""
+    fmt, start = HISTORIES[name]
     rows[...] = 0
-    rows[..., act_field("SCALE")] = 1.0
+    rows[..., history_field("SCALE")] = np.float32(2.0 ** scale_exponent(start, fmt))
     return rows
 
 
-def fold_act_amax(row, amax: float) -> None:
-    """The reference of kernels/fp8.cu's act_fold on a row of any float array, after a pass whose act had amax
-    `amax`: the pass's scale becomes this pass's, the amax goes into the history, and the next pass's scale is
-    that of the history's largest (NaN passed over)."""
-    e = int(np.float32(row[act_field("SCALE")]).view(np.uint32) >> 23 & 0xFF) - 127
-    row[act_field("SCALE_NOW")] = row[act_field("SCALE")]
-    row[act_field("DESCALE_NOW")] = np.float32(2.0**-e)
-    at, past, n = int(row[act_field("AT")]), act_field("PAST"), act_field("HISTORY")
-    row[act_field("AMAX")] = np.float32(amax)
-    row[past + at] = row[act_field("AMAX")]
-    row[act_field("AT")] = (at + 1) % n
+def fold_amax(row, amax: float, fmt: str) -> None:
+    """The reference of kernels/fp8.cu's history_fold on a row of any float array, after a pass whose tensor (in
+    `fmt`) had amax `amax`: the pass's scale becomes this pass's, the amax goes into the history (the amax word back
+    to 0), and the next pass's scale is that of the history's largest (NaN passed over)."""
+    e = int(np.float32(row[history_field("SCALE")]).view(np.uint32) >> 23 & 0xFF) - 127
+    row[history_field("SCALE_NOW")] = row[history_field("SCALE")]
+    row[history_field("DESCALE_NOW")] = np.float32(2.0**-e)
+    at, past, n = int(row[history_field("AT")]), history_field("PAST"), history_field("PASSES")
+    row[past + at] = np.float32(amax)
+    row[history_field("AMAX")] = 0.0
+    row[history_field("AT")] = (at + 1) % n
     largest = float(np.fmax.reduce(np.asarray(row[past:past + n], dtype=np.float32), initial=0.0))
-    row[act_field("SCALE")] = np.float32(2.0 ** scale_exponent(largest, "e4m3"))
+    row[history_field("SCALE")] = np.float32(2.0 ** scale_exponent(largest, fmt))
 
 
-def act_amax_now(row) -> float:
-    """The amax whose E4M3 scale is this pass's act scale (row's DESCALE_NOW): quantize / fake_quantize at it cast
-    act as the pass's product did."""
-    return FORMATS["e4m3"][1] * float(row[act_field("DESCALE_NOW")])
+def amax_now(row, fmt: str) -> float:
+    """The amax whose scale in `fmt` is this pass's scale of the row's tensor (its DESCALE_NOW): quantize /
+    fake_quantize at it cast the tensor as the pass's producer wrote it."""
+    return FORMATS[fmt][1] * float(row[history_field("DESCALE_NOW")])
 
 
-def delayed_act_amax(row, act, fold: bool) -> float | None:
-    """What the fp8 rounding of act takes as its amax in a pass with the layer's act history `row` (None: act's own
-    amax, no history): the pass's scale; `fold` (the forward's product), after folding act's amax into the row."""
+def delayed_amax(row, x, fold: bool, fmt: str) -> float | None:
+    """What the fp8 rounding of x takes as its amax in a pass with its layer's history `row` (None: x's own amax, no
+    history): the pass's scale; `fold` (x's producer), after folding x's amax into the row."""
     if row is None:
         return None
     if fold:
-        fold_act_amax(row, own_amax(np, np.asarray(act, dtype=np.float32)))
-    return act_amax_now(row)
+        fold_amax(row, own_amax(np, np.asarray(x, dtype=np.float32)), fmt)
+    return amax_now(row, fmt)
 
 
 def ml_dtype(fmt: str):
@@ -409,9 +424,9 @@ class CudaOps:
         if self.own.get("fp8_amax") is not None:
             self.zero(self.own["fp8_amax"])
         # e4m3_acts: the MLP acts whose forward wrote them as E4M3 bytes (the act history's path, ops/mlp.py);
-        # e4m3_lns: the LayerNorm outputs written as E4M3 bytes only (_fp8_ln_written)
+        # fp8_only: the outputs written as FP8 bytes only (_fp8_bytes_written: the LayerNorms', dqkv)
         self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "e4m3_acts": set(),
-                          "e4m3_lns": {}}
+                          "fp8_only": {}}
         try:
             yield
         finally:
@@ -425,28 +440,38 @@ class CudaOps:
         """An op wrote these without their amax: drop every kept tensor they overlap (and its saved transpose)."""
         if self._fp8_book is None:
             return
-        for book in (self._fp8_book["kept"], self._fp8_book["transposed"], self._fp8_book["e4m3_lns"]):
+        for book in (self._fp8_book["kept"], self._fp8_book["transposed"], self._fp8_book["fp8_only"]):
             for b in bufs:
                 lo, hi = ptr(b), ptr(b) + b.nbytes
                 for key in [k for k in book if k[0] < hi and lo < k[0] + k[1]]:
                     del book[key]
 
-    def _fp8_ln_written(self, out, q, qt, descale, rerun) -> None:
-        """A LayerNorm wrote out as E4M3 bytes only (ops/layernorm.py): X in q, X^T in qt (None: none), at the descale
-        given, kept for the pass's products; `rerun()` writes out in bf16 instead (_fp8_readable)."""
+    def _fp8_bytes_written(self, out, q, qt, descale, rerun, fmt: str) -> None:
+        """An op wrote out as FP8 bytes (`fmt`) only: X in q, X^T in qt (None: none), at the descale given, kept for
+        the pass's products (a LayerNorm's output, ops/layernorm.py; dqkv, ops/attn.py); `rerun()` writes out in
+        bf16 instead (_fp8_readable)."""
         key = (ptr(out), out.nbytes)
-        self._fp8_book["e4m3_lns"][key] = (q, descale, rerun)
+        self._fp8_book["fp8_only"][key] = (q, descale, rerun, fmt)
         if qt is not None:
             self._fp8_book["transposed"][key] = (qt, descale)
 
+    def _fp8_only(self, x, fmt: str) -> tuple | None:
+        """(X, descale) where an op wrote x as `fmt` bytes only in this pass (_fp8_bytes_written), else None."""
+        written = None if self._fp8_book is None else self._fp8_book["fp8_only"].get((ptr(x), x.nbytes))
+        if written is None:
+            return None
+        if written[3] != fmt:
+            raise RuntimeError(f"{fmt} bytes of a tensor written as {written[3]}")
+        return written[0], written[1]
+
     def _fp8_readable(self, *xs) -> None:
-        """Every x of xs whose LayerNorm wrote it as E4M3 bytes only gets its bf16 values: the LayerNorm runs again
-        (from its input, mean and rstd, so the same bits as ever), dropping the bytes. Whatever reads x as bf16 in a
-        pass calls this first: a product with no FP8 algorithm, a cast."""
+        """Every x of xs that its op wrote as FP8 bytes only gets its bf16 values: the op runs again (a LayerNorm from
+        its input, mean and rstd; the attention backward from its inputs: the same bits as ever), dropping the bytes.
+        Whatever reads x as bf16 in a pass calls this first: a product with no FP8 algorithm, a cast."""
         if self._fp8_book is None:
             return
         for x in xs:
-            written = self._fp8_book["e4m3_lns"].get((ptr(x), x.nbytes))
+            written = self._fp8_book["fp8_only"].get((ptr(x), x.nbytes))
             if written is not None:
                 self._fp8_wrote(x)  # its bytes, X^T with them, are overwritten
                 written[2]()
@@ -570,14 +595,14 @@ class CudaOps:
             self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
 
     def _fp8_cast_saving(self, x, rows: int, cols: int, q, save: bool) -> tuple:
-        """(x [rows, cols] in E4M3, its descale): the bytes its LayerNorm wrote (_fp8_ln_written, x^T saved too), or x
+        """(x [rows, cols] in E4M3, its descale): the bytes its LayerNorm wrote (_fp8_bytes_written, x^T saved too), or x
         cast into q as _fp8_cast does; with `save`, x^T too, into x's place in fp8_act_t, kept for the backward
         (_fp8_saved_transpose) where x has a place and its amax a slot of the pass (the descale is then the slot's,
         current until x is rewritten)."""
+        written = self._fp8_only(x, "e4m3")
+        if written is not None:
+            return written
         key = (ptr(x), x.nbytes)
-        if self._fp8_book is not None and key in self._fp8_book["e4m3_lns"]:
-            written, descale, _ = self._fp8_book["e4m3_lns"][key]
-            return written, descale
         xt = self._fp8_transpose_place(x) if save else None
         sx = self._fp8_cast(x, rows, cols, "e4m3", 0, q=q, qt=xt)
         if xt is not None and key in self._fp8_book["kept"]:
@@ -673,10 +698,10 @@ def _slot_field(slot, name: str):
     return slot[at:at + 1]
 
 
-def e4m3_halves(x) -> tuple:
-    """x's bytes (a 16-bit [rows, cols]) as two uint8 [rows * cols] halves, X and X^T in E4M3: where an op writes its
-    output in both FP8 layouts in that output's own memory (the MLP's act under the act history, the layers'
-    LayerNorm outputs)."""
+def fp8_halves(x) -> tuple:
+    """x's bytes (a contiguous 16-bit [rows, cols]) as two uint8 [rows * cols] halves, X and X^T in FP8: where an op
+    writes its output in both FP8 layouts in that output's own memory (the MLP's act under the act history, the
+    layers' LayerNorm outputs, dqkv under the dqkv history)."""
     b = x.reshape(-1).view(np.uint8)
     half = b.size // 2
     return b[:half], b[half:]

@@ -14,7 +14,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.memory import BufferSpec
-from andrea.ops.fp8 import amax_arg, e4m3_halves, fp8_shapes_ok
+from andrea.ops.fp8 import amax_arg, fp8_halves, fp8_shapes_ok
 from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr, start_grad
 
 LN_EPS = 1e-5
@@ -109,7 +109,7 @@ class CudaOps:
     def _layernorm_fwd_e4m3(self, out, mean, rstd, inp, gamma, beta, a, b, fused) -> bool:
         """out [rows, C] as E4M3 bytes in its own: X in the first half and, where a backward follows, X^T [C, rows] in
         the second, at e4m3_bound's scale (k_layernorm_fwd_e4m3), kept in the pass's book for the products
-        (_fp8_ln_written) with the descale in a slot of the pass. False where the FP8 products would not read it so
+        (_fp8_bytes_written) with the descale in a slot of the pass. False where the FP8 products would not read it so
         (nothing written): outside a pass, shapes they do not take, rows wider than the kernel's, not 16-byte
         aligned, or no slot left. A product that reads out as bf16 after all first has the LayerNorm run again
         from inp, the sum it wrote (_fp8_readable)."""
@@ -124,13 +124,13 @@ class CudaOps:
             return False
         self._fp8_wrote(out)
         descale = self._fp8_amax_slot(slot)[:1]
-        q, qt = e4m3_halves(out)
+        q, qt = fp8_halves(out)
         qt = qt if self._fp8_backward_follows() else None
         self._launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), 32 * k["LN_E4M3_WARPS"], q,
                      np.uint64(0) if qt is None else qt, descale,
                      mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
-        self._fp8_ln_written(out, q, qt, descale,
-                             lambda: self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0))
+        self._fp8_bytes_written(out, q, qt, descale,
+                                lambda: self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0), "e4m3")
         return True
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False, overwrite_weights=False):

@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, act_field, act_t_grid, amax_arg, delayed_act_amax, descale,
-                            dgelu_amax, dgelu_factor, e4m3_halves)
+from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, FORMATS, act_t_grid, amax_arg, delayed_amax, descale, dgelu_amax,
+                            dgelu_factor, fp8_halves, history_slot)
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, ptr, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
@@ -39,7 +39,7 @@ class NumpyOps:
         """With `recompute`, pre need not be kept (the backward rebuilds it); here it is written anyway."""
         q = self.fp8_operand
         self._mlp_up(pre, act, inp, W_1)
-        self.mm(q(act, "e4m3", delayed_act_amax(act_history, act, fold=True)), q(W_2, "e4m3"), out=out)
+        self.mm(q(act, "e4m3", delayed_amax(act_history, act, True, "e4m3")), q(W_2, "e4m3"), out=out)
 
     def _mlp_up(self, pre, act, inp, W_1):
         q = self.fp8_operand
@@ -58,7 +58,7 @@ class NumpyOps:
         if recompute:
             self._mlp_up(pre, act, inp, W_1)
         d = q(dout, "e5m2")
-        a = q(act, "e4m3", delayed_act_amax(act_history, act, fold=False))
+        a = q(act, "e4m3", delayed_amax(act_history, act, False, "e4m3"))
         dW_2 += self.mm(a.reshape(-1, F).T, d.reshape(-1, C))
         self.mm(d, q(W_2, "e4m3").T, out=dpre)
         dpre *= _gelu_grad(pre)
@@ -79,8 +79,8 @@ class CudaOps:
         if self._act_delayed(act_history, N, C) and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=True,
                                                                           transpose=not recompute):
             self._fp8_wrote(out)
-            q, _ = e4m3_halves(act)
-            if not self._fp8_times_weight(out, q, _field(act_history, "DESCALE_NOW"), W_2, N, F, C,
+            q, _ = fp8_halves(act)
+            if not self._fp8_times_weight(out, q, history_slot(act_history, "DESCALE_NOW"), W_2, N, F, C,
                                           into=self._fp8_operands(F * C)[0]):
                 raise RuntimeError(f"mlp_fwd: no FP8 algorithm for act @ W_2 ({N} x {F} x {C}) after act was written "
                                    "in E4M3")
@@ -113,21 +113,21 @@ class CudaOps:
         False where cuBLASLt has no algorithm for the product (nothing written)."""
         C, F = W_1.shape
         N = inp.size // C
-        q, qt = e4m3_halves(act)
+        q, qt = fp8_halves(act)
         self._fp8_wrote(pre, act)
         # the forward keeps inp^T for dW_1
         if not self._linear_fwd_fp8(q, inp, W_1, N, C, F, save_transpose=fold, epilogue="gelu_aux", aux=pre,
-                                    d_type="e4m3", d_scale=_field(row, "SCALE" if fold else "SCALE_NOW"),
-                                    amax_d=_field(row, "AMAX")):
+                                    d_type="e4m3", d_scale=history_slot(row, "SCALE" if fold else "SCALE_NOW"),
+                                    amax_d=history_slot(row, "AMAX")):
             return False
         if fold:
             self._fp8_book["e4m3_acts"].add((ptr(act), act.nbytes))
         d = kernel_defines("fp8")
         grid = act_t_grid(N, F) if transpose else (1, 1)
         self.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F),
-                                                          row, np.int32(fold)))
+                                                          row, np.int32(FORMATS["e4m3"][0] if fold else 0)))
         if transpose:
-            self._fp8_book["transposed"][(ptr(act), act.nbytes)] = (qt, _field(row, "DESCALE_NOW"))
+            self._fp8_book["transposed"][(ptr(act), act.nbytes)] = (qt, history_slot(row, "DESCALE_NOW"))
         return True
 
     def _gelu_epilogue(self, pre, act, inp, W_1, save_transpose: bool = False) -> bool:
@@ -218,12 +218,6 @@ class CudaOps:
             dq, dt, out_descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, dgelu_factor(C),
             np.int32(store)))
         return out_descale
-
-
-def _field(row, name: str):
-    """A one-float view of a field of a layer's act history row (a device pointer for cuBLASLt or a kernel)."""
-    at = act_field(name)
-    return row[at:at + 1]
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -76,8 +76,9 @@ CARVEOUT = 100  # percent of the unified cache given to shared memory: what the 
 
 
 def planes(B, T, C):
-    """The backward kernels' last arguments, dqkv's row and plane strides, for [3, B, T, C] (the variants take none)."""
-    return np.int32(C), np.int32(B * T * C)
+    """The backward kernels' last arguments: dqkv's row and plane strides for [3, B, T, C], then no E5M2 image of it
+    (null bytes and scale: the gradients in bf16; the variants take none of these)."""
+    return np.int32(C), np.int32(B * T * C), np.uint64(0), np.uint64(0)
 
 
 def log(msg: str) -> None:

@@ -59,7 +59,7 @@ class ActBound(Fp8EmulationEngine):
     name = "numpy-fp8-act-bound"
 
     def __init__(self, kind: str):
-        super().__init__(act_history=False)  # the bound in place of act's own amax, as the study began
+        super().__init__(histories=False)  # the bound in place of act's own amax, as the study began
         self.kind = kind
         self._act = self._bound = None
         self.slack: list[float] = []  # log2(bound / amax) of each forward cast

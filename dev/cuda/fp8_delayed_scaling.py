@@ -51,7 +51,7 @@ class DelayedScaling(Fp8EmulationEngine):
     name = "numpy-fp8-delayed"
 
     def __init__(self, history: int):
-        super().__init__(act_history=False)  # its own history, for every cast site
+        super().__init__(histories=False)  # its own history, for every cast site
         self.history = history
         self.amaxes: dict[int, deque] = defaultdict(lambda: deque(maxlen=self.history))
         self.site = 0
@@ -103,7 +103,7 @@ def references(args, baseline=None, name: str = "current scaling") -> tuple[dict
     `baseline` engine, `name` (default: the fp8 emulation with current scaling throughout)."""
     run = run_arguments(args)
     ref = train_run(NumpyEngine(), **run).losses[-1]
-    base = train_run(baseline or Fp8EmulationEngine(act_history=False), **run).losses[-1]
+    base = train_run(baseline or Fp8EmulationEngine(histories=False), **run).losses[-1]
     print(f"fp32 {ref:.6f}; fp8, {name} {base:.6f} ({(base - ref) / ref:+.3%})", flush=True)
     return run, ref
 

@@ -10,8 +10,8 @@ and of the attention output's gradient dY (A_y), with sc = 1 / sqrt(d), T the se
 of P sums to 1 and a column to at most T, |dP| <= d A_y A_v, |D_i| <= max_j |dP_ij|, so |dS_ij| <= 2 d A_y A_v P_ij
 and |dQ| <= 2 d sc A_y A_v A_k, |dK| <= 2 d sc T A_y A_v A_q, |dV| <= T A_y. E5M2's normal values span 2^30, so a
 bound far above the amax still leaves them most of that span (as the MLP backward's dpre bound does, `dgelu_amax`).
-The NumPy engine rounds every product operand as andrea/engines/fp8_emulation.py does (act at its history's scale,
-as shipped), but dqkv at the bound's scale. It trains the model of tests/test_fp8.py (or a wider one) from the same
+The NumPy engine rounds every product operand as andrea/engines/fp8_emulation.py does (act and dqkv at their
+histories' scales, as shipped), but dqkv at the bound's scale. It trains the model of tests/test_fp8.py (or a wider one) from the same
 init in fp32, as shipped and with the bound, prints the final losses, how far the bound sits above dqkv's amax
 (log2) and the share of its nonzero values each rounding flushes to zero, and exits 1 if the bound's run ends more
 than 1.5% from fp32 or dqkv passes its bound.
@@ -57,8 +57,8 @@ class DqkvBound(Fp8EmulationEngine):
         self.slack: list[float] = []  # log2(bound / amax) of each cast at the bound
         self.flushed = [0, 0, 0]  # nonzero values flushed to 0 at the bound's scale, at their own, all
 
-    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False):
-        super().attn_bwd(dqkv, datt, dout, qkv, out, att, n_head, overwrite)
+    def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False, dqkv_history=None):
+        super().attn_bwd(dqkv, datt, dout, qkv, out, att, n_head, overwrite, dqkv_history)
         self._dqkv, self._bound = dqkv, dqkv_bound(qkv, dout, n_head)
 
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, *a, **kw):
@@ -68,7 +68,7 @@ class DqkvBound(Fp8EmulationEngine):
             self._dqkv = None
 
     def fp8_operand(self, a, fmt: str, amax: float | None = None):
-        if a is not self._dqkv or amax is not None:
+        if a is not self._dqkv:  # dqkv at the bound, whatever scale the engine's own rounding would take
             return super().fp8_operand(a, fmt, amax)
         return rounded_at_bound(a, fmt, self._bound, "dqkv", self.slack, self.flushed).astype(self.dtype)
 
