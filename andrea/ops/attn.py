@@ -16,7 +16,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
-from andrea.ops.fp8 import FORMATS, act_t_grid, amax_arg, delayed_amax, fp8_halves, history_slot
+from andrea.ops.fp8 import amax_arg, delayed_amax, fp8_halves, history_slot
 
 KERNELS = {"attn": ("k_attn_fwd", "k_attn_bwd_dq", "k_attn_bwd"),
            "attn_bf16": ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")}
@@ -182,10 +182,7 @@ class CudaOps:
         into the row, and the bytes kept for attn_qkv_bwd at this pass's descale; `rerun()` writes dqkv in bf16
         instead, for a product that reads it so (_fp8_readable)."""
         C = dqkv.shape[-1]
-        N = dqkv[0].size // C
-        threads = kernel_defines("fp8")["FP8_THREADS"]
-        self.k["k_fp8_act_t"](act_t_grid(N, 3 * C), (threads,), (q, qt, np.int32(N), np.int32(3 * C), row,
-                                                                  np.int32(FORMATS["e5m2"][0])))
+        self._fp8_history_transpose(q, qt, dqkv[0].size // C, 3 * C, row, "e5m2")
         self._fp8_bytes_written(dqkv, q, qt, history_slot(row, "DESCALE_NOW"), rerun, "e5m2")
 
 

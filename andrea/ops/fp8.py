@@ -480,6 +480,14 @@ class CudaOps:
                 self._fp8_wrote(x)  # its bytes, X^T with them, are overwritten
                 written[2]()
 
+    def _fp8_history_transpose(self, q, qt, rows: int, cols: int, row, fold: str | None) -> None:
+        """k_fp8_act_t: a history's tensor's FP8 bytes q [rows, cols] transposed into qt (None: not written), and with
+        `fold` (its format) the pass folded into its history row first."""
+        grid = act_t_grid(rows, cols) if qt is not None else (1, 1)
+        self.k["k_fp8_act_t"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
+            q, np.uint64(0) if qt is None else qt, np.int32(rows), np.int32(cols), row,
+            np.int32(FORMATS[fold][0] if fold else 0)))
+
     def _fp8_transpose_place(self, x):
         """x's place in fp8_act_t (its E4M3 transpose, kept from a forward's cast to the backward), assigned on
         first sight and kept while the engine holds that buffer (a larger plan's replaces it); None outside a

@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, FORMATS, act_t_grid, amax_arg, delayed_amax, descale, dgelu_amax,
-                            dgelu_factor, fp8_halves, history_slot)
+from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, amax_arg, delayed_amax, descale, dgelu_amax, dgelu_factor,
+                            fp8_halves, history_slot)
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, ptr, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
@@ -122,10 +122,7 @@ class CudaOps:
             return False
         if fold:
             self._fp8_book["e4m3_acts"].add((ptr(act), act.nbytes))
-        d = kernel_defines("fp8")
-        grid = act_t_grid(N, F) if transpose else (1, 1)
-        self.k["k_fp8_act_t"](grid, (d["FP8_THREADS"],), (q, qt if transpose else np.uint64(0), np.int32(N), np.int32(F),
-                                                          row, np.int32(FORMATS["e4m3"][0] if fold else 0)))
+        self._fp8_history_transpose(q, qt if transpose else None, N, F, row, "e4m3" if fold else None)
         if transpose:
             self._fp8_book["transposed"][(ptr(act), act.nbytes)] = (qt, history_slot(row, "DESCALE_NOW"))
         return True
