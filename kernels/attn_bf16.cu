@@ -385,60 +385,77 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
     }
 }
 
-// store_rows<false>'s values as E5M2 bytes at the scale s instead, through shared memory: each rounded to bf16 as that
-// store rounds it, then scaled and converted as k_fp8_cast converts that output (kernels/fp8.cu), into a warp's
-// staged 16 x 64 byte tile (rows E5M2_STAGE_LD bytes apart: the 8 rows of one store on distinct banks); `top` takes
-// the max |value| of the rows below T. store_staged then writes the tile's rows below T as 16-byte stores (a 2-byte
-// store a pair left each 64-byte row segment in eight pieces: +92 us a 120M step on an H100).
-#define E5M2_STAGE_LD 80
-#define E5M2_STAGE_BYTES (16 * E5M2_STAGE_LD)  // a warp's tile
-__device__ __forceinline__ void stage_e5m2(unsigned char* stage, const float (&acc)[8][4], const float (&scale)[2],
-                                           int row0, int T, int g, int t, float s, float& top) {
+// A store of a warp's 16-row tile through shared memory: a lane's 2-element pieces (store_rows<false>'s values,
+// bf16; or with E5M2, those rounded to bf16 as that store rounds them, then scaled and converted as k_fp8_cast
+// converts them, kernels/fp8.cu) into the warp's `stage`, rows LD bytes apart (the 8 rows of one piece on distinct
+// banks); then the tile's rows below T as 16-byte stores, lane l taking pieces l, l + 32, ... A row's 128 (64) bytes
+// went out as eight 4-byte (2-byte) stores a piece before: 16-byte stores took the E5M2 dqkv's backward kernels from
+// 940 + 763 to 751 + 694 us a 120M step on an H100. `top` takes the max |value| of the rows below T.
+template <bool E5M2>
+struct Staged {
+    static constexpr int ROW = E5M2 ? ATTN_BF16_HD : 2 * ATTN_BF16_HD;  // a row's bytes
+    static constexpr int LD = ROW + 16;                                  // bank offset 4 (E5M2: 20) words a row
+    static constexpr int BYTES = 16 * LD;                                // a warp's tile
+};
+
+static_assert(ATTN_BF16_THREADS / 32 * ATTN_BF16_WARP_TILES * Staged<false>::BYTES <= ATTN_BF16_DQ_SMEM &&
+                  ATTN_BF16_THREADS / 32 * ATTN_BF16_WARP_TILES * Staged<false>::BYTES <= ATTN_BF16_FWD_SMEM,
+              "the forward's and dQ's warps stage their tiles in the block's buffers");
+static_assert(ATTN_BF16_KV_THREADS / 32 * 2 * ATTN_BF16_KV_WARP_TILES * Staged<false>::BYTES <= ATTN_BF16_BWD_SMEM,
+              "the dK, dV warps stage theirs (two a tile) in the block's buffers");
+
+template <bool E5M2>
+__device__ __forceinline__ void store_staged(unsigned char* __restrict__ dst, int ld, unsigned char* stage,
+                                             const float (&acc)[8][4], const float (&scale)[2], int row0, int T,
+                                             int lane, float s, float& top) {
+    using S = Staged<E5M2>;
+    const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int r = g + 8 * half;
-        unsigned short* d = reinterpret_cast<unsigned short*>(stage + r * E5M2_STAGE_LD + 2 * t);
 #pragma unroll
         for (int n = 0; n < 8; n++) {
             const float x = acc[n][2 * half] * scale[half], y = acc[n][2 * half + 1] * scale[half];
             if (row0 + r < T) top = fmaxf(top, fmaxf(fabsf(x), fabsf(y)));
-            float lo, hi;
-            unpack_lowp2(pack_lowp2(x, y), lo, hi);
-            d[4 * n] = fp8x2(lo * s, hi * s, 1);
+            if constexpr (E5M2) {
+                float lo, hi;
+                unpack_lowp2(pack_lowp2(x, y), lo, hi);
+                *reinterpret_cast<unsigned short*>(stage + r * S::LD + 8 * n + 2 * t) = fp8x2(lo * s, hi * s, 1);
+            } else {
+                *reinterpret_cast<unsigned*>(stage + r * S::LD + 16 * n + 4 * t) = pack_lowp2(x, y);
+            }
         }
     }
-}
-
-// A warp's staged tile (stage_e5m2, after __syncwarp) into rows row0 .. row0 + 15 of dst (ld bytes apart; dst and ld
-// multiples of 16), those below T: lane l takes 16-byte pieces l and l + 32.
-__device__ __forceinline__ void store_staged(unsigned char* __restrict__ dst, const unsigned char* stage, int row0,
-                                             int T, int ld, int lane) {
+    __syncwarp();
+    constexpr int PIECES = S::ROW / 16;  // a row's
 #pragma unroll
-    for (int c = lane; c < 64; c += WARP_SIZE) {
-        const int r = c / 4, k = c % 4;
+    for (int c = lane; c < 16 * PIECES; c += WARP_SIZE) {
+        const int r = c / PIECES, k = c % PIECES;
         if (row0 + r < T)
             *reinterpret_cast<uint4*>(dst + (long long)(row0 + r) * ld + 16 * k) =
-                *reinterpret_cast<const uint4*>(stage + r * E5M2_STAGE_LD + 16 * k);
+                *reinterpret_cast<const uint4*>(stage + r * S::LD + 16 * k);
     }
 }
 
-// The backward's gradients: added into dqkv, or (add = 0) written over whatever it held, unzeroed.
-__device__ __forceinline__ void store_grad_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
-                                                int row0, int T, int C, int t, int add, float& top) {
-    if (add) store_rows<true>(dst, acc, scale, row0, T, C, t, top);
-    else store_rows<false>(dst, acc, scale, row0, T, C, t, top);
+// The backward's gradients as bf16 added into dqkv (add), through store_rows; else written over it (add = 0), or with
+// e5m2 (precision fp8's dqkv under delayed scaling) as E5M2 bytes at the scale *e5m2_scale into e5m2 (the byte image
+// of dqkv's layout, a byte an element), both through the warp's `stage` of shared memory (store_staged), which the
+// block no longer reads (the caller's barrier). off: the tile's offset in dqkv's elements.
+__device__ __forceinline__ void store_grad(bf16* dqkv, unsigned char* e5m2, float s, int add, unsigned off, int ld,
+                                           unsigned char* stage, const float (&acc)[8][4], const float (&scale)[2],
+                                           int row0, int T, int lane, float& top) {
+    if (e5m2 != nullptr)
+        store_staged<true>(at64(e5m2, off), ld, stage, acc, scale, row0, T, lane, s, top);
+    else if (!add)
+        store_staged<false>(reinterpret_cast<unsigned char*>(at64(dqkv, off)), 2 * ld, stage, acc, scale, row0, T,
+                            lane, 1.0f, top);
+    else
+        store_rows<true>(at64(dqkv, off), acc, scale, row0 + lane / 4, T, ld, lane % 4, top);
 }
 
-// Or, with e5m2 (precision fp8's dqkv under delayed scaling, add 0), as E5M2 bytes at the scale *e5m2_scale into
-// e5m2 + off (the byte image of dqkv's layout, a byte an element) through the warp's `stage` of shared memory, which
-// the block no longer reads (the caller's __syncthreads).
-__device__ __forceinline__ void store_grad_e5m2(unsigned char* e5m2, unsigned off, unsigned char* stage,
-                                                const float (&acc)[8][4], const float (&scale)[2], int row0, int T,
-                                                int ld, int lane, float s, float& top) {
-    stage_e5m2(stage, acc, scale, row0, T, lane / 4, lane % 4, s, top);
-    __syncwarp();
-    store_staged(at64(e5m2, off), stage, row0, T, ld, lane);
-}
+// Whether the backward's stores go through shared memory (store_grad), block-uniform: the caller then waits for
+// every copy and every warp's reads of the tiles before them.
+__device__ __forceinline__ bool staged_grad(int add, const unsigned char* e5m2) { return e5m2 != nullptr || !add; }
 
 // blockIdx.x, read so that the compiler cannot reuse an earlier read (nor values derived from it).
 __device__ __forceinline__ int block_x() {
@@ -677,6 +694,9 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     // in registers through the loop.
     const Head hs = head_of(block_x(), B, T, H);
     float top = 0.0f;
+    cp_async_wait<0>();  // Y through shared memory (store_staged), the tiles': every warp done with them first
+    __syncthreads();
+    unsigned char* tiles = reinterpret_cast<unsigned char*>(smem) + warp * WT * Staged<false>::BYTES;
 #pragma unroll
     for (int i = 0; i < WT; i++) {
         const int row0 = R + 16 * i + g;
@@ -688,7 +708,8 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
             const int row = row0 + 8 * h;
             if (t == 0 && row < T) lse[hs.stat + row] = (m[i][h] + log2f(sum)) * LN2;
         }
-        store_rows<false>(at64(out, hs.seq), o[i], inv, row0, T, C, t, top);
+        unsigned char* y = reinterpret_cast<unsigned char*>(at64(out, hs.seq));
+        store_staged<false>(y, 2 * C, tiles + i * Staged<false>::BYTES, o[i], inv, R + 16 * i, T, lane, 1.0f, top);
     }
     if (amax != nullptr) warp_amax(amax, top);
 }
@@ -893,18 +914,16 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     const float sc[2] = {scale, scale};
     const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
-    if (e5m2 != nullptr) {  // through shared memory, the tiles' now: every warp done with them first
+    if (staged_grad(add, e5m2)) {  // through shared memory, the tiles': every warp done with them first
         cp_async_wait<0>();
         __syncthreads();
-        unsigned char* stage = reinterpret_cast<unsigned char*>(smem) + warp * WT * E5M2_STAGE_BYTES;
-        const float s = *e5m2_scale;
-#pragma unroll
-        for (int i = 0; i < WT; i++)
-            store_grad_e5m2(e5m2, hs.seq, stage + i * E5M2_STAGE_BYTES, dq[i], sc, R + 16 * i, T, dld, lane, s, top);
-    } else {
-#pragma unroll
-        for (int i = 0; i < WT; i++) store_grad_rows(at64(dqkv, hs.seq), dq[i], sc, R + 16 * i + g, T, dld, t, add, top);
     }
+    unsigned char* tiles = reinterpret_cast<unsigned char*>(smem) + warp * WT * Staged<false>::BYTES;
+    const float es = e5m2 != nullptr ? *e5m2_scale : 1.0f;
+#pragma unroll
+    for (int i = 0; i < WT; i++)
+        store_grad(dqkv, e5m2, es, add, hs.seq, dld, tiles + i * Staged<false>::BYTES, dq[i], sc, R + 16 * i, T, lane,
+                   top);
     if (amax != nullptr) warp_amax(amax, top);
 }
 
@@ -1151,24 +1170,19 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
     const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
-    if (e5m2 != nullptr) {  // through shared memory, the tiles' now: every warp done with them first
+    if (staged_grad(add, e5m2)) {  // through shared memory, the tiles': every warp done with them first
         cp_async_wait<0>();
         __syncthreads();
-        unsigned char* stage = static_cast<unsigned char*>(__cvta_shared_to_generic(QY)) + warp * 2 * WT * E5M2_STAGE_BYTES;
-        const float s = *e5m2_scale;
+    }
+    constexpr int TILE = Staged<false>::BYTES;
+    unsigned char* tiles = static_cast<unsigned char*>(__cvta_shared_to_generic(QY)) + warp * 2 * WT * TILE;
+    const float es = e5m2 != nullptr ? *e5m2_scale : 1.0f;
 #pragma unroll
-        for (int i = 0; i < WT; i++) {
-            store_grad_e5m2(e5m2, hs.seq + hs.plane, stage + 2 * i * E5M2_STAGE_BYTES, dk[i], sc, K0 + 16 * i, T, dld,
-                            lane, s, top);
-            store_grad_e5m2(e5m2, hs.seq + 2 * hs.plane, stage + (2 * i + 1) * E5M2_STAGE_BYTES, dv[i], one, K0 + 16 * i,
-                            T, dld, lane, s, top);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < WT; i++) {
-            store_grad_rows(at64(dqkv, hs.seq + hs.plane), dk[i], sc, K0 + 16 * i + g, T, dld, t, add, top);
-            store_grad_rows(at64(dqkv, hs.seq + 2 * hs.plane), dv[i], one, K0 + 16 * i + g, T, dld, t, add, top);
-        }
+    for (int i = 0; i < WT; i++) {
+        store_grad(dqkv, e5m2, es, add, hs.seq + hs.plane, dld, tiles + 2 * i * TILE, dk[i], sc, K0 + 16 * i, T, lane,
+                   top);
+        store_grad(dqkv, e5m2, es, add, hs.seq + 2 * hs.plane, dld, tiles + (2 * i + 1) * TILE, dv[i], one, K0 + 16 * i,
+                   T, lane, top);
     }
     if (amax != nullptr) warp_amax(amax, top);
 }
