@@ -43,7 +43,8 @@
 // (a stage is refilled right after the barrier that follows the last reads of it). A tile that lies wholly at or
 // below the diagonal for a warp takes a path without masks or bounds tests; the warp's one diagonal tile takes a
 // masked path that also skips the 16-row blocks wholly past the diagonal. The forward takes 64 keys a softmax step
-// and skips the rescaling of its accumulators in steps where no row maximum of the warp moves.
+// and skips the rescaling of its accumulators in steps where no row maximum of the warp moves. The results leave
+// through the shared memory the tiles no longer need, a warp's 16 rows at a time as 16-byte pieces (store_staged).
 #include "common.cuh"
 
 #define ATTN_BF16_THREADS 128       // k_attn_fwd_bf16, k_attn_bwd_dq_bf16: 4 warps
