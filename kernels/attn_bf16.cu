@@ -389,7 +389,8 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
 // A store of a warp's 16-row tile through shared memory: a lane's 2-element pieces (store_rows<false>'s values,
 // bf16; or with E5M2, those rounded to bf16 as that store rounds them, then scaled and converted as k_fp8_cast
 // converts them, kernels/fp8.cu) into the warp's `stage`, rows LD bytes apart (the 8 rows of one piece on distinct
-// banks); then the tile's rows below T as 16-byte stores, lane l taking pieces l, l + 32, ... A row's 128 (64) bytes
+// banks); then the tile's rows (row0 .. row0 + 15 of dst, ld bytes apart: a head's rows, 16-byte aligned) below T
+// as 16-byte stores, lane l taking pieces l, l + 32, ... A row's 128 (64) bytes
 // went out as eight 4-byte (2-byte) stores a piece before. On an H100, a 120M step: the backward's kv + dq kernels
 // 883 + 721 -> 753 + 680 us in bf16 (the forward 551 -> 525), 940 + 763 -> 751 + 694 with E5M2 dqkv (PERFORMANCE.md).
 // `top` takes the max |value| of the rows below T.
@@ -442,7 +443,8 @@ __device__ __forceinline__ void store_staged(unsigned char* __restrict__ dst, in
 // The backward's gradients as bf16 added into dqkv (add), through store_rows; else written over it (add = 0), or with
 // e5m2 (precision fp8's dqkv under delayed scaling) as E5M2 bytes at the scale *e5m2_scale into e5m2 (the byte image
 // of dqkv's layout, a byte an element), both through the warp's `stage` of shared memory (store_staged), which the
-// block no longer reads (the caller's barrier). off: the tile's offset in dqkv's elements.
+// block no longer reads (the caller's barrier). off: the head's offset in dqkv, in 64 elements (at64); row0: the
+// tile's first row.
 __device__ __forceinline__ void store_grad(bf16* dqkv, unsigned char* e5m2, float s, int add, unsigned off, int ld,
                                            unsigned char* stage, const float (&acc)[8][4], const float (&scale)[2],
                                            int row0, int T, int lane, float& top) {
