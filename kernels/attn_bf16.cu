@@ -362,11 +362,11 @@ __device__ __forceinline__ float lo_f32(unsigned x) { return __uint_as_float(x <
 __device__ __forceinline__ float hi_f32(unsigned x) { return __uint_as_float(x & 0xffff0000u); }
 #endif
 
-// dst[row, 8n + 2t .. +1] (+)= scale * acc for the thread's two rows (row0, row0 + 8) below T: the old bf16 value
-// (when ADD) plus the fp32 result, rounded once. `top` takes the max |value| stored (before the rounding: warp_amax).
-template <bool ADD>
-__device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
-                                           int row0, int T, int C, int t, float& top) {
+// dst[row, 8n + 2t .. +1] += scale * acc for the thread's two rows (row0, row0 + 8) below T: the old bf16 value plus
+// the fp32 result, rounded once (the backward adding into dqkv, add = 1). `top` takes the max |value| stored (before
+// the rounding: warp_amax).
+__device__ __forceinline__ void add_rows(bf16* __restrict__ dst, const float (&acc)[8][4], const float (&scale)[2],
+                                         int row0, int T, int C, int t, float& top) {
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int row = row0 + 8 * half;
@@ -375,23 +375,27 @@ __device__ __forceinline__ void store_rows(bf16* __restrict__ dst, const float (
 #pragma unroll
         for (int n = 0; n < 8; n++) {
             float x = acc[n][2 * half] * scale[half], y = acc[n][2 * half + 1] * scale[half];
-            if (ADD) {
-                const unsigned old = d[4 * n];
-                x += lo_f32(old);
-                y += hi_f32(old);
-            }
+            const unsigned old = d[4 * n];
+            x += lo_f32(old);
+            y += hi_f32(old);
             top = fmaxf(top, fmaxf(fabsf(x), fabsf(y)));
             d[4 * n] = pack_lowp2(x, y);
         }
     }
 }
 
-// A store of a warp's 16-row tile through shared memory: a lane's 2-element pieces (store_rows<false>'s values,
-// bf16; or with E5M2, those rounded to bf16 as that store rounds them, then scaled and converted as k_fp8_cast
-// converts them, kernels/fp8.cu) into the warp's `stage`, rows LD bytes apart (the 8 rows of one piece on distinct
-// banks); then the tile's rows (row0 .. row0 + 15 of dst, ld bytes apart: a head's rows, 16-byte aligned) below T
-// as 16-byte stores, lane l taking pieces l, l + 32, ... A row's 128 (64) bytes
-// went out as eight 4-byte (2-byte) stores a piece before. On an H100, a 120M step: the backward's kv + dq kernels
+// Every copy landed and every warp done with the block's tiles: their shared memory is free for store_staged.
+__device__ __forceinline__ void free_tiles() {
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// A store of a warp's 16-row tile through shared memory (after free_tiles): a lane's 2-element pieces (scale * acc
+// rounded once to bf16; or with E5M2, those bf16 values scaled by s and converted as k_fp8_cast converts them,
+// kernels/fp8.cu) into the warp's `stage`, rows LD bytes apart (the 8 rows of one piece on distinct banks); then the
+// tile's rows (row0 .. row0 + 15 of dst, ld bytes apart: a head's rows, 16-byte aligned) below T as 16-byte stores,
+// lane l taking pieces l, l + 32, ... A row's 128 (64) bytes went out as eight 4-byte (2-byte) stores a piece
+// before. On an H100, a 120M step: the backward's kv + dq kernels
 // 883 + 721 -> 753 + 680 us in bf16 (the forward 551 -> 525), 940 + 763 -> 751 + 694 with E5M2 dqkv (PERFORMANCE.md).
 // `top` takes the max |value| of the rows below T.
 template <bool E5M2>
@@ -440,7 +444,7 @@ __device__ __forceinline__ void store_staged(unsigned char* __restrict__ dst, in
     }
 }
 
-// The backward's gradients as bf16 added into dqkv (add), through store_rows; else written over it (add = 0), or with
+// The backward's gradients as bf16 added into dqkv (add), through add_rows; else written over it (add = 0), or with
 // e5m2 (precision fp8's dqkv under delayed scaling) as E5M2 bytes at the scale *e5m2_scale into e5m2 (the byte image
 // of dqkv's layout, a byte an element), both through the warp's `stage` of shared memory (store_staged), which the
 // block no longer reads (the caller's barrier). off: the head's offset in dqkv, in 64 elements (at64); row0: the
@@ -454,11 +458,11 @@ __device__ __forceinline__ void store_grad(bf16* dqkv, unsigned char* e5m2, floa
         store_staged<false>(reinterpret_cast<unsigned char*>(at64(dqkv, off)), 2 * ld, stage, acc, scale, row0, T,
                             lane, 1.0f, top);
     else
-        store_rows<true>(at64(dqkv, off), acc, scale, row0 + lane / 4, T, ld, lane % 4, top);
+        add_rows(at64(dqkv, off), acc, scale, row0 + lane / 4, T, ld, lane % 4, top);
 }
 
-// Whether the backward's stores go through shared memory (store_grad), block-uniform: the caller then waits for
-// every copy and every warp's reads of the tiles before them.
+// Whether the backward's stores go through shared memory (store_grad), block-uniform: the caller then calls
+// free_tiles first.
 __device__ __forceinline__ bool staged_grad(int add, const unsigned char* e5m2) { return e5m2 != nullptr || !add; }
 
 // blockIdx.x, read so that the compiler cannot reuse an earlier read (nor values derived from it).
@@ -698,8 +702,7 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     // in registers through the loop.
     const Head hs = head_of(block_x(), B, T, H);
     float top = 0.0f;
-    cp_async_wait<0>();  // Y through shared memory (store_staged), the tiles': every warp done with them first
-    __syncthreads();
+    free_tiles();  // Y through shared memory (store_staged)
     unsigned char* tiles = reinterpret_cast<unsigned char*>(smem) + warp * WT * Staged<false>::BYTES;
 #pragma unroll
     for (int i = 0; i < WT; i++) {
@@ -918,10 +921,7 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     const float sc[2] = {scale, scale};
     const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
-    if (staged_grad(add, e5m2)) {  // through shared memory, the tiles': every warp done with them first
-        cp_async_wait<0>();
-        __syncthreads();
-    }
+    if (staged_grad(add, e5m2)) free_tiles();
     unsigned char* tiles = reinterpret_cast<unsigned char*>(smem) + warp * WT * Staged<false>::BYTES;
     const float es = e5m2 != nullptr ? *e5m2_scale : 1.0f;
 #pragma unroll
@@ -1174,10 +1174,7 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
     const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
-    if (staged_grad(add, e5m2)) {  // through shared memory, the tiles': every warp done with them first
-        cp_async_wait<0>();
-        __syncthreads();
-    }
+    if (staged_grad(add, e5m2)) free_tiles();
     constexpr int TILE = Staged<false>::BYTES;
     unsigned char* tiles = static_cast<unsigned char*>(__cvta_shared_to_generic(QY)) + warp * 2 * WT * TILE;
     const float es = e5m2 != nullptr ? *e5m2_scale : 1.0f;
