@@ -10,7 +10,9 @@ cuBLASLt ones (GELU epilogues, the classifier, FP8) and the plain ones that pass
   - every algorithm the heuristic offers when asked for up to --heuristics of them;
   - configurations built by hand: every algorithm id cuBLASLt has for the types, each tile and stage count it
     reports, then for the fastest few every CTA swizzle, custom option and cluster shape that cublasLtMatmulAlgoCheck
-    accepts, with no split of K.
+    accepts, with no split of K; with --split-k, the fastest eight tried so far again with K split in each of those
+    counts, their parts summed in place or in a workspace (cuBLASLt's INPLACE and COMPUTE_TYPE reductions, both in a
+    fixed order).
 Each candidate faster than today is checked against today's output (relative difference, on the same inputs,
 the output restored between runs). It prints one line a product, a table last, and writes lt_search.json under
 --out. It measures and reports; the engine's table is not changed (scripts/tune_gemm.py writes that).
@@ -141,7 +143,11 @@ def ms_of(fn, inner: int = 20, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr) -> dict:
+# cublasLtReductionScheme_t: the parts of a split K summed in the output buffer, or in a workspace of the compute type
+REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE = 1, 2
+
+
+def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr, splits: tuple[int, ...] = ()) -> dict:
     lib = lt.lib
     ref_in = out_arr.copy()
     aux = prod.kw.get("aux")
@@ -161,7 +167,7 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
     ref = output()
     restore()
     today = ms_of(run_default)
-    rows = []
+    rows, tried = [], []
 
     def rel(x, y):
         n = float(cupy.linalg.norm(y))
@@ -176,6 +182,9 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
             err = max(err, rel(got[1], ref[1]))
         ms = ms_of(lambda: prod.run(algo))
         rows.append({"label": label, "ms": round(ms, 5), "rel_err": err, "config": cfg})
+        kept = lt._Heuristic()
+        ctypes.memmove(ctypes.addressof(kept), ctypes.addressof(algo), ctypes.sizeof(kept))
+        tried.append((ms, err, kept))
         return ms
 
     # the heuristic's list, long
@@ -244,6 +253,23 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
                         break
                     try_algo("config+", algo, cfg)
                     timed += 1
+    # K split: the fastest eight so far, each count and reduction cuBLASLt accepts for them
+    for _, _, algo0 in sorted((t for t in tried if t[1] < 2e-2), key=lambda t: t[0])[:8] if splits else ():
+        if not cap_int(lib, algo0, CAP_SPLITK):
+            continue
+        for sk in splits:
+            for red in (REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE):
+                algo = lt._Heuristic()
+                ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(algo0), ctypes.sizeof(algo))
+                set_config(lib, algo, CFG_SPLITK, sk)
+                set_config(lib, algo, CFG_REDUCTION, red)
+                if not prod.check(algo):
+                    continue
+                cfg = config_of(lib, algo)
+                if tuple(sorted(cfg.items())) in seen:
+                    continue
+                seen.add(tuple(sorted(cfg.items())))
+                try_algo("split-k", algo, cfg)
     restore()
     good = [r for r in rows if r["rel_err"] < 2e-2]
     best = min(good, key=lambda r: r["ms"]) if good else None
@@ -258,9 +284,13 @@ def main() -> int:
     ap.add_argument("--precisions", default="bf16")
     ap.add_argument("--heuristics", type=int, default=64, help="algorithms asked of the heuristic (default 64)")
     ap.add_argument("--budget", type=int, default=400, help="hand-built configurations timed a product (default 400)")
+    ap.add_argument("--split-k", default="", help="K split counts tried on the fastest algorithms (e.g. 2,3,4,8)")
+    ap.add_argument("--k", default="", help="only the products of these K (e.g. 8192,16384: the weight gradients)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/lt_search")))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    splits = tuple(int(x) for x in args.split_k.split(",") if x)
+    only_k = {int(x) for x in args.k.split(",") if x}
     report, lines = {}, []
     for name in args.shapes.split(","):
         for precision in args.precisions.split(","):
@@ -269,6 +299,8 @@ def main() -> int:
             bind(lt.lib)
             print(f"{name}/{precision}: {len(calls)} products", flush=True)
             for pname, (kind, cargs, kw) in calls.items():
+                if only_k and cargs[5] not in only_k:
+                    continue
                 t0 = time.time()
                 prod = Product(lt, cargs, kw)
                 # today: the engine's own route (a plain product through the table where it names it)
@@ -277,7 +309,7 @@ def main() -> int:
                 if prod.plan is None:
                     print(f"  {kind} {pname}: no cuBLASLt plan", flush=True)
                     continue
-                res = search(lt, prod, args.heuristics, args.budget, run_default, cargs[0])
+                res = search(lt, prod, args.heuristics, args.budget, run_default, cargs[0], splits)
                 c, a, b, m, n, k = cargs[:6]
                 res.update(kind=kind, product=pname, mnk=[m, n, k], gflop=2 * m * n * k * kw.get("batch", 1) / 1e9)
                 report[f"{name}/{precision} {kind} {pname}"] = res
