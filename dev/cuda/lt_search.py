@@ -145,6 +145,7 @@ def ms_of(fn, inner: int = 20, reps: int = 3) -> float:
 
 # cublasLtReductionScheme_t: the parts of a split K summed in the output buffer, or in a workspace of the compute type
 REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE = 1, 2
+MAX_REL_ERR = 2e-2  # a candidate further than this from today's output does not count
 
 
 def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr, splits: tuple[int, ...] = ()) -> dict:
@@ -168,6 +169,12 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
     restore()
     today = ms_of(run_default)
     rows, tried = [], []
+    seen = set()
+
+    def copy_algo(src):
+        algo = lt._Heuristic()
+        ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(src), ctypes.sizeof(algo))
+        return algo
 
     def rel(x, y):
         n = float(cupy.linalg.norm(y))
@@ -182,10 +189,21 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
             err = max(err, rel(got[1], ref[1]))
         ms = ms_of(lambda: prod.run(algo))
         rows.append({"label": label, "ms": round(ms, 5), "rel_err": err, "config": cfg})
-        kept = lt._Heuristic()
-        ctypes.memmove(ctypes.addressof(kept), ctypes.addressof(algo), ctypes.sizeof(kept))
-        tried.append((ms, err, kept))
+        tried.append((ms, err, copy_algo(algo)))
         return ms
+
+    def try_variant(label, algo0, settings: dict) -> None:
+        """algo0 with the config attributes `settings` set, timed where cuBLASLt accepts it and it is new."""
+        algo = copy_algo(algo0)
+        for attr, value in settings.items():
+            set_config(lib, algo, attr, value)
+        if not prod.check(algo):
+            return
+        cfg = config_of(lib, algo)
+        key = tuple(sorted(cfg.items()))
+        if key not in seen:
+            seen.add(key)
+            try_algo(label, algo, cfg)
 
     # the heuristic's list, long
     desc, lay_b, lay_a, lay_c, _, lay_d = prod.plan
@@ -196,7 +214,6 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
     results, found = (lt._Heuristic * heuristics)(), ctypes.c_int(0)
     lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, lay_b, lay_a, lay_c, lay_d, pref, heuristics, results,
                                        ctypes.byref(found))
-    seen = set()
     for i in range(found.value):
         algo = results[i]
         cfg = config_of(lib, algo)
@@ -216,8 +233,7 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
         stages = cap_list(lib, base, CAP_STAGES_IDS) or [0]
         for tile in tiles:
             for stage in stages:
-                algo = lt._Heuristic()
-                ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(base), ctypes.sizeof(algo))
+                algo = copy_algo(base)
                 set_config(lib, algo, CFG_TILE, tile)
                 set_config(lib, algo, CFG_STAGES, stage)
                 set_config(lib, algo, CFG_SPLITK, 1)
@@ -226,52 +242,26 @@ def search(lt, prod: Product, heuristics: int, budget: int, run_default, out_arr
                     if tuple(sorted(cfg.items())) not in seen:
                         seen.add(tuple(sorted(cfg.items())))
                         cands.append((algo, cfg, base))
-    timed = 0
-    first = []
-    for algo, cfg, base in cands[:budget]:
-        first.append((try_algo("config", algo, cfg), algo, cfg, base))
-        timed += 1
-    first.sort(key=lambda r: r[0])
-    for _, algo0, cfg0, base in first[:6]:
+    first = sorted(((try_algo("config", algo, cfg), algo, base) for algo, cfg, base in cands[:budget]),
+                   key=lambda r: r[0])
+    hand_limit = found.value + 2 * budget  # the heuristic's list, then at most 2 x budget built by hand
+    for _, algo0, base in first[:6]:
         swz = [0, 1] if cap_int(lib, base, CAP_SWIZZLE) else [0]
         custom = range(min(cap_int(lib, base, CAP_CUSTOM_MAX), 7) + 1)
         for s in swz:
             for cu in custom:
                 for cl in range(0, 25):
-                    algo = lt._Heuristic()
-                    ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(algo0), ctypes.sizeof(algo))
-                    set_config(lib, algo, CFG_SWIZZLE, s)
-                    set_config(lib, algo, CFG_CUSTOM, cu)
-                    set_config(lib, algo, CFG_CLUSTER, cl)
-                    if not prod.check(algo):
-                        continue
-                    cfg = config_of(lib, algo)
-                    if tuple(sorted(cfg.items())) in seen:
-                        continue
-                    seen.add(tuple(sorted(cfg.items())))
-                    if timed >= 2 * budget:
+                    if len(rows) >= hand_limit:
                         break
-                    try_algo("config+", algo, cfg)
-                    timed += 1
+                    try_variant("config+", algo0, {CFG_SWIZZLE: s, CFG_CUSTOM: cu, CFG_CLUSTER: cl})
     # K split: the fastest eight so far, each count and reduction cuBLASLt accepts for them
-    for _, _, algo0 in sorted((t for t in tried if t[1] < 2e-2), key=lambda t: t[0])[:8] if splits else ():
-        if not cap_int(lib, algo0, CAP_SPLITK):
-            continue
-        for sk in splits:
-            for red in (REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE):
-                algo = lt._Heuristic()
-                ctypes.memmove(ctypes.addressof(algo), ctypes.addressof(algo0), ctypes.sizeof(algo))
-                set_config(lib, algo, CFG_SPLITK, sk)
-                set_config(lib, algo, CFG_REDUCTION, red)
-                if not prod.check(algo):
-                    continue
-                cfg = config_of(lib, algo)
-                if tuple(sorted(cfg.items())) in seen:
-                    continue
-                seen.add(tuple(sorted(cfg.items())))
-                try_algo("split-k", algo, cfg)
+    for _, _, algo0 in sorted((t for t in tried if t[1] < MAX_REL_ERR), key=lambda t: t[0])[:8] if splits else ():
+        if cap_int(lib, algo0, CAP_SPLITK):
+            for sk in splits:
+                for red in (REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE):
+                    try_variant("split-k", algo0, {CFG_SPLITK: sk, CFG_REDUCTION: red})
     restore()
-    good = [r for r in rows if r["rel_err"] < 2e-2]
+    good = [r for r in rows if r["rel_err"] < MAX_REL_ERR]
     best = min(good, key=lambda r: r["ms"]) if good else None
     return {"today_ms": round(today, 5), "heuristics_found": found.value, "configs_checked": len(cands),
             "timed": len(rows), "best": best, "rows": sorted(rows, key=lambda r: r["ms"])[:40]}
