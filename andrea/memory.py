@@ -167,8 +167,10 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     `act_dtype` (default: `dtype`) is the element type of the activations and of the activation
     gradients that feed matrix products (bfloat16 for mixed precision); a low-precision act_dtype adds
     `params_lp`, the copy of the weights the products read (a pure function of the fp32 `params`).
-    Statistics, the residual-stream gradients (`d_residual`, `d_ln`, which products add into),
-    parameters, gradients and optimizer state stay in `dtype`.
+    `d_ln`, the gradient at a LayerNorm's output that the products after it write, is an activation gradient too
+    (as under PyTorch's autocast, whose products write theirs in bf16). Statistics, the residual stream's gradient
+    (`d_residual`, which the LayerNorm backwards add into), parameters, gradients and optimizer state stay in
+    `dtype`.
 
     `recompute` names activations kept for one layer only, which the backward recomputes: "gelu" makes
     `mlp_pre` and `mlp_act` one layer's (both rebuilt from the layer's LN2 output; the backward's d_mlp_pre
@@ -247,8 +249,8 @@ def plan_model(layout: ParameterLayout, micro_batch: int, dtype: str = "float32"
     stat("losses", (B, T))
     add("branch", (B, T, C), "scratch")  # a sub-layer's output before the residual add
     if training:
-        for name in ("d_residual", "d_ln"):
-            stat(name, (B, T, C), "scratch")
+        stat("d_residual", (B, T, C), "scratch")
+        add("d_ln", (B, T, C), "scratch")  # a LayerNorm output's gradient, as the products after it write it
         add("d_branch", (B, T, C), "scratch")
         # dQ, dK, dV of a token side by side: attn_qkv_bwd's input gradient is then one product over 3C
         add("d_qkv", (B, T, 3, C), "scratch")

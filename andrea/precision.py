@@ -2,8 +2,9 @@
 
 fp32 is the reference (the NumPy engine's only precision). On the CUDA engine: tf32 runs the matrix
 products on tensor cores with TF32 inputs and FP32 accumulation; bf16 and fp16 are mixed precision
-(activations, the activation gradients that feed products and a copy of the weights in 16 bits, FP32
-accumulation and arithmetic; statistics, residual-stream gradients, weights, gradients, m and v FP32);
+(activations, the activation gradients that feed products or that products write, and a copy of the weights in
+16 bits, FP32 accumulation and arithmetic; statistics, the residual stream's gradient, weights, gradients, m and v
+FP32);
 fp16's narrow range needs the dynamic loss scale. fp8 is bf16 with the products of attn_qkv, the MLP and
 the classifier (its logits and input gradient) on FP8 operands (E4M3 activations and weights, E5M2 gradients; andrea/ops/fp8.py), FP32
 accumulation; Hopper or Ada (sm_89+). The experiment schema's enum lists the same names

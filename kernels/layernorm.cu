@@ -4,7 +4,8 @@
 //             dinp   += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   (add 0: written)
 //             dgamma += sum over rows of dout * xhat,   dbeta += sum over rows of dout   (or, add 0, written:
 //             a step's first micro-batch)
-// Input and output are activations (act_t); dout and dinp are residual-stream gradients (float).
+// Input and output are activations (act_t), and so is dout, the output's gradient as the products after the
+// LayerNorm write it; dinp is the residual stream's gradient (float).
 // The forward also takes the residual connection in front of it (residual_add then layernorm_fwd, one
 // pass): inp = a + residual, written and normalised.
 // The backward also takes the residual connection in front of the LayerNorm (layernorm_residual_bwd): its
@@ -113,19 +114,19 @@ k_layernorm_fwd(act_t* out, float* mean, float* rstd, act_t* inp, const float* g
 
 // The rows that do not fit the cached kernels below (wider than 4 groups a lane, or not 16-byte aligned):
 // elementwise reads, two passes over the row.
-__device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout, const act_t* inp, const float* gamma,
+__device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const act_t* dout, const act_t* inp, const float* gamma,
                                   const float* mean, const float* rstd, long long n_rows, int C, int fused, int add,
                                   unsigned* amax) {
     const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= n_rows) return;
     const act_t* x = inp + row * C;
-    const float* dy = dout + row * C;
+    const act_t* dy = dout + row * C;
     float* dx = dinp + row * C;
     const float m = mean[row], r = rstd[row];
     float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float dxhat = dy[c] * gamma[c];
+        const float dxhat = to_f32(dy[c]) * gamma[c];
         sum_dxhat += dxhat;
         sum_dxhat_xhat += dxhat * ((to_f32(x[c]) - m) * r);
     }
@@ -134,7 +135,7 @@ __device__ void layernorm_bwd_row(float* dinp, act_t* dbranch, const float* dout
     float top = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
         const float xhat = (to_f32(x[c]) - m) * r;
-        const float d = (add ? dx[c] : 0.0f) + r * (dy[c] * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
+        const float d = (add ? dx[c] : 0.0f) + r * (to_f32(dy[c]) * gamma[c] - mean_dxhat - xhat * mean_dxhat_xhat);
         dx[c] = d;
         if (fused) store(dbranch + row * C + c, d);
         top = fmaxf(top, fabsf(d));
@@ -163,7 +164,7 @@ __device__ __forceinline__ void fold_lanes(float (&part)[2][LANES][WARP_SIZE + 1
 // takes column cx and rows ry, ry + 32, ... of the chunk (a warp reads 32 consecutive columns of a row); the 32
 // row lanes are then added in a fixed tree. partials[chunk] holds the chunk's dgamma, partials[LN_CHUNKS + chunk]
 // its dbeta.
-__device__ void layernorm_bwd_params(float* partials, const float* dout, const act_t* inp, const float* mean,
+__device__ void layernorm_bwd_params(float* partials, const act_t* dout, const act_t* inp, const float* mean,
                                      const float* rstd, long long n_rows, int C, int block) {
     __shared__ float part[2][LN_LANES][WARP_SIZE + 1];
     const int col_blocks = (C + WARP_SIZE - 1) / WARP_SIZE;
@@ -175,7 +176,7 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
     if (c < C) {
 #pragma unroll 4
         for (long long row = chunk * rows_per_chunk + ry; row < end; row += LN_LANES) {
-            const float dy = dout[row * C + c];
+            const float dy = to_f32(dout[row * C + c]);
             dg += dy * ((to_f32(inp[row * C + c]) - mean[row]) * rstd[row]);
             db += dy;
         }
@@ -190,7 +191,7 @@ __device__ void layernorm_bwd_params(float* partials, const float* dout, const a
 // Blocks [0, row_blocks) do dinp, one warp per row; the rest do the dgamma/dbeta partials of LN_CHUNKS row
 // chunks, 32 columns a block. k_layernorm_bwd_sum then adds the chunks in a fixed order.
 extern "C" __global__ void __launch_bounds__(LN_THREADS)
-k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp, const float* gamma,
+k_layernorm_bwd(float* dinp, act_t* dbranch, float* partials, const act_t* dout, const act_t* inp, const float* gamma,
                 const float* mean, const float* rstd, long long n_rows, int C, int row_blocks, int fused, int add,
                 unsigned* amax) {
     if (blockIdx.x < row_blocks)
@@ -221,7 +222,7 @@ __device__ __forceinline__ void load_dinp(const float* p, float (&d)[ACT_VEC], i
 // after the row's sums. The sums are the same every way: the same additions in the same order.
 // Needs C <= 32 * J * ACT_VEC, C a multiple of ACT_VEC and every row 16-byte aligned (the engine checks).
 template <int J>
-__device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch, float* partials, const float* dout,
+__device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch, float* partials, const act_t* dout,
                                                      const act_t* inp, const float* gamma, const float* mean,
                                                      const float* rstd, long long n_rows, int C, int rows_per_chunk,
                                                      int n_chunks, int fused, int add, unsigned* amax) {
@@ -258,7 +259,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
             const int c = (lane + WARP_SIZE * j) * ACT_VEC;
             if (c >= C) continue;
             float g[ACT_VEC], xhat[ACT_VEC];
-            load_f32(dout + row * C + c, dy[j]);
+            load_vec(dout + row * C + c, dy[j]);
             x[j] = *reinterpret_cast<const uint4*>(inp + row * C + c);
             if (EARLY) load_dinp(dinp + row * C + c, d[j], add);
             load_f32(gamma + c, g);
@@ -378,7 +379,7 @@ __device__ __forceinline__ void layernorm_bwd_cached(float* dinp, act_t* dbranch
 
 #define LN_BWD_CACHED(J)                                                                                            \
     extern "C" __global__ void __launch_bounds__(LN_BWD_THREADS, 2)                                              \
-    k_layernorm_bwd_cached##J(float* dinp, act_t* dbranch, float* partials, const float* dout, const act_t* inp,    \
+    k_layernorm_bwd_cached##J(float* dinp, act_t* dbranch, float* partials, const act_t* dout, const act_t* inp,    \
                               const float* gamma, const float* mean, const float* rstd, long long n_rows, int C,    \
                               int rows_per_chunk, int n_chunks, int fused, int add, unsigned* amax) {                \
         layernorm_bwd_cached<J>(dinp, dbranch, partials, dout, inp, gamma, mean, rstd, n_rows, C, rows_per_chunk,    \

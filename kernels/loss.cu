@@ -205,15 +205,15 @@ k_loss_bwd_in_place_weighted(act_t* probs, const int* targets, const float* weig
 // The weighted input gradient from the unweighted product: dinp = beta dinp + scale (w[n] p[n]) row by row, p [N, C]
 // = d_logits wte over unweighted d_logits (precision fp8's, the forward's E5M2 copy, which carries no weights: a
 // row's weight scales its row of the product alike). One block a row (grid-stride), its threads along the row.
-extern "C" __global__ void k_loss_dinp_weighted(float* dinp, const float* p, const float* weights, float scale,
+extern "C" __global__ void k_loss_dinp_weighted(act_t* dinp, const float* p, const float* weights, float scale,
                                                 float beta, long long n_rows, int C) {
     for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
         const float w = weights[row];
-        float* d = dinp + row * C;
+        act_t* d = dinp + row * C;
         const float* q = p + row * C;
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
             const float g = scale * (w * q[c]);
-            d[c] = beta == 0.0f ? g : beta * d[c] + g;  // beta 0 reads no dinp (a product's beta 0 likewise)
+            store(d + c, beta == 0.0f ? g : beta * to_f32(d[c]) + g);  // beta 0 reads no dinp (as a product's)
         }
     }
 }

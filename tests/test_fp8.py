@@ -655,7 +655,7 @@ def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(en
     probs = cupy.full((N, V), np.nan, dtype="bfloat16")
     engine.loss_fwd(losses, probs, dev_x, dev_wte, cupy.asarray(targets))
     got_probs = cupy.asnumpy(probs).astype(np.float64)
-    dinp, dwte = cupy.full((N, C), np.nan, dtype=np.float32), cupy.asarray(dwte0)
+    dinp, dwte = cupy.full((N, C), np.nan, dtype="bfloat16"), cupy.asarray(dwte0)  # the model's d_ln
     engine.loss_bwd(dinp, dwte, probs, dev_x, dev_wte, cupy.asarray(targets), scale, overwrite=True,
                     weights=None if w is None else cupy.asarray(w))
 
@@ -676,7 +676,7 @@ def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(en
         want_dinp *= w[:, None]
     want = {"probs": p, "losses": np.log(np.exp(logits).sum(-1)) - logits[np.arange(N), targets],
             "dinp": want_dinp, "dwte": scale * d_bf16.T @ x}
-    got = {"probs": got_probs, "losses": cupy.asnumpy(losses), "dinp": cupy.asnumpy(dinp),
+    got = {"probs": got_probs, "losses": cupy.asnumpy(losses), "dinp": cupy.asnumpy(dinp).astype(np.float64),
            "dwte": cupy.asnumpy(dwte) - dwte0}
     for k in want:
         rel = np.linalg.norm(got[k] - want[k]) / np.linalg.norm(want[k])

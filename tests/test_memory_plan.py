@@ -26,9 +26,9 @@ def _by_name(plan):
 def test_mixed_precision_keeps_fp32_state_and_statistics():
     plan = _by_name(plan_model(ParameterLayout(TINY), 2, attention="lse", act_dtype="bfloat16"))
     for name in ("params", "grads", "m", "v", "ln1_mean", "ln1_rstd", "att", "losses", "loss_weights", "d_residual",
-                 "d_ln", "d_att"):
+                 "d_att"):
         assert plan[name].dtype == "float32", name
-    for name in ("params_lp", "residual", "qkv", "atty", "mlp_pre", "mlp_act", "probs", "d_qkv", "d_branch"):
+    for name in ("params_lp", "residual", "qkv", "atty", "mlp_pre", "mlp_act", "probs", "d_qkv", "d_branch", "d_ln"):
         assert plan[name].dtype == "bfloat16", name
     assert plan["params_lp"].shape == plan["params"].shape
     assert plan["params_lp"].nbytes * 2 == plan["params"].nbytes

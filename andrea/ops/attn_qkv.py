@@ -156,4 +156,4 @@ def case(name: str, s, draw: Draw) -> OpCase:
         E.attn_qkv_bwd(x["dinp"], x["dW_QKV"], dqkv, x["inp"], x["W_QKV"], overwrite=draw.overwrite,
                        overwrite_weights=draw.overwrite)
 
-    return OpCase(a, run, ("qkv", "dinp", "dW_QKV"), act=("inp", "W_QKV", "qkv", "dqkv", "w_qkv_rows"))
+    return OpCase(a, run, ("qkv", "dinp", "dW_QKV"), act=("inp", "W_QKV", "qkv", "dqkv", "w_qkv_rows", "dinp"))

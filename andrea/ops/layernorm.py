@@ -149,6 +149,9 @@ class CudaOps:
         if C > LN_MAX_C:
             raise AndreaError(f"d_model {C} is wider than the LayerNorm backward's {LN_MAX_C} columns")
         rows = inp.size // C
+        if dout.dtype != inp.dtype:  # the kernels read dout as act_t, as they read inp
+            raise ValueError(f"layernorm_bwd: dout is {dout.dtype}; the gradient at the output is an activation "
+                             f"gradient, {inp.dtype} like the input")
         partials = self.own["ln_partials"]
         self._fp8_wrote(dinp)
         amax = amax_arg(self._fp8_produced(dbranch) if fused else None)  # null outside an fp8 pass
@@ -196,7 +199,7 @@ def case(name: str, s, draw: Draw) -> OpCase:
             E.layernorm_bwd(x["dinp"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"], x["mean"], x["rstd"],
                             overwrite=draw.overwrite, overwrite_weights=draw.overwrite)
 
-        return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out"))
+        return OpCase(a, run, ("out", "mean", "rstd", "dinp", "dgamma", "dbeta"), act=("inp", "out", "dout"))
     if name == "residual_layernorm":  # residual_add and the layernorm_fwd after it, as one call
         a = {"a": draw.randn(B, T, C) * 3 + 1, "b": draw.randn(B, T, C), "gamma": draw.randn(C),
              "beta": draw.randn(C), "res": draw.nan(B, T, C), "out": draw.nan(B, T, C), "mean": draw.nan(B, T),
@@ -217,4 +220,4 @@ def case(name: str, s, draw: Draw) -> OpCase:
         E.layernorm_residual_bwd(x["dinp"], x["dbranch"], x["dgamma"], x["dbeta"], x["dout"], x["inp"], x["gamma"],
                                  x["mean"], x["rstd"], overwrite=draw.overwrite, overwrite_weights=draw.overwrite)
 
-    return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch"))
+    return OpCase(a, run, ("dinp", "dbranch", "dgamma", "dbeta"), act=("inp", "out", "dbranch", "dout"))

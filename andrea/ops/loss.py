@@ -176,6 +176,9 @@ class CudaOps:
         dlogits = self.own["fp8_dlogits"][:N * V]
         if weights is None:
             return self._fp8_gemm(dinp, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=beta)
+        if dinp.dtype != probs.dtype:  # k_loss_dinp_weighted writes act_t
+            raise ValueError(f"loss_bwd: dinp is {dinp.dtype}; the input gradient is an activation gradient, "
+                             f"{probs.dtype} like probs")
         p = scratch.view(np.float32).reshape(N, C)
         if not self._fp8_gemm(p, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V):
             return False
@@ -276,4 +279,4 @@ def case(name: str, s, draw: Draw) -> OpCase:
         return {"mean_loss": mean}
 
     checked = ("losses", "probs", "dinp", "dwte") + (() if in_place else ("dlogits",))
-    return OpCase(a, run, checked, act=("inp", "wte", "probs", "dlogits"))
+    return OpCase(a, run, checked, act=("inp", "wte", "probs", "dlogits", "dinp"))

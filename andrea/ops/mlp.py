@@ -245,4 +245,4 @@ def case(name: str, s, draw: Draw) -> OpCase:
                   x["W_2"], recompute=recompute, overwrite=draw.overwrite, overwrite_weights=draw.overwrite)
 
     return OpCase(a, run, ("out", "pre", "act", "dinp", "dW_1", "dW_2", "dpre"),
-                  act=("inp", "W_1", "W_2", "out", "pre", "act", "dpre", "dout"))
+                  act=("inp", "W_1", "W_2", "out", "pre", "act", "dpre", "dout", "dinp"))
