@@ -92,12 +92,11 @@ def test_bf16_follows_fp32_over_200_steps(engines):
     assert abs(b[-1] - f[-1]) / f[-1] <= PARITY_LIMIT
 
 
-@pytest.mark.xfail(strict=True, reason="not met: on the synthetic stream fp8 ended 200 steps at 4.50 against bf16's "
-                   "1.76; the FP8 rounding of any one op family (attn_qkv, attn_out or mlp) delays its memorising drop, "
-                   "while on real text fp8 follows bf16 (the test below; docs/PERFORMANCE.md, fp8); strict, so that "
-                   "meeting it fails until this mark goes")
 def test_fp8_follows_bf16_over_200_steps_at_120m(engines):
-    """ANDREA-120M in fp8 ends 200 steps of the synthetic stream from the same init within 1.5% of bf16's loss."""
+    """ANDREA-120M in fp8 ends 200 steps of the synthetic stream from the same init within 1.5% of bf16's loss.
+    Step 200 lies in the stream's memorising drop, whose timing moves with any rounding (fp32 ends at 4.54; bf16
+    ended at 2.20 while the LayerNorms' output gradients were fp32, 5.01 since they are bf16, and fp8 then at 5.06:
+    docs/PERFORMANCE.md, 2026-12-06): on real text fp8 follows bf16 closely (the test below)."""
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
     runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M")) for p in ("bf16", "fp8")}
     free_device_memory()

@@ -1,0 +1,45 @@
+"""The loss curve of an experiment's model on the CUDA engine in several precisions, from the same init.
+
+    PYTHONPATH=. python3 dev/cuda/loss_curve.py [--shape 120M] [--precisions bf16,fp32] [--steps 200] [--every 10]
+
+Each precision trains `--steps` steps of the synthetic stream from init_params(1337) at the benchmark's
+micro-batch with the trainer's memory options (andrea/engines/crosscheck.py's train_run, as the parity tests of
+tests/test_gpu_scale.py run it), and prints its loss every `--every` steps and its last. It reports and does not
+judge: where two precisions part is for the reader (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench import BENCH, EXPERIMENTS, options  # noqa: E402
+
+from andrea.engines.crosscheck import train_run  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--shape", default="120M", choices=sorted(BENCH), help="the experiment (default 120M)")
+    ap.add_argument("--precisions", default="bf16,fp32", help="comma-separated (default bf16,fp32)")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    ap.add_argument("--every", type=int, default=10, help="print the loss every this many steps (default 10)")
+    args = ap.parse_args()
+    from andrea.engines.cuda_engine import CudaEngine
+
+    for precision in args.precisions.split(","):
+        run = train_run(CudaEngine(precision=precision), EXPERIMENTS[args.shape].model, BENCH[args.shape], 1,
+                        args.steps, **options(args.shape))
+        curve = " ".join(f"{x:.3f}" for x in run.losses[::args.every])
+        print(f"{args.shape} {precision}: {curve}  last {run.losses[-1]:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
