@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import cupy  # noqa: E402
 
 from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, merged_tables  # noqa: E402
+from bench import BENCH  # noqa: E402
 from tune_gemm import planned, step_products  # noqa: E402
 
 GRAPH_MS = 2.0  # calls a graph holds: about this long a replay, so the host keeps the card fed
@@ -100,7 +101,7 @@ def sustained(engine, meter: Meter, fn, settle: float, window: float) -> tuple[f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--shape", default="120M", help="the benchmark's shape (default 120M)")
+    ap.add_argument("--shape", default="120M", choices=sorted(BENCH), help="the benchmark's shape (default 120M)")
     ap.add_argument("--precision", default="bf16", help="(default bf16)")
     ap.add_argument("--settle", type=float, default=0.4, help="seconds of replays before timing (default 0.4)")
     ap.add_argument("--window", type=float, default=0.4, help="seconds timed (default 0.4)")
