@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import cupy  # noqa: E402
 
 from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, merged_tables  # noqa: E402
+from andrea.timing import graph_ms  # noqa: E402
 from bench import BENCH  # noqa: E402
 from tune_gemm import planned, step_products  # noqa: E402
 
@@ -62,19 +63,11 @@ class Meter:
 
 def sustained(engine, meter: Meter, fn, settle: float, window: float) -> tuple[float, float, int]:
     """(ms, mJ) a call of fn and the SM clock, fn replayed from a graph for `settle` s, then timed over `window` s."""
-    t0 = time.perf_counter()
-    fn()
+    fn()  # eagerly first: what a call sets up (a cuBLASLt plan) is made outside the capture
     engine.synchronize()
-    once = max(time.perf_counter() - t0, 1e-5) * 1e3
-    probe = engine.capture(lambda: [fn() for _ in range(10)])
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    engine.replay(probe)
-    end.record()
-    end.synchronize()
-    per_call = min(once, cupy.cuda.get_elapsed_time(start, end) / 10)
-    inner = max(10, int(GRAPH_MS / per_call))
+    inner = max(10, int(GRAPH_MS / graph_ms(engine, fn, reps=1)))
     graph = engine.capture(lambda: [fn() for _ in range(inner)])
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
 
     def replay_for(seconds: float) -> int:
         n, stop = 0, time.perf_counter() + seconds
