@@ -12,7 +12,7 @@ overlap: the same launches; AdamW of wte, wpe and LNf first, then each layer's A
 The two graphs launch the same kernels on the same buffers; only their order differs, so the difference is what
 running the memory-bound update beside the products' forward would save on this card (an upper bound: the real
 step also holds the host's gaps). The update's numbers are those of a step with a tiny learning rate, so the
-weights stay finite over the replays. bf16 only (the FP8 weight casts read the whole update's amax).
+weights stay finite over the replays. bf16 and fp16 only (under fp8 the weights' casts read the whole update's amax).
 """
 
 from __future__ import annotations
