@@ -397,12 +397,13 @@ class Attn:
                      (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX,
                       *planes(B, T, C)))
 
-    def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
+    def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H, pairs: bool = True):
+        """The dK/dV kernel; a file that keeps dS writes its pairs, or with `pairs` False gets a null pointer (none)."""
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
                      (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX, *planes(B, T, C),
-                      self.ds(B, T, H) if self.ds_path else np.uint64(0)),
+                      self.ds(B, T, H) if self.ds_path and pairs else np.uint64(0)),
                      shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
@@ -475,19 +476,25 @@ def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
     return res
 
 
+def bench_arrays(cp, B: int, T: int, H: int) -> dict:
+    """The timing sections' device arrays of a shape: random bf16 qkv (Q and K of std QK_STD) and dY, the rest zero."""
+    C = H * HD
+    rng = np.random.default_rng(7)
+    qkv = rng.standard_normal((3, B, T, C), dtype=np.float32)
+    qkv[:2] *= QK_STD
+    return {"qkv": cp.asarray(to_bf16_bits(qkv)),
+            "dout": cp.asarray(to_bf16_bits(rng.standard_normal((B, T, C), dtype=np.float32))),
+            "out": cp.zeros((B, T, C), dtype=cp.uint16), "lse": cp.zeros((B, H, T), dtype=cp.float32),
+            "delta": cp.zeros((B, H, T), dtype=cp.float32), "dqkv": cp.zeros((3, B, T, C), dtype=cp.uint16)}
+
+
 def bench(attn: Attn) -> dict:
     cp, res = attn.cp, {}
     for B, T, H in BENCH_SHAPES:
         name = f"B{B}_T{T}_H{H}"
         try:
-            C = H * HD
-            rng = np.random.default_rng(7)
-            qkv = rng.standard_normal((3, B, T, C), dtype=np.float32)
-            qkv[:2] *= QK_STD
-            dev = {"qkv": cp.asarray(to_bf16_bits(qkv)),
-                   "dout": cp.asarray(to_bf16_bits(rng.standard_normal((B, T, C), dtype=np.float32))),
-                   "out": cp.zeros((B, T, C), dtype=cp.uint16), "lse": cp.zeros((B, H, T), dtype=cp.float32),
-                   "delta": cp.zeros((B, H, T), dtype=cp.float32), "dqkv": cp.zeros((3, B, T, C), dtype=cp.uint16)}
+            dev = bench_arrays(cp, B, T, H)
+
             def fwd_run(d=dev, s=(B, T, H)):
                 attn.fwd(d["out"], d["lse"], d["qkv"], *s)
 

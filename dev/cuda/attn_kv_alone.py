@@ -18,23 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-
 import attn_bf16_check as check  # noqa: E402
 from andrea.timing import median_ms  # noqa: E402
 
 SHAPES = ((8, 1024, 12), (32, 512, 6))
-
-
-def inputs(cp, B, T, H) -> dict:
-    C = H * check.HD
-    rng = np.random.default_rng(7)
-    qkv = rng.standard_normal((3, B, T, C), dtype=np.float32)
-    qkv[:2] *= check.QK_STD
-    dout = rng.standard_normal((B, T, C), dtype=np.float32)
-    return {"qkv": cp.asarray(check.to_bf16_bits(qkv)), "dout": cp.asarray(check.to_bf16_bits(dout)),
-            "out": cp.zeros((B, T, C), dtype=cp.uint16), "lse": cp.zeros((B, H, T), dtype=cp.float32),
-            "delta": cp.zeros((B, H, T), dtype=cp.float32), "dqkv": cp.zeros((3, B, T, C), dtype=cp.uint16)}
 
 
 def main() -> int:
@@ -47,7 +34,7 @@ def main() -> int:
     sources = args.source or ["kernels/attn_bf16.cu", "dev/cuda/attn_bf16_ds.cu"]
     texts = {path: check.source_text(path)[1] for path in sources}
     for B, T, H in SHAPES:
-        d = inputs(cp, B, T, H)
+        d = check.bench_arrays(cp, B, T, H)
         for hopper in (False, True):
             for path, text in texts.items():
                 attn = check.Attn(cp, text, (), hopper=hopper)
@@ -57,10 +44,8 @@ def main() -> int:
                 else:
                     attn.bwd_dq(d["dqkv"], d["delta"], d["dout"], d["out"], d["qkv"], d["lse"], B, T, H)
                 for stores in ((True, False) if attn.ds_path else (True,)):
-                    attn.ds_path = stores and attn.ds_path  # False: bwd_kv passes a null pair pointer
-
-                    def run(a=attn):
-                        a.bwd_kv(d["dqkv"], d["delta"], d["dout"], d["qkv"], d["lse"], B, T, H)
+                    def run(a=attn, pairs=stores):
+                        a.bwd_kv(d["dqkv"], d["delta"], d["dout"], d["qkv"], d["lse"], B, T, H, pairs=pairs)
                     ms = [median_ms(run, 20, 5) for _ in range(3)]
                     label = path + ("" if stores else ", null pairs")
                     print(f"B{B} T{T} H{H} {'wg ' if hopper else 'mma'} {label}: dK/dV {min(ms):.4f} ms "
