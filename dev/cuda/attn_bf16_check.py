@@ -1,6 +1,6 @@
 """Checks and times the bf16 attention kernels (kernels/attn_bf16.cu and its variants) on a CUDA machine.
 
-    python3 dev/cuda/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3]
+    python3 dev/cuda/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3] [--bench-shapes LIST]
     python3 dev/cuda/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
 
 Needs cupy and numpy only (of the repository it imports andrea.kernels_build and andrea.timing). Each build is
@@ -29,7 +29,8 @@ shape) among those that pass every check. Sections:
   determinism  the full fwd + bwd twice on the same inputs: identical bits of Y, lse, D and dqkv.
   timing       median of 20 runs after 5 warm-ups (CUDA events): fwd, and bwd (both kernels), in ms and TFLOP/s
                over the causal half (one product = B H T^2 hd FLOP; fwd = 2 products, bwd = 5); the two backward
-               kernels are also timed alone (dq, kv).
+               kernels are also timed alone (dq, kv). At the shapes of --bench-shapes (BxTxH, comma-separated;
+               default 8x1024x12,32x512x6, the 120M and 12M steps').
 Prints a table last, writes DIR/attn_bf16_check.json (DIR: --out, else $OUT, else results/attn_bf16_check; with
 several builds its "builds" list holds one report per build) and exits nonzero if any check of any build fails.
 The timing targets are reported, not enforced.
@@ -625,9 +626,15 @@ def main() -> int:
                     help="kernel file to build and check (repeatable; default kernels/attn_bf16.cu)")
     ap.add_argument("--variants", metavar="LIST",
                     help="comma-separated ATTN_BF16_VARIANT values to build each source with that reads the macro")
+    ap.add_argument("--bench-shapes", metavar="LIST",
+                    help="timed shapes BxTxH, comma-separated (default 8x1024x12,32x512x6; FlashAttention-3's "
+                         "published benchmark at T 1024, head width 64, is 16x1024x32)")
     ap.add_argument("--hopper", action="store_true",
                     help="also build each source for sm_90a and check its warpgroup kernels (k_attn_*_wg)")
     args = ap.parse_args()
+    if args.bench_shapes:
+        BENCH_SHAPES[:] = [tuple(int(x) for x in s.split("x")) for s in args.bench_shapes.split(",")]
+        BENCH_NAMES[:] = [f"B{B}_T{T}_H{H}" for B, T, H in BENCH_SHAPES]
     if args.selftest_reference:
         ok = selftest_reference()
         log(f"reference self-test: {'PASS' if ok else 'FAIL'}")
