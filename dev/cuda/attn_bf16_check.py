@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
+from andrea.ops.attn import heads_per_group, l2_bytes  # noqa: E402
 from andrea.ops.fp8 import amax_arg  # noqa: E402
 from andrea.timing import median_ms  # noqa: E402
 
@@ -372,12 +373,20 @@ class Attn:
                              "local_bytes": int(f.local_size_bytes), "static_shared_bytes": int(f.shared_size_bytes),
                              "max_threads_per_block": int(f.max_threads_per_block)} for role, f in self.k.items()}
 
+    heads_per_group: int | None = None  # the launch order's groups (--heads-per-group); None: the engine's rule
+
+    def group(self, B, T, H) -> np.int32:
+        """The kernels' last argument: heads a group of the launch order (a file without it ignores it)."""
+        if self.heads_per_group is not None:
+            return np.int32(self.heads_per_group)
+        return np.int32(heads_per_group(B * H, T, l2_bytes(self.cp.cuda.Device().id)))
+
     def fwd(self, out, lse, qkv, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C = H * HD
         grid = (B * H, -(-T // cfg["rows"]))
-        self.k["fwd"](grid, (cfg["threads"],),
-                                  (out, lse, qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD)), NO_AMAX))
+        self.k["fwd"](grid, (cfg["threads"],), (out, lse, qkv, i32(B), i32(T), i32(C), i32(H),
+                                                np.float32(1 / math.sqrt(HD)), NO_AMAX, self.group(B, T, H)))
 
     def ds(self, B, T, H):
         """The dS pairs' scratch of a shape (a file that keeps dS), 0xFF bytes (bf16 NaN) when first made."""
@@ -396,7 +405,7 @@ class Attn:
             return
         self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
                      (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX,
-                      *planes(B, T, C)))
+                      *planes(B, T, C), self.group(B, T, H)))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H, pairs: bool = True):
         """The dK/dV kernel; a file that keeps dS writes its pairs, or with `pairs` False gets a null pointer (none)."""
@@ -404,7 +413,7 @@ class Attn:
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
                      (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX, *planes(B, T, C),
-                      self.ds(B, T, H) if self.ds_path and pairs else np.uint64(0)),
+                      (self.ds(B, T, H) if pairs else np.uint64(0)) if self.ds_path else self.group(B, T, H)),
                      shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
@@ -629,9 +638,13 @@ def main() -> int:
     ap.add_argument("--bench-shapes", metavar="LIST",
                     help="timed shapes BxTxH, comma-separated (default 8x1024x12,32x512x6; FlashAttention-3's "
                          "published benchmark at T 1024, head width 64, is 16x1024x32)")
+    ap.add_argument("--heads-per-group", type=int, metavar="N",
+                    help="heads a group of the kernels' launch order (default: the engine's rule, "
+                         "andrea/ops/attn.py heads_per_group)")
     ap.add_argument("--hopper", action="store_true",
                     help="also build each source for sm_90a and check its warpgroup kernels (k_attn_*_wg)")
     args = ap.parse_args()
+    Attn.heads_per_group = args.heads_per_group
     if args.bench_shapes:
         BENCH_SHAPES[:] = [tuple(int(x) for x in s.split("x")) for s in args.bench_shapes.split(",")]
         BENCH_NAMES[:] = [f"B{B}_T{T}_H{H}" for B, T, H in BENCH_SHAPES]
