@@ -25,8 +25,10 @@
 //   k_attn_bwd_dq_bf16  block ATTN_BF16_THREADS     grid (B * H, ceil(T / ATTN_BF16_ROWS))
 //   k_attn_bwd_bf16     block ATTN_BF16_KV_THREADS  grid (B * H, ceil(T / ATTN_BF16_KV_ROWS))
 // with THREADS 128, ROWS 64: 4 warps of 16 query rows, 4 blocks an SM (128 registers); KV_THREADS 128, KV_ROWS 64:
-// 4 warps of 16 keys, 3 blocks an SM (168 registers). dev/cuda/ keeps the other launch shapes measured against
-// these, with their checker. Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM, _DQ_SMEM =
+// 4 warps of 16 keys, 3 blocks an SM (168 registers). Each kernel's last argument, `group`, orders the blocks: the
+// heads in groups of that many, in a group each head's longest tile first (block_at; the host's rule is
+// andrea/ops/attn.py heads_per_group); the order moves no bit. dev/cuda/ keeps the other launch shapes measured
+// against these, with their checker. Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM, _DQ_SMEM =
 // 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
 // carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
 //
