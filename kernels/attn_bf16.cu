@@ -29,8 +29,8 @@
 // heads in groups of that many, in a group each head's longest tile first (block_at; the host's rule is
 // andrea/ops/attn.py heads_per_group); the order moves no bit. dev/cuda/ keeps the other launch shapes measured
 // against these, with their checker. Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM,
-// _DQ_SMEM = 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
-// carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
+// _DQ_SMEM = 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest
+// shared-memory carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
 //
 // Hopper's build (sm_90a, where __CUDA_ARCH_FEAT_SM90_ALL is defined) adds k_attn_fwd_wg, k_attn_bwd_dq_wg and
 // k_attn_bwd_kv_wg: the same arguments, launch shape and results (the same bits: their fp32 sums run in the mma
