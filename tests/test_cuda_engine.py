@@ -135,45 +135,6 @@ def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
         assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_attention_s_launch_order_moves_no_bit(engines, precision, monkeypatch):
-    """kernels/attn_bf16.cu's blocks run heads in groups (ops/attn.py heads_per_group); each block computes the
-    same tile whatever its place, so groups of one head, of three (10 heads: a short last group) and of every head
-    give the same bits: fresh random inputs, a ragged last tile, gradients added into old values."""
-    import andrea.ops.attn as attn_op
-
-    e = engines[precision]
-    if "attn_bf16_launch" not in e.k:
-        pytest.skip("no kernels/attn_bf16.cu in this build")
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    B, T, H = 2, 333, 5
-    C, act = 64 * H, e.traits.act_dtype
-    host = {name: rng.standard_normal(shape) * 1.5 for name, shape in
-            (("qkv", (3, B, T, C)), ("dout", (B, T, C)), ("old", (3, B, T, C)))}
-
-    def device(shape, dtype, value):
-        a = e.xp.empty(shape, dtype)
-        e.upload(a, np.broadcast_to(value, shape))
-        return a
-
-    qkv, dout = device(host["qkv"].shape, act, host["qkv"]), device(host["dout"].shape, act, host["dout"])
-    results = []
-    for group in (B * H, 1, 3):
-        monkeypatch.setattr(attn_op, "heads_per_group", lambda heads, T, l2, g=group: g)
-        out, dqkv = device((B, T, C), act, np.nan), device(qkv.shape, act, host["old"])
-        lse, datt = device((B, H, T), np.float32, np.nan), device((B, H, T), np.float32, np.nan)
-        e.attn_fwd(out, lse, qkv, H)
-        e.attn_bwd(dqkv, datt, dout, qkv, out, lse, H)
-        results.append({k: e.to_host(v).view(np.uint8) for k, v in
-                        {"out": out, "lse": lse, "D": datt, "dqkv": dqkv}.items()})
-    assert not np.isnan(e.to_host(out).astype(np.float32)).any()
-    for other, group in zip(results[1:], (1, 3)):
-        for name in results[0]:
-            assert np.array_equal(results[0][name], other[name]), \
-                f"{name} differs in groups of {group} (seed {seed})"
-
-
 @pytest.mark.parametrize("B, T, C", [(3, 64, 96), (5, 333, 96), (2, 100, 700)])
 def test_the_embedding_backward_s_sort_gives_the_scan_s_bits(engines, B, T, C):
     """k_embed_bwd_sorted (the sorted keys' runs, built for the fewest columns a thread that cover C) against

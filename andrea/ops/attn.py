@@ -27,24 +27,6 @@ HOPPER_KERNELS = {"attn_bf16": ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd
 WG_KV_SMEM_SYMBOL = "attn_wg_kv_smem"
 ATTN_BF16_HEAD = 64  # the only head width kernels/attn_bf16.cu takes
 MMA16_KERNEL_FILE = "attn_bf16"  # built only for the precisions whose activations are 16-bit
-# The launch order of kernels/attn_bf16.cu (its block_at): heads in groups, in a group each head's longest tile
-# first. While every head's K and V fit in L2, one group of all heads (longest first across all, the best balance:
-# the faster order at the 12M and 120M shapes); past that, groups of ATTN_L2_GROUP heads, whose K and V then stay
-# in L2 while their blocks run (docs/PERFORMANCE.md: 1.7x at B 16, T 1024, 32 heads on an H100).
-ATTN_L2_GROUP = 8
-
-
-def heads_per_group(heads: int, T: int, l2_bytes: int) -> int:
-    """Heads a group of the launch order, for `heads` (b, h) pairs of T rows on a GPU of l2_bytes of L2."""
-    kv = 2 * T * ATTN_BF16_HEAD * 2  # one head's K and V, bf16
-    return heads if heads * kv <= l2_bytes else min(heads, ATTN_L2_GROUP)
-
-
-@functools.cache
-def l2_bytes(device: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device).attributes["L2CacheSize"])
 
 
 def engine_buffers() -> tuple:
@@ -122,14 +104,12 @@ class CudaOps:
                       np.int32(split))
 
     def _bf16_attention(self, qkv, n_head) -> tuple | None:
-        """Arguments of kernels/attn_bf16.cu when it takes this shape (16-bit build, head width 64), else None:
-        (B H, T, the shape's arguments, the heads a group of the launch order)."""
+        """Arguments of kernels/attn_bf16.cu when it takes this shape (16-bit build, head width 64), else None."""
         _, B, T, C = qkv.shape
         if "attn_bf16_launch" not in self.k or C != ATTN_BF16_HEAD * n_head:
             return None
-        group = np.int32(heads_per_group(B * n_head, T, l2_bytes(qkv.device.id)))
         return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
-                               np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD))), group
+                               np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
 
     def _bf16_kernels(self) -> tuple[str, str, str, int]:
         """The 16-bit attention's forward, dQ and dK/dV kernels, Hopper's own where the engine loaded them, and the
@@ -143,10 +123,10 @@ class CudaOps:
         self._fp8_wrote(out, att)
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
-            heads, T, dims, group = bf16
+            heads, T, dims = bf16
             threads, rows, _, _ = self.k["attn_bf16_launch"]
             amax = amax_arg(None)  # no FP8 cast reads Y (attn_out's products stay bf16 under fp8)
-            self.k[self._bf16_kernels()[0]]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims, amax, group))
+            self.k[self._bf16_kernels()[0]]((heads, -(-T // rows)), (threads,), (out, att, qkv, *dims, amax))
             return
         grid, dims = self._attn_shape(qkv, n_head)
         self.k["k_attn_fwd"](grid, (kernel_defines("attn")["ATTN_THREADS"],), (out, att, qkv, *dims),
@@ -160,7 +140,7 @@ class CudaOps:
         ld, plane = (np.int32(n) for n in grad_rows(dqkv))
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
-            heads, T, dims, group = bf16
+            heads, T, dims = bf16
             threads, rows, kv_threads, kv_rows = self.k["attn_bf16_launch"]
             _, dq, kv, kv_smem = self._bf16_kernels()
             e5m2 = self._dqkv_e5m2(dqkv, dqkv_history, overwrite)
@@ -169,9 +149,9 @@ class CudaOps:
             else:  # both kernels' stores' amax, one word; null outside an fp8 pass
                 q8, scale, amax = np.uint64(0), np.uint64(0), amax_arg(self._fp8_produced(dqkv))
             self.k[dq]((heads, -(-T // rows)), (threads,),
-                       (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane, q8, scale, group))
+                       (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane, q8, scale))
             self.k[kv]((heads, -(-T // kv_rows)), (kv_threads,),
-                       (dqkv, datt, dout, qkv, att, *dims, add, amax, ld, plane, q8, scale, group), shared_mem=kv_smem)
+                       (dqkv, datt, dout, qkv, att, *dims, add, amax, ld, plane, q8, scale), shared_mem=kv_smem)
             if e5m2 is not None:
                 self._dqkv_e5m2_done(dqkv, dqkv_history, *e5m2,
                                      rerun=lambda: self.attn_bwd(dqkv, datt, dout, qkv, out, att, n_head, overwrite))

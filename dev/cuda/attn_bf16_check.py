@@ -11,7 +11,10 @@ launches it (largest shared-memory carveout); its launch shape comes from the mo
                   repeatable; default the repository's kernels/attn_bf16.cu (through kernel_source(), so
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
                   A file that keeps dS (dev/cuda/attn_bf16_ds.cu: kernels k_attn_bwd_delta and
-                  k_attn_bwd_dq_ds_*) runs its three-kernel backward instead, with a scratch of dS pairs.
+                  k_attn_bwd_dq_ds_*) runs its three-kernel backward instead, with a scratch of dS pairs. A file
+                  whose kernels take a launch order (`heads_first`, dev/cuda/attn_bf16_order.cu) gets one: each
+                  head's tiles together (the grids' dimensions swapped) where every head's K and V pass L2, or as
+                  --heads-first 0/1 says.
   --hopper        also builds each of those for sm_90a (as the engine does on Hopper) and checks its warpgroup
                   kernels k_attn_fwd_wg, k_attn_bwd_dq_wg, k_attn_bwd_kv_wg in place of the mma ones.
   --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro (as
@@ -54,7 +57,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
-from andrea.ops.attn import heads_per_group, l2_bytes  # noqa: E402
 from andrea.ops.fp8 import amax_arg  # noqa: E402
 from andrea.timing import median_ms  # noqa: E402
 
@@ -355,6 +357,7 @@ class Attn:
             self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
         self.names = dict(zip(ROLES, HOPPER_KERNELS if hopper else KERNELS))
         self.ds_path = DS_PATH_KERNEL in source
+        self.ordered = "heads_first" in source  # an older file's kernels run the grid's own order only
         if self.ds_path:
             self.names.update(dq=DS_DQ_KERNELS[hopper], delta=DS_PATH_KERNEL)
         self.k = {role: self.mod.get_function(name) for role, name in self.names.items()}
@@ -373,20 +376,27 @@ class Attn:
                              "local_bytes": int(f.local_size_bytes), "static_shared_bytes": int(f.shared_size_bytes),
                              "max_threads_per_block": int(f.max_threads_per_block)} for role, f in self.k.items()}
 
-    heads_per_group: int | None = None  # the launch order's groups (--heads-per-group); None: the engine's rule
+    order_arg: int | None = None  # --heads-first; None: the module's heads_first()
 
-    def group(self, B, T, H) -> np.int32:
-        """The kernels' last argument: heads a group of the launch order (a file without it ignores it)."""
-        if self.heads_per_group is not None:
-            return np.int32(self.heads_per_group)
-        return np.int32(heads_per_group(B * H, T, l2_bytes(self.cp.cuda.Device().id)))
+    def order(self, B, T, H) -> tuple:
+        """(a grid of B H and `rows` a tile's, the kernels' last argument: the launch order; a file without it
+        ignores it and runs the grid's own order)."""
+        first = self.order_arg
+        if first is None:
+            first = heads_first(B * H, T, self.cp.cuda.Device().attributes["L2CacheSize"])
+        first = bool(first) and self.ordered
+
+        def grid(rows: int) -> tuple[int, int]:
+            return (-(-T // rows), B * H) if first else (B * H, -(-T // rows))
+
+        return grid, np.int32(first)
 
     def fwd(self, out, lse, qkv, B, T, H):
         cfg, i32 = self.cfg, np.int32
         C = H * HD
-        grid = (B * H, -(-T // cfg["rows"]))
-        self.k["fwd"](grid, (cfg["threads"],), (out, lse, qkv, i32(B), i32(T), i32(C), i32(H),
-                                                np.float32(1 / math.sqrt(HD)), NO_AMAX, self.group(B, T, H)))
+        grid, first = self.order(B, T, H)
+        self.k["fwd"](grid(cfg["rows"]), (cfg["threads"],), (out, lse, qkv, i32(B), i32(T), i32(C), i32(H),
+                                                             np.float32(1 / math.sqrt(HD)), NO_AMAX, first))
 
     def ds(self, B, T, H):
         """The dS pairs' scratch of a shape (a file that keeps dS), 0xFF bytes (bf16 NaN) when first made."""
@@ -403,17 +413,19 @@ class Attn:
             self._delta(delta, dout, y, B, T, H)
             self._dq_from_ds(dqkv, qkv, B, T, H)
             return
-        self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
+        grid, first = self.order(B, T, H)
+        self.k["dq"](grid(cfg["rows"]), (cfg["threads"],),
                      (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX,
-                      *planes(B, T, C), self.group(B, T, H)))
+                      *planes(B, T, C), first))
 
     def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H, pairs: bool = True):
         """The dK/dV kernel; a file that keeps dS writes its pairs, or with `pairs` False gets a null pointer (none)."""
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
-        self.k["kv"]((B * H, -(-T // cfg["kv_rows"])), (cfg["kv_threads"],),
+        grid, first = self.order(B, T, H)
+        self.k["kv"](grid(cfg["kv_rows"]), (cfg["kv_threads"],),
                      (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX, *planes(B, T, C),
-                      (self.ds(B, T, H) if pairs else np.uint64(0)) if self.ds_path else self.group(B, T, H)),
+                      (self.ds(B, T, H) if pairs else np.uint64(0)) if self.ds_path else first),
                      shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
@@ -484,6 +496,12 @@ def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
             + (f"\n{r['error']}" if "error" in r else "")
             + (f" NaN={r['nan_count']}" if any(r.get("nan_count", {}).values()) else ""))
     return res
+
+
+def heads_first(heads: int, T: int, l2_bytes: int) -> bool:
+    """The launch order a file that takes one (dev/cuda/attn_bf16_order.cu) runs: each head's tiles together where
+    every head's K and V (bf16) pass L2, else a tile rank across every head."""
+    return heads * 2 * T * HD * 2 > l2_bytes
 
 
 def bench_arrays(cp, B: int, T: int, H: int) -> dict:
@@ -638,13 +656,13 @@ def main() -> int:
     ap.add_argument("--bench-shapes", metavar="LIST",
                     help="timed shapes BxTxH, comma-separated (default 8x1024x12,32x512x6; FlashAttention-3's "
                          "published benchmark at T 1024, head width 64, is 16x1024x32)")
-    ap.add_argument("--heads-per-group", type=int, metavar="N",
-                    help="heads a group of the kernels' launch order (default: the engine's rule, "
-                         "andrea/ops/attn.py heads_per_group)")
+    ap.add_argument("--heads-first", type=int, choices=(0, 1),
+                    help="the kernels' launch order: 1 a head's tiles together, 0 a tile rank across every head "
+                         "(default: 1 where every head's K and V pass L2), for a file that takes it")
     ap.add_argument("--hopper", action="store_true",
                     help="also build each source for sm_90a and check its warpgroup kernels (k_attn_*_wg)")
     args = ap.parse_args()
-    Attn.heads_per_group = args.heads_per_group
+    Attn.order_arg = args.heads_first
     if args.bench_shapes:
         BENCH_SHAPES[:] = [tuple(int(x) for x in s.split("x")) for s in args.bench_shapes.split(",")]
         BENCH_NAMES[:] = [f"B{B}_T{T}_H{H}" for B, T, H in BENCH_SHAPES]
