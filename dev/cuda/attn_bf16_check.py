@@ -645,6 +645,18 @@ def print_comparison(builds: list[dict]) -> None:
         log("no build passes every check")
 
 
+def shapes_arg(text: str) -> list[tuple[int, int, int]]:
+    """--bench-shapes: BxTxH, comma-separated."""
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected shapes BxTxH, comma-separated "
+                                         "(e.g. 8x1024x12,16x1024x32)")
+    return shapes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results" / "attn_bf16_check"))
@@ -653,7 +665,7 @@ def main() -> int:
                     help="kernel file to build and check (repeatable; default kernels/attn_bf16.cu)")
     ap.add_argument("--variants", metavar="LIST",
                     help="comma-separated ATTN_BF16_VARIANT values to build each source with that reads the macro")
-    ap.add_argument("--bench-shapes", metavar="LIST",
+    ap.add_argument("--bench-shapes", metavar="LIST", type=shapes_arg,
                     help="timed shapes BxTxH, comma-separated (default 8x1024x12,32x512x6; FlashAttention-3's "
                          "published benchmark at T 1024, head width 64, is 16x1024x32)")
     ap.add_argument("--heads-first", type=int, choices=(0, 1),
@@ -664,7 +676,7 @@ def main() -> int:
     args = ap.parse_args()
     Attn.order_arg = args.heads_first
     if args.bench_shapes:
-        BENCH_SHAPES[:] = [tuple(int(x) for x in s.split("x")) for s in args.bench_shapes.split(",")]
+        BENCH_SHAPES[:] = args.bench_shapes
         BENCH_NAMES[:] = [f"B{B}_T{T}_H{H}" for B, T, H in BENCH_SHAPES]
     if args.selftest_reference:
         ok = selftest_reference()
