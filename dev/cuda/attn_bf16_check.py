@@ -12,7 +12,7 @@ launches it (largest shared-memory carveout); its launch shape comes from the mo
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
                   A file that keeps dS (dev/cuda/attn_bf16_ds.cu: kernels k_attn_bwd_delta and
                   k_attn_bwd_dq_ds_*) runs its three-kernel backward instead, with a scratch of dS pairs. A file
-                  whose kernels take a launch order (`heads_first`, dev/cuda/attn_bf16_order.cu) gets one: each
+                  whose kernels take a launch order (`heads_first`, dev/cuda/attn_bf16_order.patch) gets one: each
                   head's tiles together (the grids' dimensions swapped) where every head's K and V pass L2, or as
                   --heads-first 0/1 says.
   --hopper        also builds each of those for sm_90a (as the engine does on Hopper) and checks its warpgroup
@@ -499,7 +499,7 @@ def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
 
 
 def heads_first(heads: int, T: int, l2_bytes: int) -> bool:
-    """The launch order a file that takes one (dev/cuda/attn_bf16_order.cu) runs: each head's tiles together where
+    """The launch order a file that takes one (dev/cuda/attn_bf16_order.patch) runs: each head's tiles together where
     every head's K and V (bf16) pass L2, else a tile rank across every head."""
     return heads * 2 * T * HD * 2 > l2_bytes
 
