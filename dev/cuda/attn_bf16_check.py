@@ -17,6 +17,7 @@ launches it (largest shared-memory carveout); its launch shape comes from the mo
                   --heads-first 0/1 says.
   --hopper        also builds each of those for sm_90a (as the engine does on Hopper) and checks its warpgroup
                   kernels k_attn_fwd_wg, k_attn_bwd_dq_wg, k_attn_bwd_kv_wg in place of the mma ones.
+  --hopper-only   the sm_90a builds alone (a variant that changes only the warpgroup kernels).
   --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro (as
                   dev/cuda/attn_bf16_variants.cu does) is built once per k with -DATTN_BF16_VARIANT=k; a source
                   that does not is built once.
@@ -673,6 +674,8 @@ def main() -> int:
                          "(default: 1 where every head's K and V pass L2), for a file that takes it")
     ap.add_argument("--hopper", action="store_true",
                     help="also build each source for sm_90a and check its warpgroup kernels (k_attn_*_wg)")
+    ap.add_argument("--hopper-only", action="store_true",
+                    help="as --hopper, without the builds of the mma kernels")
     args = ap.parse_args()
     Attn.order_arg = args.heads_first
     if args.bench_shapes:
@@ -697,8 +700,9 @@ def main() -> int:
             if variants:
                 log(f"note: {label} does not read ATTN_BF16_VARIANT; built once")
             builds.append({"label": label, "source": label, "variant": None, "text": text, "options": ()})
-    if args.hopper:
-        builds += [{**b, "label": f"{b['label']} [sm_90a wg]", "hopper": True} for b in list(builds)]
+    if args.hopper or args.hopper_only:
+        wg = [{**b, "label": f"{b['label']} [sm_90a wg]", "hopper": True} for b in builds]
+        builds = wg if args.hopper_only else builds + wg
 
     report: dict = {"limits": LIMITS, "shapes": [list(s) for s in SHAPES]}
     ok = True
