@@ -25,10 +25,12 @@
 //   k_attn_bwd_dq_bf16  block ATTN_BF16_THREADS     grid (B * H, ceil(T / ATTN_BF16_ROWS))
 //   k_attn_bwd_bf16     block ATTN_BF16_KV_THREADS  grid (B * H, ceil(T / ATTN_BF16_KV_ROWS))
 // with THREADS 128, ROWS 64: 4 warps of 16 query rows, 4 blocks an SM (128 registers); KV_THREADS 128, KV_ROWS 64:
-// 4 warps of 16 keys, 3 blocks an SM (168 registers). dev/cuda/ keeps the other launch shapes measured against
-// these, with their checker. Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM, _DQ_SMEM =
-// 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest shared-memory
-// carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
+// 4 warps of 16 keys, 3 blocks an SM (168 registers). Each kernel's last argument, `heads_first`, orders the
+// blocks: 0 with the grids above; 1 with each grid's dimensions swapped, a head's tiles together (block_at; the
+// host's rule is andrea/ops/attn.py heads_first); the order moves no bit. dev/cuda/ keeps the other launch shapes
+// measured against these, with their checker. Shared memory is static only, at most 48 KB a block: ATTN_BF16_FWD_SMEM,
+// _DQ_SMEM = 49152 bytes, _BWD_SMEM = 33792 bytes. Launch with 0 dynamic bytes, no attribute to set; the largest
+// shared-memory carveout (which the engine asks for) lets 4 blocks of 48 KB share an SM.
 //
 // Hopper's build (sm_90a, where __CUDA_ARCH_FEAT_SM90_ALL is defined) adds k_attn_fwd_wg, k_attn_bwd_dq_wg and
 // k_attn_bwd_kv_wg: the same arguments, launch shape and results (the same bits: their fp32 sums run in the mma
@@ -465,11 +467,26 @@ __device__ __forceinline__ void store_grad(bf16* dqkv, unsigned char* e5m2, floa
 // free_tiles first.
 __device__ __forceinline__ bool staged_grad(int add, const unsigned char* e5m2) { return e5m2 != nullptr || !add; }
 
-// blockIdx.x, read so that the compiler cannot reuse an earlier read (nor values derived from it).
-__device__ __forceinline__ int block_x() {
-    unsigned x;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
-    return static_cast<int>(x);
+// The block's (b, h) and its tile's rank (0: the longest). `heads_first` 0: the grid is (B H, tiles), a rank across
+// every head, then the next rank (longest first across all, the best balance); 1: the grid is (tiles, B H), each
+// head's tiles together, longest first, so that its K / V (or Q / dY) stay in L2 while its blocks run, where every
+// head's would not fit.
+struct BlockAt {
+    int bh, rank;
+};
+__device__ __forceinline__ BlockAt block_at(int heads_first) {
+    return heads_first ? BlockAt{(int)blockIdx.y, (int)blockIdx.x} : BlockAt{(int)blockIdx.x, (int)blockIdx.y};
+}
+
+// The block's (b, h) again, from a fresh read of its place, so that the compiler cannot reuse an earlier read (nor
+// values derived from it): recomputing the head's offsets is cheaper than keeping them in registers through a loop.
+__device__ __forceinline__ int block_bh(int heads_first) {
+    unsigned bh;
+    if (heads_first)
+        asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(bh));
+    else
+        asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bh));
+    return static_cast<int>(bh);
 }
 
 // One (b, h), as offsets in units of 64 elements (every row of a head starts at a multiple of 64; 32-bit offsets in
@@ -634,15 +651,16 @@ __device__ __forceinline__ void fwd_step_wg(unsigned Ks, unsigned Vs, const unsi
 // the mma (k_attn_fwd_bf16).
 template <bool WG>
 __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H,
-                                         float scale, unsigned* amax) {
+                                         float scale, unsigned* amax, int heads_first) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_FWD_SMEM / 2];  // 1024: the swizzle's period
     // stage s: K at S0 + s STAGE, V after it; Q first, over stage 2
     const unsigned S0 = smem_u32(smem), Qs = S0 + 2 * ATTN_BF16_STAGE_BYTES;
     const int n_tiles = (T + ROWS - 1) / ROWS;
-    const int q0 = (n_tiles - 1 - blockIdx.y) * ROWS;  // the longest rows first
-    const Head hh = head_of(blockIdx.x, B, T, H);
+    const BlockAt at = block_at(heads_first);
+    const int q0 = (n_tiles - 1 - at.rank) * ROWS;  // the longest rows first
+    const Head hh = head_of(at.bh, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const int R = q0 + 16 * WT * warp;  // the warp's first row
     const int n_kt = (min(T, q0 + ROWS) + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
@@ -700,7 +718,7 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
     }
     // The head's offsets again, from a fresh read of the block index: recomputing them is cheaper than keeping them
     // in registers through the loop.
-    const Head hs = head_of(block_x(), B, T, H);
+    const Head hs = head_of(block_bh(heads_first), B, T, H);
     float top = 0.0f;
     free_tiles();  // Y through shared memory (store_staged)
     unsigned char* tiles = reinterpret_cast<unsigned char*>(smem) + warp * WT * Staged<false>::BYTES;
@@ -722,13 +740,15 @@ __device__ __forceinline__ void attn_fwd(bf16* out, float* lse, const bf16* qkv,
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
-k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax) {
-    attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, amax);
+k_attn_fwd_bf16(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax,
+                int heads_first) {
+    attn_fwd<false>(out, lse, qkv, B, T, C, H, scale, amax, heads_first);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
-k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax) {
-    attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, amax);
+k_attn_fwd_wg(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int H, float scale, unsigned* amax,
+              int heads_first) {
+    attn_fwd<true>(out, lse, qkv, B, T, C, H, scale, amax, heads_first);
 }
 #endif
 
@@ -850,7 +870,7 @@ template <bool WG>
 __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16* dout, const bf16* y,
                                             const bf16* qkv, const float* lse, int B, int T, int C, int H,
                                             float scale, int add, unsigned* amax, int dld, int dplane,
-                                            unsigned char* e5m2, const float* e5m2_scale) {
+                                            unsigned char* e5m2, const float* e5m2_scale, int heads_first) {
     constexpr int WT = ATTN_BF16_WARP_TILES, ROWS = ATTN_BF16_ROWS, THREADS = ATTN_BF16_THREADS;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 rows");
     __shared__ __align__(1024) bf16 smem[ATTN_BF16_DQ_SMEM / 2];
@@ -858,8 +878,9 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
     const unsigned S0 = smem_u32(smem);
     const unsigned Qs = S0 + 2 * ATTN_BF16_STAGE_BYTES, dYs = Qs + ATTN_BF16_TILE_BYTES;
     const int n_tiles = (T + ROWS - 1) / ROWS;
-    const int q0 = (n_tiles - 1 - blockIdx.y) * ROWS;
-    const Head hh = head_of(blockIdx.x, B, T, H);
+    const BlockAt at = block_at(heads_first);
+    const int q0 = (n_tiles - 1 - at.rank) * ROWS;
+    const Head hh = head_of(at.bh, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const int R = q0 + 16 * WT * warp;
     const int n_kt = (min(T, q0 + ROWS) + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
@@ -919,7 +940,7 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
         stage = next_stage(stage);
     }
     const float sc[2] = {scale, scale};
-    const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
+    const Head hs = grad_head_of(block_bh(heads_first), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
     if (staged_grad(add, e5m2)) free_tiles();
     unsigned char* tiles = reinterpret_cast<unsigned char*>(smem) + warp * WT * Staged<false>::BYTES;
@@ -934,15 +955,17 @@ __device__ __forceinline__ void attn_bwd_dq(bf16* dqkv, float* delta, const bf16
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_bf16(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
                    int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
-                   unsigned char* e5m2, const float* e5m2_scale) {
-    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
+                   unsigned char* e5m2, const float* e5m2_scale, int heads_first) {
+    attn_bwd_dq<false>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale,
+                       add, amax, dld, dplane, e5m2, e5m2_scale, heads_first);
 }
 #ifdef ATTN_WGMMA
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_THREADS, ATTN_BF16_BLOCKS)
 k_attn_bwd_dq_wg(bf16* dqkv, float* delta, const bf16* dout, const bf16* y, const bf16* qkv, const float* lse,
                  int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
-                 unsigned char* e5m2, const float* e5m2_scale) {
-    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
+                 unsigned char* e5m2, const float* e5m2_scale, int heads_first) {
+    attn_bwd_dq<true>(dqkv, delta, dout, y, qkv, lse, B, T, C, H, scale,
+                      add, amax, dld, dplane, e5m2, e5m2_scale, heads_first);
 }
 #endif
 
@@ -1094,7 +1117,7 @@ template <bool WG>
 __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv,
                                             const float* lse, int B, int T, int C, int H, float scale, int add,
                                             unsigned* amax, int dld, int dplane, unsigned char* e5m2,
-                                            const float* e5m2_scale) {
+                                            const float* e5m2_scale, int heads_first) {
     constexpr int WT = ATTN_BF16_KV_WARP_TILES, KROWS = ATTN_BF16_KV_ROWS, THREADS = ATTN_BF16_KV_THREADS;
     constexpr int NBUF = WG ? 3 : 2;
     static_assert(!WG || (WT == 1 && THREADS == 128), "a warpgroup of 64 keys");
@@ -1109,8 +1132,9 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
     }
     const unsigned ST = QY + NBUF * ATTN_BF16_STAGE_BYTES;
     const unsigned Ks = QY + (NBUF - 1) * ATTN_BF16_STAGE_BYTES, Vs = Ks + KROWS * ATTN_BF16_ROW_BYTES;
-    const int k0 = blockIdx.y * KROWS;  // the longest columns first
-    const Head hh = head_of(blockIdx.x, B, T, H);
+    const BlockAt at = block_at(heads_first);
+    const int k0 = at.rank * KROWS;  // the longest columns first
+    const Head hh = head_of(at.bh, B, T, H);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const int K0 = k0 + 16 * WT * warp;  // the warp's first key
     const int qt0 = k0 / ATTN_BF16_STREAM, n_qt = (T + ATTN_BF16_STREAM - 1) / ATTN_BF16_STREAM;
@@ -1172,7 +1196,7 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
         s = s == NBUF - 1 ? 0 : s + 1;
     }
     const float one[2] = {1.0f, 1.0f}, sc[2] = {scale, scale};
-    const Head hs = grad_head_of(block_x(), T, H, dld, dplane);  // offsets recomputed, as in the forward
+    const Head hs = grad_head_of(block_bh(heads_first), T, H, dld, dplane);  // offsets recomputed, as in the forward
     float top = 0.0f;
     if (staged_grad(add, e5m2)) free_tiles();
     constexpr int TILE = Staged<false>::BYTES;
@@ -1192,8 +1216,9 @@ __device__ __forceinline__ void attn_bwd_kv(bf16* dqkv, const float* delta, cons
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_bf16(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
                 int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
-                unsigned char* e5m2, const float* e5m2_scale) {
-    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
+                unsigned char* e5m2, const float* e5m2_scale, int heads_first) {
+    attn_bwd_kv<false>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale,
+                       add, amax, dld, dplane, e5m2, e5m2_scale, heads_first);
 }
 #ifdef ATTN_WGMMA
 // Runs after k_attn_bwd_dq_wg, whose D it reads; with ATTN_BF16_WG_KV_SMEM bytes of dynamic shared memory (the
@@ -1202,7 +1227,8 @@ extern "C" __constant__ int attn_wg_kv_smem = ATTN_BF16_WG_KV_SMEM;
 extern "C" __global__ void __launch_bounds__(ATTN_BF16_KV_THREADS, ATTN_BF16_KV_BLOCKS)
 k_attn_bwd_kv_wg(bf16* dqkv, const float* delta, const bf16* dout, const bf16* qkv, const float* lse,
                  int B, int T, int C, int H, float scale, int add, unsigned* amax, int dld, int dplane,
-                 unsigned char* e5m2, const float* e5m2_scale) {
-    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale, add, amax, dld, dplane, e5m2, e5m2_scale);
+                 unsigned char* e5m2, const float* e5m2_scale, int heads_first) {
+    attn_bwd_kv<true>(dqkv, delta, dout, qkv, lse, B, T, C, H, scale,
+                      add, amax, dld, dplane, e5m2, e5m2_scale, heads_first);
 }
 #endif

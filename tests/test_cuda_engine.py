@@ -135,6 +135,40 @@ def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
         assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_attention_launch_orders_give_the_same_bits(engines, precision, monkeypatch):
+    """kernels/attn_bf16.cu's two launch orders (andrea/ops/attn.py heads_first: each head's tiles together, or a
+    tile rank across every head) compute the same tiles, so the same bits: fresh random inputs, several query tiles
+    with a ragged last one, more heads than one wave's blocks, gradients added into old values."""
+    from andrea.ops import attn
+
+    e = engines[precision]
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    B, T, H = 3, 333, 5
+    C, act = 64 * H, e.traits.act_dtype
+    host = {name: rng.standard_normal(shape) * 1.5 for name, shape in
+            (("qkv", (3, B, T, C)), ("dout", (B, T, C)), ("old", (3, B, T, C)))}
+
+    def device(shape, dtype, value):
+        a = e.xp.empty(shape, dtype)
+        e.upload(a, np.broadcast_to(value, shape))
+        return a
+
+    qkv, dout = device(host["qkv"].shape, act, host["qkv"]), device(host["dout"].shape, act, host["dout"])
+    results = []
+    for first in (False, True):
+        monkeypatch.setattr(attn, "heads_first", lambda heads, T, l2_bytes, first=first: first)
+        out, dqkv = device((B, T, C), act, np.nan), device(qkv.shape, act, host["old"])
+        lse, datt = device((B, H, T), np.float32, np.nan), device((B, H, T), np.float32, np.nan)
+        e.attn_fwd(out, lse, qkv, H)
+        e.attn_bwd(dqkv, datt, dout, qkv, out, lse, H)
+        results.append({k: e.to_host(v).view(np.uint8) for k, v in
+                        {"out": out, "lse": lse, "D": datt, "dqkv": dqkv}.items()})
+    for name in results[0]:
+        assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
+
+
 @pytest.mark.parametrize("B, T, C", [(3, 64, 96), (5, 333, 96), (2, 100, 700)])
 def test_the_embedding_backward_s_sort_gives_the_scan_s_bits(engines, B, T, C):
     """k_embed_bwd_sorted (the sorted keys' runs, built for the fewest columns a thread that cover C) against

@@ -12,9 +12,10 @@ launches it (largest shared-memory carveout); its launch shape comes from the mo
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
                   A file that keeps dS (dev/cuda/attn_bf16_ds.cu: kernels k_attn_bwd_delta and
                   k_attn_bwd_dq_ds_*) runs its three-kernel backward instead, with a scratch of dS pairs. A file
-                  whose kernels take a launch order (`heads_first`, dev/cuda/attn_bf16_order.patch) gets one: each
-                  head's tiles together (the grids' dimensions swapped) where every head's K and V pass L2, or as
-                  --heads-first 0/1 says.
+                  whose kernels take a launch order (`heads_first`, as kernels/attn_bf16.cu's do) gets the
+                  engine's (andrea/ops/attn.py heads_first: each head's tiles together, the grids' dimensions
+                  swapped, where every head's K and V pass L2), or as --heads-first 0/1 says; an older file's
+                  kernels run their grid's own order.
   --hopper        also builds each of those for sm_90a (as the engine does on Hopper) and checks its warpgroup
                   kernels k_attn_fwd_wg, k_attn_bwd_dq_wg, k_attn_bwd_kv_wg in place of the mma ones.
   --hopper-only   the sm_90a builds alone (a variant that changes only the warpgroup kernels).
@@ -58,6 +59,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
+from andrea.ops.attn import heads_first  # noqa: E402
 from andrea.ops.fp8 import amax_arg  # noqa: E402
 from andrea.timing import median_ms  # noqa: E402
 
@@ -497,12 +499,6 @@ def check_shapes(attn: Attn, inputs: dict | None = None) -> dict:
             + (f"\n{r['error']}" if "error" in r else "")
             + (f" NaN={r['nan_count']}" if any(r.get("nan_count", {}).values()) else ""))
     return res
-
-
-def heads_first(heads: int, T: int, l2_bytes: int) -> bool:
-    """The launch order a file that takes one (dev/cuda/attn_bf16_order.patch) runs: each head's tiles together where
-    every head's K and V (bf16) pass L2, else a tile rank across every head."""
-    return heads * 2 * T * HD * 2 > l2_bytes
 
 
 def bench_arrays(cp, B: int, T: int, H: int) -> dict:
