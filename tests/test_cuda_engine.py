@@ -95,11 +95,43 @@ def test_attention_over_several_tiles(engines, precision, shape):
     assert_close_to_numpy(engines, precision, "attn", shape, B=2)
 
 
+def attention_bits(e, runs, B: int, T: int, H: int) -> tuple[int, list[dict]]:
+    """(the seed, each run's bytes of Y, lse, D and dqkv): the forward and backward at kernels/attn_bf16.cu's head
+    width (64) on fresh random inputs that the runs share, several query tiles with a ragged last one, the backward
+    adding into old values. `runs` yields each run's engine: a copy of `e` with other kernels, or `e` itself after a
+    change of how it launches them."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    C, act = 64 * H, e.traits.act_dtype
+    host = {name: rng.standard_normal(shape) * 1.5 for name, shape in
+            (("qkv", (3, B, T, C)), ("dout", (B, T, C)), ("old", (3, B, T, C)))}
+
+    def device(shape, dtype, value):
+        a = e.xp.empty(shape, dtype)
+        e.upload(a, np.broadcast_to(value, shape))
+        return a
+
+    qkv, dout = device(host["qkv"].shape, act, host["qkv"]), device(host["dout"].shape, act, host["dout"])
+    results = []
+    for engine in runs:
+        out, dqkv = device((B, T, C), act, np.nan), device(qkv.shape, act, host["old"])
+        lse, datt = device((B, H, T), np.float32, np.nan), device((B, H, T), np.float32, np.nan)
+        engine.attn_fwd(out, lse, qkv, H)
+        engine.attn_bwd(dqkv, datt, dout, qkv, out, lse, H)
+        results.append({k: e.to_host(v).view(np.uint8) for k, v in
+                        {"out": out, "lse": lse, "D": datt, "dqkv": dqkv}.items()})
+    return seed, results
+
+
+def assert_same_bits(seed, results):
+    for name in results[0]:
+        assert all(np.array_equal(results[0][name], r[name]) for r in results[1:]), f"{name} differs (seed {seed})"
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
     """On Hopper the engine runs kernels/attn_bf16.cu's warpgroup kernels (k_attn_*_wg); they sum in the mma
-    kernels' order, so both give the same bits: fresh random inputs, several query tiles with a ragged last one,
-    gradients added into old values."""
+    kernels' order, so both give the same bits."""
     import copy
 
     from andrea.ops.attn import HOPPER_KERNELS, MMA16_KERNEL_FILE
@@ -110,63 +142,24 @@ def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
         pytest.skip("no warpgroup kernels loaded (not a Hopper GPU, or ANDREA_WGMMA=0)")
     mma = copy.copy(e)
     mma.k = {name: f for name, f in e.k.items() if name not in own}
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    B, T, H = 2, 333, 3
-    C, act = 64 * H, e.traits.act_dtype
-    host = {name: rng.standard_normal(shape) * 1.5 for name, shape in
-            (("qkv", (3, B, T, C)), ("dout", (B, T, C)), ("old", (3, B, T, C)))}
-
-    def device(shape, dtype, value):
-        a = e.xp.empty(shape, dtype)
-        e.upload(a, np.broadcast_to(value, shape))
-        return a
-
-    qkv, dout = device(host["qkv"].shape, act, host["qkv"]), device(host["dout"].shape, act, host["dout"])
-    results = []
-    for engine in (e, mma):
-        out, dqkv = device((B, T, C), act, np.nan), device(qkv.shape, act, host["old"])
-        lse, datt = device((B, H, T), np.float32, np.nan), device((B, H, T), np.float32, np.nan)
-        engine.attn_fwd(out, lse, qkv, H)
-        engine.attn_bwd(dqkv, datt, dout, qkv, out, lse, H)
-        results.append({k: e.to_host(v).view(np.uint8) for k, v in
-                        {"out": out, "lse": lse, "D": datt, "dqkv": dqkv}.items()})
-    for name in results[0]:
-        assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
+    assert_same_bits(*attention_bits(e, (e, mma), B=2, T=333, H=3))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_attention_launch_orders_give_the_same_bits(engines, precision, monkeypatch):
     """kernels/attn_bf16.cu's two launch orders (andrea/ops/attn.py heads_first: each head's tiles together, or a
-    tile rank across every head) compute the same tiles, so the same bits: fresh random inputs, several query tiles
-    with a ragged last one, more heads than one wave's blocks, gradients added into old values."""
+    tile rank across every head) compute the same tiles, so the same bits."""
     from andrea.ops import attn
 
     e = engines[precision]
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    B, T, H = 3, 333, 5
-    C, act = 64 * H, e.traits.act_dtype
-    host = {name: rng.standard_normal(shape) * 1.5 for name, shape in
-            (("qkv", (3, B, T, C)), ("dout", (B, T, C)), ("old", (3, B, T, C)))}
 
-    def device(shape, dtype, value):
-        a = e.xp.empty(shape, dtype)
-        e.upload(a, np.broadcast_to(value, shape))
-        return a
+    def orders():
+        for first in (False, True):
+            monkeypatch.setattr(attn, "heads_first", lambda heads, T, l2_bytes, first=first: first)
+            assert e._bf16_order(15, 333)[1] == first  # the launches take the order asked
+            yield e
 
-    qkv, dout = device(host["qkv"].shape, act, host["qkv"]), device(host["dout"].shape, act, host["dout"])
-    results = []
-    for first in (False, True):
-        monkeypatch.setattr(attn, "heads_first", lambda heads, T, l2_bytes, first=first: first)
-        out, dqkv = device((B, T, C), act, np.nan), device(qkv.shape, act, host["old"])
-        lse, datt = device((B, H, T), np.float32, np.nan), device((B, H, T), np.float32, np.nan)
-        e.attn_fwd(out, lse, qkv, H)
-        e.attn_bwd(dqkv, datt, dout, qkv, out, lse, H)
-        results.append({k: e.to_host(v).view(np.uint8) for k, v in
-                        {"out": out, "lse": lse, "D": datt, "dqkv": dqkv}.items()})
-    for name in results[0]:
-        assert np.array_equal(results[0][name], results[1][name]), f"{name} differs (seed {seed})"
+    assert_same_bits(*attention_bits(e, orders(), B=3, T=333, H=5))
 
 
 @pytest.mark.parametrize("B, T, C", [(3, 64, 96), (5, 333, 96), (2, 100, 700)])
