@@ -3,10 +3,11 @@
     python3 dev/cuda/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3] [--bench-shapes LIST]
     python3 dev/cuda/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
 
-Needs cupy and numpy only (of the repository it imports andrea.kernels_build and andrea.timing). Each build is
-compiled with NVRTC as the engine compiles it (kernels/common.cuh spliced in, -std=c++17) and launched as the engine
-launches it (largest shared-memory carveout); its launch shape comes from the module's int[4] constant attn_bf16_launch
-{THREADS, ROWS, KV_THREADS, KV_ROWS} when it has one, else from the source's #defines of those names. Builds:
+Needs cupy and numpy only (of the repository it imports andrea.kernels_build, andrea.ops and andrea.timing). Each
+build is compiled with NVRTC as the engine compiles it (kernels/common.cuh spliced in, -std=c++17) and launched as the
+engine launches it (largest shared-memory carveout); its launch shape comes from the module's int[4] constant
+attn_bf16_launch {THREADS, ROWS, KV_THREADS, KV_ROWS} when it has one, else from the source's #defines of those names.
+Builds:
   --source PATH   a kernel file with the three kernels of kernels/attn_bf16.cu (same names and arguments);
                   repeatable; default the repository's kernels/attn_bf16.cu (through kernel_source(), so
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
