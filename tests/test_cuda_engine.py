@@ -156,7 +156,7 @@ def test_attention_launch_orders_give_the_same_bits(engines, precision, monkeypa
     def orders():
         for first in (False, True):
             monkeypatch.setattr(attn, "heads_first", lambda heads, T, l2_bytes, first=first: first)
-            assert e._bf16_order(15, 333)[1] == first  # the launches take the order asked
+            assert attn.launch_order(15, 333)[1] == first  # the launches take the order asked
             yield e
 
     assert_same_bits(*attention_bits(e, orders(), B=3, T=333, H=5))

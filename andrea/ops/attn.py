@@ -46,6 +46,21 @@ def _l2_bytes(device: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrL2CacheSize, device)
 
 
+def launch_order(heads: int, T: int, first: int | None = None):
+    """(the grid of a kernel of kernels/attn_bf16.cu by its tile's rows, its last argument) for `heads` (B H) heads
+    of T rows: the order `first` asks (0 or 1), by default heads_first's on the current device."""
+    if first is None:
+        import cupy
+
+        first = heads_first(heads, T, _l2_bytes(cupy.cuda.Device().id))
+
+    def grid(rows: int) -> tuple[int, int]:
+        tiles = -(-T // rows)
+        return (tiles, heads) if first else (heads, tiles)
+
+    return grid, np.int32(bool(first))
+
+
 def engine_buffers() -> tuple:
     return ()
 
@@ -128,18 +143,6 @@ class CudaOps:
         return B * n_head, T, (np.int32(B), np.int32(T), np.int32(C), np.int32(n_head),
                                np.float32(1.0 / math.sqrt(ATTN_BF16_HEAD)))
 
-    def _bf16_order(self, heads: int, T: int):
-        """(the grid of a kernel of kernels/attn_bf16.cu by its tile's rows, its last argument): heads_first's order."""
-        import cupy
-
-        first = heads_first(heads, T, _l2_bytes(cupy.cuda.Device().id))
-
-        def grid(rows: int) -> tuple[int, int]:
-            tiles = -(-T // rows)
-            return (tiles, heads) if first else (heads, tiles)
-
-        return grid, np.int32(first)
-
     def _bf16_kernels(self) -> tuple[str, str, str, int]:
         """The 16-bit attention's forward, dQ and dK/dV kernels, Hopper's own where the engine loaded them, and the
         dK/dV kernel's dynamic shared memory."""
@@ -154,7 +157,7 @@ class CudaOps:
         if bf16:
             heads, T, dims = bf16
             threads, rows, _, _ = self.k["attn_bf16_launch"]
-            grid, order = self._bf16_order(heads, T)
+            grid, order = launch_order(heads, T)
             amax = amax_arg(None)  # no FP8 cast reads Y (attn_out's products stay bf16 under fp8)
             self.k[self._bf16_kernels()[0]](grid(rows), (threads,), (out, att, qkv, *dims, amax, order))
             return
@@ -178,7 +181,7 @@ class CudaOps:
                 q8, scale, amax = e5m2[0], history_slot(dqkv_history, "SCALE"), history_slot(dqkv_history, "AMAX")
             else:  # both kernels' stores' amax, one word; null outside an fp8 pass
                 q8, scale, amax = np.uint64(0), np.uint64(0), amax_arg(self._fp8_produced(dqkv))
-            grid, order = self._bf16_order(heads, T)
+            grid, order = launch_order(heads, T)
             self.k[dq](grid(rows), (threads,),
                        (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane, q8, scale, order))
             self.k[kv](grid(kv_rows), (kv_threads,),

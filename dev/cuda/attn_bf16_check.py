@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
-from andrea.ops.attn import heads_first  # noqa: E402
+from andrea.ops.attn import launch_order  # noqa: E402
 from andrea.ops.fp8 import amax_arg  # noqa: E402
 from andrea.timing import median_ms  # noqa: E402
 
@@ -380,20 +380,12 @@ class Attn:
                              "local_bytes": int(f.local_size_bytes), "static_shared_bytes": int(f.shared_size_bytes),
                              "max_threads_per_block": int(f.max_threads_per_block)} for role, f in self.k.items()}
 
-    order_arg: int | None = None  # --heads-first; None: the module's heads_first()
+    order_arg: int | None = None  # --heads-first; None: the engine's rule (andrea/ops/attn.py heads_first)
 
     def order(self, B, T, H) -> tuple:
-        """(a grid of B H and `rows` a tile's, the kernels' last argument: the launch order; a file without it
-        ignores it and runs the grid's own order)."""
-        first = self.order_arg
-        if first is None:
-            first = heads_first(B * H, T, self.cp.cuda.Device().attributes["L2CacheSize"])
-        first = bool(first) and self.ordered
-
-        def grid(rows: int) -> tuple[int, int]:
-            return (-(-T // rows), B * H) if first else (B * H, -(-T // rows))
-
-        return grid, np.int32(first)
+        """(a grid of B H and `rows` a tile's, the kernels' last argument): the engine's launch_order; a file
+        without the argument ignores it and runs the grid's own order (0)."""
+        return launch_order(B * H, T, self.order_arg if self.ordered else 0)
 
     def fwd(self, out, lse, qkv, B, T, H):
         cfg, i32 = self.cfg, np.int32
