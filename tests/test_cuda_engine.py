@@ -152,14 +152,15 @@ def test_attention_launch_orders_give_the_same_bits(engines, precision, monkeypa
     from andrea.ops import attn
 
     e = engines[precision]
+    B, T, H = 3, 333, 5
 
     def orders():
         for first in (False, True):
             monkeypatch.setattr(attn, "heads_first", lambda heads, T, l2_bytes, first=first: first)
-            assert attn.launch_order(15, 333)[1] == first  # the launches take the order asked
+            assert attn.launch_order(B * H, T)[1] == first  # the launches take the order asked
             yield e
 
-    assert_same_bits(*attention_bits(e, orders(), B=3, T=333, H=5))
+    assert_same_bits(*attention_bits(e, orders(), B=B, T=T, H=H))
 
 
 @pytest.mark.parametrize("B, T, C", [(3, 64, 96), (5, 333, 96), (2, 100, 700)])
