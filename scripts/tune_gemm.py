@@ -5,8 +5,8 @@
 
 One eager training step of each shape records the products it runs: the cuBLASLt ones (the MLP's GELU
 epilogue products and the classifier's three in the 16-bit builds, the FP8 products under fp8) and the plain
-ones the engine runs through cublasGemmEx (those that pass no leading dimensions of their own, which
-cuBLASLt can run instead). Each product's algorithms (the heuristic's first HEURISTICS) are timed alone in a
+ones the engine runs through cublasGemmEx unless the table names them (cuBLASLt can run them instead, leading
+dimensions of their own included). Each product's algorithms (the heuristic's first HEURISTICS) are timed alone in a
 CUDA graph on the step's own buffers; the fastest few and the baseline (the heuristic's first for a cuBLASLt
 product, cublasGemmEx for a plain one) are then timed again, in turn, ROUNDS times, so that a drift of the
 card's clock between the first timings does not decide; the table keeps the fastest where it beats the
@@ -48,7 +48,7 @@ def planned(kwargs: dict) -> dict:
 
 def step_products(name: str, precision: str) -> tuple:
     """The engine and the products of one eager step: product name -> (kind, args, kwargs) of its first call,
-    kind "lt" (a cuBLASLt call) or "plain" (a Cublas.gemm call cuBLASLt could run)."""
+    kind "lt" (a cuBLASLt call) or "plain" (a Cublas.gemm call, which cuBLASLt can run too)."""
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.model import Model, init_params
 
@@ -64,9 +64,7 @@ def step_products(name: str, precision: str) -> tuple:
         return run_lt(*args, **kwargs)
 
     def record_plain(*args, **kwargs):
-        if not any(kwargs.get(ld) for ld in ("lda", "ldb", "ldc")):
-            plain = {k: v for k, v in kwargs.items() if k not in ("lda", "ldb", "ldc")}
-            calls.setdefault(product_name(lt._key(*args, **planned(plain))), ("plain", args, plain))
+        calls.setdefault(product_name(lt._key(*args, **planned(kwargs))), ("plain", args, kwargs))
         return blas.gemm_ex(*args, **kwargs)  # not through the table being remade
 
     lt.gemm, blas.gemm = record_lt, record_plain

@@ -97,6 +97,37 @@ def test_a_plain_product_is_tabled_under_the_name_the_tuner_gives_it():
     assert not lt.tabled(c, a, b, 8192, 768, 768, trans_b=True, batch=3, stride_b=768 * 768)
     assert not lt.tabled(_array(np.float32, 1 << 20), a, b, 8192, 768, 768, trans_b=True)  # FP32 output
     assert not lt.tabled(c, _array(BF16, (2 << 20) + 64), b, 8192, 768, 768, trans_b=True)  # another alignment class
+    assert not lt.tabled(c, a, b, 8192, 768, 768, trans_b=True, ldb=2304)  # leading dimensions of its own
+
+
+def test_a_product_s_own_leading_dimensions_name_it_and_reach_its_plan():
+    """qkv's weight gradient reads dQ, dK and dV as column blocks of one [N, 3C] matrix (ldb 3C, stride_b C): its
+    name carries the leading dimensions, a packed product's does not, and the plan's layouts take them."""
+    c, a, b = _array(np.float32, 1 << 20), _array(BF16, 2 << 20), _array(BF16, 3 << 20)
+    kw = dict(trans_a=True, batch=3, stride_b=768, stride_c=768 * 768)
+    packed, own = CublasLt._key(c, a, b, 768, 768, 8192, **kw), CublasLt._key(c, a, b, 768, 768, 8192, ldb=2304, **kw)
+    assert packed[11] == (3, 0, 768, 589824) and own[11] == (3, 0, 768, 589824, 0, 2304, 0)
+    assert product_name(packed) != product_name(own)
+    assert CublasLt._key(c, a, b, 768, 768, 8192, lda=None, ldb=None, ldc=None, **kw) == packed
+    lt = object.__new__(CublasLt)  # no library: record the layouts _plan asks for, stop before the heuristic
+    lt._plans, layouts = {}, []
+    lt._set = lambda desc, attr, value: None
+    lt._layout = lambda dtype, rows, cols, ld, batch=1, stride=0: layouts.append((dtype, rows, cols, ld, batch, stride))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_):
+        raise Stop
+
+    lt.lib = SimpleNamespace(cublasLtMatmulDescCreate=lambda *_: 0, cublasLtMatmulPreferenceCreate=stop)
+    for key, ldb in ((own, 2304), (packed, 768)):
+        layouts.clear()
+        with pytest.raises(Stop):
+            lt._plan(key, None)
+        # cuBLAS's A is our B ([N, 3C] read as 768 x 8192, ldb), its B our A (inp^T: 768 x 8192, ld 768), D 768 x 768
+        assert layouts == [("bfloat16", 768, 8192, ldb, 3, 768), ("bfloat16", 768, 8192, 768, 3, 0),
+                           ("float32", 768, 768, 768, 3, 589824)], key
 
 
 class _FakeLt:
@@ -115,7 +146,8 @@ class _FakeLt:
     (True, True, None, 1, 0),  # named in the table: cuBLASLt, on the table's algorithm
     (False, True, None, 0, 1),  # not named: cublasGemmEx
     (True, False, None, 1, 1),  # cuBLASLt has no plan for it after all: cublasGemmEx
-    (True, True, 4096, 0, 1),  # leading dimensions of its own: cublasGemmEx, which takes them
+    (True, True, 4096, 1, 0),  # leading dimensions of its own, named in the table: cuBLASLt, which takes them
+    (False, True, 4096, 0, 1),
 ])
 def test_cublas_runs_a_product_the_table_names_through_cublaslt(tabled, runs, ld, through_lt, through_ex):
     blas = object.__new__(Cublas)
@@ -126,7 +158,8 @@ def test_cublas_runs_a_product_the_table_names_through_cublaslt(tabled, runs, ld
     assert (len(blas.lt.calls), len(ex)) == (through_lt, through_ex)
     if through_lt:
         assert blas.lt.calls[0] == (("c", "a", "b", 8, 4, 2), dict(trans_a=False, trans_b=True, batch=1, stride_a=0,
-                                                                      stride_b=0, stride_c=0, alpha=0.5, beta=1.0))
+                                                                      stride_b=0, stride_c=0, lda=None, ldb=ld,
+                                                                      ldc=None, alpha=0.5, beta=1.0))
     if through_ex:
         assert ex[0][1]["ldb"] == ld and ex[0][1]["beta"] == 1.0
     blas.lt = None  # a build without cuBLASLt (fp32, tf32): cublasGemmEx always
@@ -157,17 +190,21 @@ def test_a_tabled_plain_product_through_cublaslt_matches_cublasgemmex():
         pytest.skip(f"the table names no plain product on {lt.device}, cuBLASLt {lt.version}")
     rng = np.random.default_rng()
     for key in _plain_products(table):
-        t_c, t_ab, _, m, n, k, trans_a, trans_b, _, _, (batch, stride_a, stride_b, stride_c) = key[:11]
+        t_c, t_ab, _, m, n, k, trans_a, trans_b, _, _, (batch, stride_a, stride_b, stride_c, *lds) = key[:11]
+        lda, ldb, ldc = lds or (0, 0, 0)  # 0: packed
         dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
-        def operand(rows, cols, count):
-            return cupy.asarray((rng.standard_normal((count, rows, cols)) / np.sqrt(k)).astype(dtype[t_ab]))
+        def operand(rows, cols, ld, stride, t, scale):
+            """A flat buffer holding `batch` row-major [rows, cols] matrices at `ld` and `stride` (0: one for all),
+            random between them too."""
+            size = (batch - 1) * stride + (rows - 1) * (ld or cols) + cols
+            return cupy.asarray((rng.standard_normal(size) * scale).astype(dtype[t]))
 
-        a = operand(*((k, m) if trans_a else (m, k)), 1 if batch > 1 and stride_a == 0 else batch)
-        b = operand(*((n, k) if trans_b else (k, n)), 1 if batch > 1 and stride_b == 0 else batch)
-        c0 = cupy.asarray(rng.standard_normal((batch, m, n)).astype(dtype[t_c]))
+        a = operand(*((k, m) if trans_a else (m, k)), lda, stride_a, t_ab, 1 / np.sqrt(k))
+        b = operand(*((n, k) if trans_b else (k, n)), ldb, stride_b, t_ab, 1 / np.sqrt(k))
+        c0 = operand(m, n, ldc, stride_c or m * n, t_c, 1.0)
         kw = dict(trans_a=trans_a, trans_b=trans_b, batch=batch, stride_a=stride_a, stride_b=stride_b,
-                  stride_c=stride_c, alpha=1.0, beta=0.5)
+                  stride_c=stride_c, lda=lda or None, ldb=ldb or None, ldc=ldc or None, alpha=1.0, beta=0.5)
         assert lt.tabled(c0, a, b, m, n, k, **kw), key  # the same alignment class as the step's buffers
         outs = []
         for run in (blas.gemm, blas.gemm_ex):

@@ -137,9 +137,9 @@ class Cublas:
 
         cuBLAS is column-major, where a row-major matrix reads as its transpose: so it computes
         C^T = op(B)^T op(A)^T, with the operands swapped and each transpose flag kept."""
-        if self.lt is not None and lda is None and ldb is None and ldc is None:
+        if self.lt is not None:
             kw = dict(trans_a=trans_a, trans_b=trans_b, batch=batch, stride_a=stride_a, stride_b=stride_b,
-                      stride_c=stride_c)
+                      stride_c=stride_c, lda=lda, ldb=ldb, ldc=ldc)
             if self.lt.tabled(c, a, b, m, n, k, **kw) and self.lt.gemm(c, a, b, m, n, k, alpha=alpha, beta=beta, **kw):
                 return
         self.gemm_ex(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb, ldc=ldc, alpha=alpha,
@@ -249,7 +249,8 @@ class CublasLt:
 
     def _plan(self, key, aux, scales=None):
         (t_c, t_a, t_b, m, n, k, trans_a, trans_b, epilogue, accumulation, algo_index,
-         (batch, stride_a, stride_b, stride_c), align_b, align_a, align_c, _) = key
+         (batch, stride_a, stride_b, stride_c, *lds), align_b, align_a, align_c, _) = key
+        lda, ldb, ldc = lds or (0, 0, 0)  # 0: the packed matrix's
         lib = self.lib
         desc = ctypes.c_void_p()
         Cublas._check("cublasLtMatmulDescCreate", lib.cublasLtMatmulDescCreate(
@@ -268,10 +269,12 @@ class CublasLt:
         if fp8_out and epilogue in self.AUX_EPILOGUES:  # aux stays bf16 (its default would be D's type)
             self._set(desc, self.DESC_AUX_DATA_TYPE, ctypes.c_int(self.TYPES["bfloat16"]))
         # column-major: cuBLAS's A is our B (n x k as stored, or k x n transposed), its B our A, C is n x m
-        lay_b = self._layout(t_b, k, n, k, batch, stride_b) if trans_b else self._layout(t_b, n, k, n, batch, stride_b)
-        lay_a = self._layout(t_a, m, k, m, batch, stride_a) if trans_a else self._layout(t_a, k, m, k, batch, stride_a)
-        lay_d = self._layout(t_c, n, m, n, batch, stride_c)
-        lay_c = self._layout("bfloat16", n, m, n, batch, stride_c) if fp8_out else lay_d
+        lay_b = (self._layout(t_b, k, n, ldb or k, batch, stride_b) if trans_b
+                 else self._layout(t_b, n, k, ldb or n, batch, stride_b))
+        lay_a = (self._layout(t_a, m, k, lda or m, batch, stride_a) if trans_a
+                 else self._layout(t_a, k, m, lda or k, batch, stride_a))
+        lay_d = self._layout(t_c, n, m, ldc or n, batch, stride_c)
+        lay_c = self._layout("bfloat16", n, m, ldc or n, batch, stride_c) if fp8_out else lay_d
         pref = ctypes.c_void_p()
         Cublas._check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
         limit = ctypes.c_uint64(self.workspace.nbytes)
@@ -315,12 +318,15 @@ class CublasLt:
     @staticmethod
     def _key(c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None, a_type=None, b_type=None,
              a_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0, stride_b=0, stride_c=0, d_type=None,
-             **_) -> tuple:
+             lda=None, ldb=None, ldc=None, **_) -> tuple:
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
         accumulation = None if a_scale is None else ("fast" if fast_accum else "split")  # FP8 products only
+        # leading dimensions of their own (0 where packed) only where some are given: a packed product's key, so
+        # its name in the table, does not change with them
+        lds = (lda or 0, ldb or 0, ldc or 0) if lda or ldb or ldc else ()
         return (d_type or c.dtype.name, a_type or a.dtype.name, b_type or b.dtype.name, m, n, k, trans_a, trans_b, epilogue,
-                accumulation, algo, (batch, stride_a, stride_b, stride_c), *aligns)
+                accumulation, algo, (batch, stride_a, stride_b, stride_c, *lds), *aligns)
 
     def tabled(self, c, a, b, m, n, k, **kw) -> bool:
         """Whether the algorithm table names this product (Cublas.gemm then runs it here): looked up once a
@@ -332,10 +338,11 @@ class CublasLt:
 
     def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
                   a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
-                  stride_b=0, stride_c=0, d_type=None):
+                  stride_b=0, stride_c=0, d_type=None, lda=None, ldb=None, ldc=None):
         key = self._key(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux, a_type=a_type,
                         b_type=b_type, a_scale=a_scale, fast_accum=fast_accum, algo=algo, batch=batch,
-                        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c, d_type=d_type)
+                        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c, d_type=d_type, lda=lda, ldb=ldb,
+                        ldc=ldc)
         if key not in self._plans:  # algo None: the table's choice, looked up once a shape
             chosen = chosen_key(key, algo, self.choices)
             if chosen not in self._plans:
@@ -346,7 +353,8 @@ class CublasLt:
     def gemm(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue: str = "none", aux=None,
              a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum: bool = False, alpha: float = 1.0,
              beta: float = 0.0, algo: int | None = None, batch: int = 1, stride_a: int = 0, stride_b: int = 0,
-             stride_c: int = 0, d_type: str | None = None, d_scale=None, amax_d=None) -> bool:
+             stride_c: int = 0, d_type: str | None = None, d_scale=None, amax_d=None, lda: int | None = None,
+             ldb: int | None = None, ldc: int | None = None) -> bool:
         """Row-major C[m, n] = epilogue(alpha * op(A)[m, k] @ op(B)[k, n]) + beta * C, with `aux` [m, n] for the GELU
         epilogues (GELU's input: written by gelu_aux, read by dgelu; "gelu" leaves it as it is, and gives C the
         bits gelu_aux gives it with that aux). FP8 operands: a_type/b_type ("e4m3", "e5m2") and a_scale/b_scale
@@ -354,16 +362,16 @@ class CublasLt:
         sums promoted to FP32 as they go (faster, less exact: andrea/ops/fp8.py). `algo` takes the heuristic's
         algo-th choice (0: its first); None, the algorithm table's choice for the product where it has one
         (ALGORITHMS_FILE), else its first. `batch` products with the operands' strides in elements (0: the same
-        matrix for each), as Cublas.gemm. `d_type` ("e4m3", "e5m2"): C (the uint8 `c`) written in FP8, times the
-        device scale `d_scale`, with the largest |value| before that scale into the device float `amax_d`; the
-        product's C operand is then bf16 and not read (beta 0): aux's place where there is one. False (nothing run)
-        where cuBLASLt has no algorithm for it."""
+        matrix for each) and lda, ldb, ldc (None: packed), as Cublas.gemm. `d_type` ("e4m3", "e5m2"): C (the
+        uint8 `c`) written in FP8, times the device scale `d_scale`, with the largest |value| before that scale
+        into the device float `amax_d`; the product's C operand is then bf16 and not read (beta 0): aux's place
+        where there is one. False (nothing run) where cuBLASLt has no algorithm for it."""
         if d_type is not None and beta != 0.0:
             raise ValueError("CublasLt.gemm: an FP8 output (d_type) takes beta 0")
         key, plan = self._plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
                                    a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, fast_accum=fast_accum,
                                    algo=algo, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c,
-                                   d_type=d_type)
+                                   d_type=d_type, lda=lda, ldb=ldb, ldc=ldc)
         if plan is None:
             return False
         desc, lay_b, lay_a, lay_c, result, lay_d = plan

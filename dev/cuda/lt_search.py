@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 dev/cuda/lt_search.py [--shapes 120M,12M] [--precisions bf16] [--out DIR]
 
 One eager training step of each shape records every product it runs (scripts/tune_gemm.py's step_products): the
-cuBLASLt ones (GELU epilogues, the classifier, FP8) and the plain ones that pass no leading dimensions of their own
-(which cuBLASLt can run). For each product it times, alone, on the step's own buffers:
+cuBLASLt ones (GELU epilogues, the classifier, FP8) and the plain ones (which cuBLASLt can run, leading dimensions
+of their own included). For each product it times, alone, on the step's own buffers:
   - the engine's route today (the table's choice or the heuristic's first; a plain product the table does not
     name, cublasGemmEx), launched from the host: for the smallest products, the launch rate;
   - every algorithm the heuristic offers when asked for up to --heuristics of them;
