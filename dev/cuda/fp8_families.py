@@ -92,7 +92,7 @@ def main() -> int:
                     continue
                 try:
                     times[label].append(step_ms(name, "fp8", patches, args.steps))
-                except (RuntimeError, NonFiniteStep) as e:  # a variant whose mixed bookkeeping the engine refuses
+                except (RuntimeError, NonFiniteStep) as e:  # a mix that fails (the module docstring says how)
                     failed[label] = f"{type(e).__name__}: {e}"
         bf16 = step_ms(name, "bf16", [], args.steps)
         print(f"{name}: bf16 {bf16:.2f} ms", flush=True)
