@@ -1062,6 +1062,47 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_backward_with_fp8_turned_off_reads_act_in_bf16_after_an_e4m3_forward(engine, monkeypatch, recompute):
+    """A forward that wrote act as E4M3 bytes (the act history's path), then the backward with FP8 products off
+    inside the same pass: act's bf16 values come back from the forward's pre (or the recompute's product) and the
+    backward gives the bits of a bf16 backward on that pre, not a read of the E4M3 bytes as bf16."""
+    import cupy
+
+    rng = np.random.default_rng()
+    N, C = 128, 64
+    F = 4 * C
+    dev = {k: cupy.asarray(_bf16(rng.standard_normal(shape) * scale).astype("bfloat16")) for k, shape, scale in (
+        ("inp", (N, C), 1.0), ("W_1", (C, F), C**-0.5), ("W_2", (F, C), F**-0.5), ("dout", (N, C), 1e-3))}
+
+    def backward(pre, act, outside):
+        grads = {k: cupy.full(sh, np.nan, dtype=dt) for k, sh, dt in (
+            ("dinp", (N, C), np.float32), ("dW_1", (C, F), np.float32), ("dW_2", (F, C), np.float32),
+            ("dpre", (N, F), "bfloat16"))}
+        engine.mlp_bwd(grads["dinp"], grads["dW_1"], grads["dW_2"], grads["dpre"], dev["dout"], dev["inp"], pre, act,
+                       dev["W_1"], dev["W_2"], recompute=recompute, overwrite=True, overwrite_weights=True,
+                       act_history=outside)
+        return {k: cupy.asnumpy(v) for k, v in grads.items()}
+
+    out, pre, act = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F)))
+    drow = cupy.asarray(_history_row([1.0]))
+    with engine.fp8_pass():
+        engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=recompute, act_history=drow)
+        assert (act.data.ptr, act.nbytes) in engine._fp8_book["e4m3_acts"]  # the forward took the E4M3 path
+        kept_pre = pre.copy()
+        monkeypatch.setattr(engine, "fp8", False)
+        got = backward(pre, act, drow)
+    # the reference: bf16 from the start of the backward, on the forward's pre (a recompute rebuilds pre itself)
+    ref_act = cupy.full((N, F), np.nan, dtype="bfloat16")
+    if not recompute:
+        engine._gelu(ref_act, kept_pre)
+    want = backward(kept_pre, ref_act, None)
+    for k in want:
+        assert np.isfinite(got[k].astype(np.float32)).all(), k
+        np.testing.assert_array_equal(got[k].view(np.uint8), want[k].view(np.uint8), err_msg=k)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B, T, H", [(2, 128, 2), (1, 208, 3)])
 def test_the_attention_backward_writes_dqkv_in_e5m2_at_the_history_s_scale(engine, B, T, H):
     """In a training pass with a dqkv history row attn_bwd writes the model's rows of dqkv as E5M2 bytes only: X

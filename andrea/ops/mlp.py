@@ -172,17 +172,23 @@ class CudaOps:
         forward's bits by its product. `keep_dpre` False (the model's backward, which reads dpre no more): on FP8
         operands dpre may be left holding dout @ W_2^T, the gradient at pre going to the products as E5M2 only (a
         write of dpre less); the other outputs' bits are the same either way. `act_history`: the forward's (act as
-        E4M3 bytes, its transpose kept or rebuilt at this pass's scale)."""
+        E4M3 bytes, its transpose kept or rebuilt at this pass's scale). A forward that wrote act as E4M3 bytes
+        before a backward that reads it in bf16 (no history given, FP8 products off): act = GELU(pre) again first."""
         C, F = W_1.shape
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
         delayed = self._act_delayed(act_history, N, C)
+        # whether the forward wrote act as E4M3 bytes (else it took the plain path: no algorithm)
+        e4m3_act = self._fp8_book is not None and (ptr(act), act.nbytes) in self._fp8_book["e4m3_acts"]
+        if e4m3_act and not delayed:  # FP8 products turned off inside the pass: act is read or rebuilt in bf16
+            self._fp8_book["e4m3_acts"].discard((ptr(act), act.nbytes))
         if recompute:
             delayed = delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False, transpose=True)
             if not delayed:
                 self._mlp_up(pre, act, inp, W_1)
-        elif delayed:  # whether the forward wrote act as E4M3 bytes (else it took the plain path: no algorithm)
-            delayed = (ptr(act), act.nbytes) in self._fp8_book["e4m3_acts"]
+        elif e4m3_act and not delayed:
+            self._gelu(act, pre)  # act's bf16 values from the forward's bf16 pre, as the plain path's two passes
+        delayed = delayed and (recompute or e4m3_act)
         if delayed and self._fp8_saved_transpose(act) is None:
             raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
                                "of a forward that did not write it)")
