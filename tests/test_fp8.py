@@ -1103,6 +1103,42 @@ def test_a_backward_with_fp8_turned_off_reads_act_in_bf16_after_an_e4m3_forward(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_mlp_forward_with_fp8_turned_off_reads_a_layernorm_s_e4m3_output_in_bf16(engine, monkeypatch, recompute):
+    """A LayerNorm that wrote its output as E4M3 bytes only, then the MLP's forward with FP8 products off inside the
+    same pass (its GELU products on bf16, with pre or, recomputed, act alone): the LayerNorm runs again first and
+    the MLP gives the bits of a forward on the LayerNorm's bf16 output."""
+    import cupy
+
+    rng = np.random.default_rng()
+    N, C = 128, 64
+    F = 4 * C
+    dev = {k: cupy.asarray(_bf16(rng.standard_normal(shape) * scale).astype("bfloat16")) for k, shape, scale in (
+        ("x", (N, C), 1.0), ("gamma", (C,), 1.0), ("beta", (C,), 0.1), ("W_1", (C, F), C**-0.5),
+        ("W_2", (F, C), F**-0.5))}
+
+    def forward(e4m3):
+        ln = cupy.full((N, C), np.nan, dtype="bfloat16")
+        mean, rstd = (cupy.full((N,), np.nan, dtype=np.float32) for _ in range(2))
+        out, pre, act = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F)))
+        engine.layernorm_fwd(ln, mean, rstd, dev["x"], dev["gamma"], dev["beta"], e4m3=e4m3)
+        if e4m3:
+            assert engine._fp8_only(ln, "e4m3") is not None  # the LayerNorm took the E4M3 path
+            monkeypatch.setattr(engine, "fp8", False)
+        engine.mlp_fwd(out, pre, act, ln, dev["W_1"], dev["W_2"], recompute=recompute)
+        monkeypatch.setattr(engine, "fp8", True)
+        return {k: cupy.asnumpy(v) for k, v in (("ln", ln), ("out", out), ("act", act))}
+
+    with engine.fp8_pass():
+        got = forward(True)
+    monkeypatch.setattr(engine, "fp8", False)
+    want = forward(False)
+    for k in want:
+        assert np.isfinite(got[k].astype(np.float32)).all(), k
+        np.testing.assert_array_equal(got[k].view(np.uint16), want[k].view(np.uint16), err_msg=k)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B, T, H", [(2, 128, 2), (1, 208, 3)])
 def test_the_attention_backward_writes_dqkv_in_e5m2_at_the_history_s_scale(engine, B, T, H):
     """In a training pass with a dqkv history row attn_bwd writes the model's rows of dqkv as E5M2 bytes only: X

@@ -137,6 +137,7 @@ class CudaOps:
         if self._fp8_ok(N, C):
             return self._linear_fwd_fp8(act, inp, W_1, N, C, F, save_transpose=save_transpose, epilogue="gelu_aux",
                                         aux=pre)
+        self._fp8_readable(inp)  # a LayerNorm's output written as E4M3 bytes only: its bf16 values first
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)
 
     def _gelu_alone(self, pre, act, inp, W_1) -> bool:
@@ -148,6 +149,7 @@ class CudaOps:
         if self.blas_lt is None or self._fp8_ok(N, C):
             return False
         self._fp8_wrote(act)
+        self._fp8_readable(inp)
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu", aux=pre)
 
     def _gelu(self, act, pre):
