@@ -7,9 +7,9 @@ Each variant is a fresh fp8 CudaEngine whose chosen methods run with FP8 off (en
 `_linear_bwd_fp8` itself, reports "not run" instead), a model at the benchmark's micro-batch and options, and
 scripts/bench.py's per_step_ms over --steps steps as CUDA graphs, the variants alternating for --rounds rounds;
 then the bf16 step in the same process. It prints each variant's ms a step and its ratio to bf16, or "not run" and
-why where the mix fails (the MLP's variants since its up product writes act as E4M3 bytes for the backward: a bf16
-product there is refused, or reads those bytes and the step's norm is not finite). It measures and does not judge:
-the variants' bits differ from precision fp8's (that is the point). Run on a CUDA machine with FP8.
+why where the mix fails (the MLP's down product alone in bf16: its up product writes act as E4M3 bytes for the
+backward, and mlp_bwd refuses a bf16 dW_2 on them). It measures and does not judge: the variants' bits differ from
+precision fp8's (that is the point). Run on a CUDA machine with FP8.
 """
 
 from __future__ import annotations
