@@ -182,14 +182,14 @@ class CudaOps:
         delayed = self._act_delayed(act_history, N, C)
         # whether the forward wrote act as E4M3 bytes (else it took the plain path: no algorithm)
         e4m3_act = self._fp8_book is not None and (ptr(act), act.nbytes) in self._fp8_book["e4m3_acts"]
-        if e4m3_act and not delayed:  # FP8 products turned off inside the pass: act is read or rebuilt in bf16
+        if e4m3_act and not delayed:  # FP8 products off inside the pass: act in bf16 (the recompute rebuilds it)
             self._fp8_book["e4m3_acts"].discard((ptr(act), act.nbytes))
+            if not recompute:
+                self._gelu(act, pre)  # from the forward's bf16 pre (GELU_AUX's aux), as the plain path's two passes
         if recompute:
             delayed = delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False, transpose=True)
             if not delayed:
                 self._mlp_up(pre, act, inp, W_1)
-        elif e4m3_act and not delayed:
-            self._gelu(act, pre)  # act's bf16 values from the forward's bf16 pre, as the plain path's two passes
         delayed = delayed and (recompute or e4m3_act)
         if delayed and self._fp8_saved_transpose(act) is None:
             raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
