@@ -427,10 +427,8 @@ class CudaOps:
             raise RuntimeError("fp8_pass: a pass is already open")
         if self.own.get("fp8_amax") is not None:
             self.zero(self.own["fp8_amax"])
-        # e4m3_acts: the MLP acts whose forward wrote them as E4M3 bytes (the act history's path, ops/mlp.py);
-        # fp8_only: the outputs written as FP8 bytes only (_fp8_bytes_written: the LayerNorms', dqkv)
-        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "e4m3_acts": set(),
-                          "fp8_only": {}}
+        # fp8_only: the outputs written as FP8 bytes only (_fp8_bytes_written: the LayerNorms', dqkv, the MLP's act)
+        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "fp8_only": {}}
         try:
             yield
         finally:
@@ -452,8 +450,8 @@ class CudaOps:
 
     def _fp8_bytes_written(self, out, q, qt, descale, rerun, fmt: str) -> None:
         """An op wrote out as FP8 bytes (`fmt`) only: X in q, X^T in qt (None: none), at the descale given, kept for
-        the pass's products (a LayerNorm's output, ops/layernorm.py; dqkv, ops/attn.py); `rerun()` writes out in
-        bf16 instead (_fp8_readable)."""
+        the pass's products (a LayerNorm's output, ops/layernorm.py; dqkv, ops/attn.py; the MLP's act on the act
+        history's path, ops/mlp.py); `rerun()` writes out in bf16 instead (_fp8_readable)."""
         key = (ptr(out), out.nbytes)
         self._fp8_book["fp8_only"][key] = (q, descale, rerun, fmt)
         if qt is not None:
@@ -470,7 +468,8 @@ class CudaOps:
 
     def _fp8_readable(self, *xs) -> None:
         """Every x of xs that its op wrote as FP8 bytes only gets its bf16 values: the op runs again (a LayerNorm from
-        its input, mean and rstd; the attention backward from its inputs: the same bits as ever), dropping the bytes.
+        its input, mean and rstd; the attention backward from its inputs: the same bits as ever; the MLP's act as
+        GELU(pre), from the bf16 pre its product wrote beside it), dropping the bytes.
         Whatever reads x as bf16 in a pass calls this first: a product with no FP8 algorithm, a cast."""
         if self._fp8_book is None:
             return

@@ -120,11 +120,10 @@ class CudaOps:
                                     d_type="e4m3", d_scale=history_slot(row, "SCALE" if fold else "SCALE_NOW"),
                                     amax_d=history_slot(row, "AMAX")):
             return False
-        if fold:
-            self._fp8_book["e4m3_acts"].add((ptr(act), act.nbytes))
-        self._fp8_history_transpose(q, qt if transpose else None, N, F, row, "e4m3" if fold else None)
-        if transpose:
-            self._fp8_book["transposed"][(ptr(act), act.nbytes)] = (qt, history_slot(row, "DESCALE_NOW"))
+        qt = qt if transpose else None
+        self._fp8_history_transpose(q, qt, N, F, row, "e4m3" if fold else None)
+        # act is E4M3 bytes only: a bf16 reader has GELU(pre) rewrite it first (_fp8_readable)
+        self._fp8_bytes_written(act, q, qt, history_slot(row, "DESCALE_NOW"), lambda: self._gelu(act, pre), "e4m3")
         return True
 
     def _gelu_epilogue(self, pre, act, inp, W_1, save_transpose: bool = False) -> bool:
@@ -180,17 +179,14 @@ class CudaOps:
         N = inp.size // C
         self._fp8_wrote(dinp, dpre)
         delayed = self._act_delayed(act_history, N, C)
-        # whether the forward wrote act as E4M3 bytes (else it took the plain path: no algorithm)
-        e4m3_act = self._fp8_book is not None and (ptr(act), act.nbytes) in self._fp8_book["e4m3_acts"]
-        if e4m3_act and not delayed:  # FP8 products off inside the pass: act in bf16 (the recompute rebuilds it)
-            self._fp8_book["e4m3_acts"].discard((ptr(act), act.nbytes))
-            if not recompute:
-                self._gelu(act, pre)  # from the forward's bf16 pre (GELU_AUX's aux), as the plain path's two passes
         if recompute:
             delayed = delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False, transpose=True)
             if not delayed:
                 self._mlp_up(pre, act, inp, W_1)
-        delayed = delayed and (recompute or e4m3_act)
+        elif not delayed:  # FP8 products off inside the pass, or no history: a forward's E4M3 act is rebuilt in bf16
+            self._fp8_readable(act)
+        # whether act holds this pass's E4M3 bytes (else the forward took the plain path: no algorithm)
+        delayed = delayed and self._fp8_only(act, "e4m3") is not None
         if delayed and self._fp8_saved_transpose(act) is None:
             raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
                                "of a forward that did not write it)")
@@ -200,9 +196,13 @@ class CudaOps:
         done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, beta_w=beta_w)
                                       if self._fp8_ok(N, C) else (False, False, None, None))
         if not done_dW:
-            if delayed:
-                raise RuntimeError(f"mlp_bwd: no FP8 algorithm for dW_2 ({F} x {C} x {N}); act holds E4M3 bytes")
+            # a recomputed layer's dpre is act's buffer (model.py), written over by the product just now
+            if done_dpre and ptr(dpre) < ptr(act) + act.nbytes and ptr(act) < ptr(dpre) + dpre.nbytes:
+                raise RuntimeError(f"mlp_bwd: no FP8 algorithm for dW_2 ({F} x {C} x {N}) but one for dpre, which "
+                                   "shares act's buffer and was written first")
+            self._fp8_readable(act)
             self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=beta_w)
+        self._fp8_wrote(dpre)  # over act's bytes where they share a buffer (their entry goes with them)
         # on FP8 operands GELU' is applied by the pass that casts dpre for the products below
         cast = (lambda dq, dt: self._fp8_cast_dgelu(dpre, pre, N, F, C, sd, sw, dq, dt, keep_dpre)) if done_dpre else None
         if not done_dpre and not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True,

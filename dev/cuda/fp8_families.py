@@ -6,10 +6,11 @@ Each variant is a fresh fp8 CudaEngine whose chosen methods run with FP8 off (en
 `_fp8_ok` says no and the op takes its bf16 products; the MLP's down-projection backward, which the op routes to
 `_linear_bwd_fp8` itself, reports "not run" instead), a model at the benchmark's micro-batch and options, and
 scripts/bench.py's per_step_ms over --steps steps as CUDA graphs, the variants alternating for --rounds rounds;
-then the bf16 step in the same process. It prints each variant's ms a step and its ratio to bf16, or "not run" and
-why where the mix fails (the MLP's down product alone in bf16: its up product writes act as E4M3 bytes for the
-backward, and mlp_bwd refuses a bf16 dW_2 on them). It measures and does not judge: the variants' bits differ from
-precision fp8's (that is the point). Run on a CUDA machine with FP8.
+then the bf16 step in the same process. A bf16 down product reads act in bf16, so its variants turn the act
+history's path off too (`_act_delayed`: act written in bf16 by the up product's GELU epilogue, then its amax and
+cast for dW_2's FP8 operand where that stays on FP8). It prints each variant's ms a step and its ratio to bf16, or
+"not run" and why where the mix fails. It measures and does not judge: the variants' bits differ from precision
+fp8's (that is the point). Run on a CUDA machine with FP8.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def _down_bwd(dinp, dW, dout, inp, W, N, K, M, *_, **__) -> bool:  # _linear_bwd
 # variant: the engine methods that run in bf16 (a method alone, or with a test of its arguments)
 VARIANTS = {
     "fp8 as it ships": [],
-    "the MLP's down product in bf16": [("_linear_fwd", _down_fwd), ("_linear_bwd_fp8", _down_bwd)],
-    "the MLP's backward and down product in bf16": [("_linear_fwd", _down_fwd), ("mlp_bwd", None)],
+    "the MLP's down product in bf16": [("_act_delayed", None), ("_linear_fwd", _down_fwd),
+                                       ("_linear_bwd_fp8", _down_bwd)],
+    "the MLP's backward and down product in bf16": [("_act_delayed", None), ("_linear_fwd", _down_fwd),
+                                                    ("mlp_bwd", None)],
     "the whole MLP in bf16": [("mlp_fwd", None), ("mlp_bwd", None)],
     "attention's and qkv's backward in bf16": [("attn_bwd", None), ("attn_qkv_bwd", None)],
 }
