@@ -15,7 +15,8 @@ with pre beside it in bf16 for the backward's GELU') at the scale of the largest
 FP8_HIST_PASSES passes, and reports act's amax (AMAX_D, before the scale); k_fp8_act_t then writes act^T (dW_2's
 operand) and folds the pass into the layer's row of the history (kernels/fp8.cu: the row's layout; `fold_amax` is
 its reference). Values past the scale saturate at the format's largest, as cvt.satfinite does. This spares act's
-bf16 write, its amax pass and its cast (5 bytes an element, 1.5 GB a 120M step). Likewise the attention backward's
+bf16 write, its amax pass and its cast (5 bytes an element, 1.5 GB a 120M step); act is then bytes only, and a bf16
+reader has GELU(pre) write it first (`_fp8_readable`, as for the LayerNorms' outputs below). Likewise the attention backward's
 kernels write dqkv as E5M2 bytes (each value rounded to bf16 first, so they are the cast's bytes of the bf16 dqkv
 at that scale) with their amax into the row, and k_fp8_act_t writes dqkv^T and folds (ops/attn.py): dqkv's bf16
 write and read and its cast's bf16 read go, 3 bytes an element. The rows (`fp8_act_history`, `fp8_dqkv_history`,
