@@ -9,21 +9,21 @@ and weights, E5M2 57344 for gradients), and the product takes 1 / s. Powers of t
 exact; amax is a max, the same whatever order combines it. So a scale is a function of the tensor at
 hand.
 
-Two tensors are scaled from a history instead (delayed scaling), in a training pass: the MLP's act = GELU(pre)
-and the attention backward's dqkv. Act's up product writes act in E4M3 itself (cuBLASLt's FP8 output: D_SCALE,
-with pre beside it in bf16 for the backward's GELU') at the scale of the largest amax of the layer's last
-FP8_HIST_PASSES passes, and reports act's amax (AMAX_D, before the scale); k_fp8_act_t then writes act^T (dW_2's
-operand) and folds the pass into the layer's row of the history (kernels/fp8.cu: the row's layout; `fold_amax` is
-its reference). Values past the scale saturate at the format's largest, as cvt.satfinite does. This spares act's
-bf16 write, its amax pass and its cast (5 bytes an element, 1.5 GB a 120M step); act is then bytes only, and a bf16
-reader has GELU(pre) write it first (`_fp8_readable`, as for the LayerNorms' outputs below). Likewise the attention backward's
-kernels write dqkv as E5M2 bytes (each value rounded to bf16 first, so they are the cast's bytes of the bf16 dqkv
-at that scale) with their amax into the row, and k_fp8_act_t writes dqkv^T and folds (ops/attn.py): dqkv's bf16
-write and read and its cast's bf16 read go, 3 bytes an element. The rows (`fp8_act_history`, `fp8_dqkv_history`,
-a training model's) are state, saved in .state.json, so a resume is bit-exact; a run starts at act's scale 1 (no
-pass seen) and at dqkv's scale of amax 1 (HISTORIES). A recompute rebuilds act at the pass's own scale (the row's
-SCALE_NOW), without folding. A forward alone (evaluation) and a product outside a model's pass cast act at its own
-amax, as before; dqkv takes its history only where attn_qkv_bwd's FP8 products read the model's rows of it.
+Two tensors are scaled from a history instead (delayed scaling), in a training pass: the MLP's act = GELU(pre) and
+the attention backward's dqkv. Act's up product writes act in E4M3 itself (cuBLASLt's FP8 output: D_SCALE, with pre
+beside it in bf16 for the backward's GELU') at the scale of the largest amax of the layer's last FP8_HIST_PASSES
+passes, and reports act's amax (AMAX_D, before the scale); k_fp8_act_t then writes act^T (dW_2's operand) and folds
+the pass into the layer's row of the history (kernels/fp8.cu: the row's layout; `fold_amax` is its reference). Values
+past the scale saturate at the format's largest, as cvt.satfinite does. This spares act's bf16 write, its amax pass
+and its cast (5 bytes an element, 1.5 GB a 120M step); act is then bytes only, and a bf16 reader has GELU(pre) write
+it first (`_fp8_readable`, as for the LayerNorms' outputs below). Likewise the attention backward's kernels write
+dqkv as E5M2 bytes (each value rounded to bf16 first, so they are the cast's bytes of the bf16 dqkv at that scale)
+with their amax into the row, and k_fp8_act_t writes dqkv^T and folds (ops/attn.py): dqkv's bf16 write and read and
+its cast's bf16 read go, 3 bytes an element. The rows (`fp8_act_history`, `fp8_dqkv_history`, a training model's) are
+state, saved in .state.json, so a resume is bit-exact; a run starts at act's scale 1 (no pass seen) and at dqkv's
+scale of amax 1 (HISTORIES). A recompute rebuilds act at the pass's own scale (the row's SCALE_NOW), without folding.
+A forward alone (evaluation) and a product outside a model's pass cast act at its own amax, as before; dqkv takes its
+history only where attn_qkv_bwd's FP8 products read the model's rows of it.
 
 The layers' two LayerNorm outputs (attn_qkv's and the MLP's input) take the scale of a bound too, from gamma and
 beta (ops/layernorm.py, e4m3_bound): inside a model's pass the LayerNorm writes them as E4M3 bytes itself, X and
