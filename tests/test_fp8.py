@@ -1061,6 +1061,21 @@ def test_the_mlp_writes_act_in_e4m3_at_the_history_s_scale(engine, N, C):
     np.testing.assert_array_equal(row_again, row)
 
 
+def _mlp_operands(rng, N, C):
+    """An MLP's inputs in bf16 from fresh random values: inp [N, C], W_1, W_2 and a gradient dout [N, C]."""
+    import cupy
+
+    F = 4 * C
+    return {k: cupy.asarray(_bf16(rng.standard_normal(shape) * scale).astype("bfloat16")) for k, shape, scale in (
+        ("inp", (N, C), 1.0), ("W_1", (C, F), C**-0.5), ("W_2", (F, C), F**-0.5), ("dout", (N, C), 1e-3))}
+
+
+def _no_fp8_algorithm_for(engine, monkeypatch, out) -> None:
+    """engine's FP8 products find no algorithm for the product that writes `out` (as cuBLASLt may for a shape)."""
+    fp8_gemm = engine._fp8_gemm
+    monkeypatch.setattr(engine, "_fp8_gemm", lambda c, *a, **k: c.data.ptr != out.data.ptr and fp8_gemm(c, *a, **k))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_backward_with_fp8_turned_off_reads_act_in_bf16_after_an_e4m3_forward(engine, monkeypatch, recompute):
@@ -1069,11 +1084,9 @@ def test_a_backward_with_fp8_turned_off_reads_act_in_bf16_after_an_e4m3_forward(
     backward gives the bits of a bf16 backward on that pre, not a read of the E4M3 bytes as bf16."""
     import cupy
 
-    rng = np.random.default_rng()
     N, C = 128, 64
     F = 4 * C
-    dev = {k: cupy.asarray(_bf16(rng.standard_normal(shape) * scale).astype("bfloat16")) for k, shape, scale in (
-        ("inp", (N, C), 1.0), ("W_1", (C, F), C**-0.5), ("W_2", (F, C), F**-0.5), ("dout", (N, C), 1e-3))}
+    dev = _mlp_operands(np.random.default_rng(), N, C)
 
     def backward(pre, act, outside):
         grads = {k: cupy.full(sh, np.nan, dtype=dt) for k, sh, dt in (
@@ -1100,6 +1113,55 @@ def test_a_backward_with_fp8_turned_off_reads_act_in_bf16_after_an_e4m3_forward(
     for k in want:
         assert np.isfinite(got[k].astype(np.float32)).all(), k
         np.testing.assert_array_equal(got[k].view(np.uint8), want[k].view(np.uint8), err_msg=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_dw2_with_no_fp8_algorithm_reads_the_e4m3_act_in_bf16(engine, monkeypatch, recompute):
+    """On the act history's path, with no FP8 algorithm for dW_2 (the other products on FP8): act's bf16 values come
+    back from pre (GELU(pre), as the plain path writes act), and dW_2 is the plain product on them, bit for bit."""
+    import cupy
+
+    N, C = 128, 64
+    F = 4 * C
+    dev = _mlp_operands(np.random.default_rng(), N, C)
+    out, pre, act, dpre = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F), (N, F)))
+    dinp, dW_1, dW_2 = (cupy.full(sh, np.nan, dtype=np.float32) for sh in ((N, C), (C, F), (F, C)))
+    drow = cupy.asarray(_history_row([1.0]))
+    with engine.fp8_pass():
+        engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=recompute, act_history=drow)
+        assert engine._fp8_only(act, "e4m3") is not None  # the forward took the E4M3 path
+        _no_fp8_algorithm_for(engine, monkeypatch, dW_2)
+        engine.mlp_bwd(dinp, dW_1, dW_2, dpre, dev["dout"], dev["inp"], pre, act, dev["W_1"], dev["W_2"],
+                       recompute=recompute, overwrite=True, overwrite_weights=True, act_history=drow)
+    monkeypatch.undo()
+    ref_act = cupy.full((N, F), np.nan, dtype="bfloat16")
+    engine._gelu(ref_act, pre)  # pre: the forward's, or the recompute's with the forward's bits
+    want = cupy.full((F, C), np.nan, dtype=np.float32)
+    engine.blas.gemm(want, ref_act, dev["dout"], F, C, N, trans_a=True, beta=0.0)
+    for name, x in (("dinp", dinp), ("dW_1", dW_1), ("dW_2", dW_2)):
+        assert np.isfinite(cupy.asnumpy(x)).all(), name
+    np.testing.assert_array_equal(cupy.asnumpy(dW_2).view(np.uint8), cupy.asnumpy(want).view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_a_dw2_with_no_fp8_algorithm_after_dpre_wrote_over_act_raises(engine, monkeypatch):
+    """A recomputing layer's dpre is act's own buffer (model.py). Where dpre's FP8 product ran and dW_2's found no
+    algorithm, act is already overwritten: mlp_bwd says so instead of reading dpre's values as act."""
+    import cupy
+
+    N, C = 128, 64
+    F = 4 * C
+    dev = _mlp_operands(np.random.default_rng(), N, C)
+    out, pre, act = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F)))
+    dinp, dW_1, dW_2 = (cupy.full(sh, np.nan, dtype=np.float32) for sh in ((N, C), (C, F), (F, C)))
+    drow = cupy.asarray(_history_row([1.0]))
+    with engine.fp8_pass():
+        engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=True, act_history=drow)
+        _no_fp8_algorithm_for(engine, monkeypatch, dW_2)
+        with pytest.raises(RuntimeError, match="shares act's buffer"):
+            engine.mlp_bwd(dinp, dW_1, dW_2, act, dev["dout"], dev["inp"], pre, act, dev["W_1"], dev["W_2"],
+                           recompute=True, overwrite=True, keep_dpre=False, overwrite_weights=True, act_history=drow)
 
 
 @pytest.mark.gpu
