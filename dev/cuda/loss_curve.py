@@ -1,11 +1,12 @@
 """The loss curve of an experiment's model on the CUDA engine in several precisions, from the same init.
 
     PYTHONPATH=. python3 dev/cuda/loss_curve.py [--shape 120M] [--precisions bf16,fp32] [--steps 200] [--every 10]
+                                               [--seeds 1337]
 
-Each precision trains `--steps` steps of the synthetic stream from init_params(1337) at the benchmark's
-micro-batch with the trainer's memory options (andrea/engines/crosscheck.py's train_run, as the parity tests of
-tests/test_gpu_scale.py run it), and prints its loss every `--every` steps and its last. It reports and does not
-judge: where two precisions part is for the reader (docs/PERFORMANCE.md).
+For each of `--seeds`, each precision trains `--steps` steps of the synthetic stream drawn from that seed, from
+init_params(seed), at the benchmark's micro-batch with the trainer's memory options (andrea/engines/crosscheck.py's
+train_run, as the parity tests of tests/test_gpu_scale.py run it), and prints its loss every `--every` steps and
+its last. It reports and does not judge: where two precisions part is for the reader (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ def main() -> int:
     ap.add_argument("--precisions", default="bf16,fp32", help="comma-separated (default bf16,fp32)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     ap.add_argument("--every", type=int, default=10, help="print the loss every this many steps (default 10)")
+    ap.add_argument("--seeds", default="1337", help="comma-separated init and stream seeds (default 1337, the tests')")
     args = ap.parse_args()
     from andrea.engines.cuda_engine import CudaEngine
 
-    for precision in args.precisions.split(","):
-        run = train_run(CudaEngine(precision=precision), EXPERIMENTS[args.shape].model, BENCH[args.shape], 1,
-                        args.steps, **options(args.shape))
-        curve = " ".join(f"{x:.3f}" for x in run.losses[::args.every])
-        print(f"{args.shape} {precision}: {curve}  last {run.losses[-1]:.4f}", flush=True)
+    for seed in map(int, args.seeds.split(",")):
+        for precision in args.precisions.split(","):
+            run = train_run(CudaEngine(precision=precision), EXPERIMENTS[args.shape].model, BENCH[args.shape], 1,
+                            args.steps, seed=seed, **options(args.shape))
+            curve = " ".join(f"{x:.3f}" for x in run.losses[::args.every])
+            print(f"{args.shape} {precision} seed {seed}: {curve}  last {run.losses[-1]:.4f}", flush=True)
     return 0
 
 
