@@ -37,6 +37,11 @@ def ptr(a) -> int:
     return a.data.ptr
 
 
+def overlaps(a_ptr: int, a_bytes: int, b_ptr: int, b_bytes: int) -> bool:
+    """Whether two spans of device memory, (address, bytes) each, share a byte."""
+    return a_ptr < b_ptr + b_bytes and b_ptr < a_ptr + a_bytes
+
+
 def blocks(n: int, threads: int) -> int:
     return max(1, -(-n // threads))
 

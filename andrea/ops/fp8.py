@@ -86,7 +86,7 @@ import contextlib
 import numpy as np
 
 from andrea.memory import BufferSpec
-from andrea.ops.base import blocks, kernel_defines, ptr
+from andrea.ops.base import blocks, kernel_defines, overlaps, ptr
 
 KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many", "k_fp8_cast_dgelu", "k_fp8_act_t")}
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
@@ -445,8 +445,7 @@ class CudaOps:
             return
         for book in (self._fp8_book["kept"], self._fp8_book["transposed"], self._fp8_book["fp8_only"]):
             for b in bufs:
-                lo, hi = ptr(b), ptr(b) + b.nbytes
-                for key in [k for k in book if k[0] < hi and lo < k[0] + k[1]]:
+                for key in [k for k in book if overlaps(ptr(b), b.nbytes, *k)]:
                     del book[key]
 
     def _fp8_bytes_written(self, out, q, qt, descale, rerun, fmt: str) -> None:

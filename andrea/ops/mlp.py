@@ -10,7 +10,7 @@ import numpy as np
 
 from andrea.ops.fp8 import (AMAX_BLOCKS, DPRE_SLOT, amax_arg, delayed_amax, descale, dgelu_amax, dgelu_factor,
                             fp8_halves, history_slot)
-from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, ptr, start_grad
+from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, kernel_defines, overlaps, ptr, start_grad
 
 KERNELS = {"mlp": ("k_mlp_fwd", "k_mlp_bwd")}
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -197,7 +197,7 @@ class CudaOps:
                                       if self._fp8_ok(N, C) else (False, False, None, None))
         if not done_dW:
             # a recomputed layer's dpre is act's buffer (model.py), written over by the product just now
-            if done_dpre and ptr(dpre) < ptr(act) + act.nbytes and ptr(act) < ptr(dpre) + dpre.nbytes:
+            if done_dpre and overlaps(ptr(dpre), dpre.nbytes, ptr(act), act.nbytes):
                 raise RuntimeError(f"mlp_bwd: no FP8 algorithm for dW_2 ({F} x {C} x {N}) but one for dpre, which "
                                    "shares act's buffer and was written first")
             self._fp8_readable(act)
