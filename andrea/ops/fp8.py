@@ -443,9 +443,10 @@ class CudaOps:
         """An op wrote these without their amax: drop every kept tensor they overlap (and its saved transpose)."""
         if self._fp8_book is None:
             return
+        spans = [(ptr(b), b.nbytes) for b in bufs]
         for book in (self._fp8_book["kept"], self._fp8_book["transposed"], self._fp8_book["fp8_only"]):
-            for b in bufs:
-                for key in [k for k in book if overlaps(ptr(b), b.nbytes, *k)]:
+            for span in spans:
+                for key in [k for k in book if overlaps(*span, *k)]:
                     del book[key]
 
     def _fp8_bytes_written(self, out, q, qt, descale, rerun, fmt: str) -> None:
