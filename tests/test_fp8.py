@@ -1165,12 +1165,12 @@ def test_a_dw2_with_no_fp8_algorithm_after_dpre_wrote_over_act_raises(engine, mo
 
 
 def _give_pass_slots(engine, monkeypatch) -> None:
-    """The pass's amax slots, as a model's plan gives them, where no model built on this engine gave them yet (the
-    LayerNorm's E4M3 path takes one; without, it writes bf16)."""
+    """The pass's amax slots, as a one-layer model's plan gives them, where no model built on this engine gave them
+    yet (the LayerNorm's E4M3 path takes one; without, it writes bf16)."""
     import cupy
 
     if engine.own.get("fp8_amax") is None:
-        monkeypatch.setitem(engine.own, "fp8_amax", cupy.zeros(fp8.SLOT_FLOATS * 8, dtype=np.float32))
+        monkeypatch.setitem(engine.own, "fp8_amax", cupy.zeros(fp8.SLOT_FLOATS * fp8.amax_slots(1), dtype=np.float32))
 
 
 @pytest.mark.gpu
