@@ -112,7 +112,9 @@ def test_fp8_follows_bf16_over_200_steps_at_120m(engines):
 
 def test_fp8_follows_bf16_on_text_over_200_steps_at_120m(engines, embedded_text):
     """ANDREA-120M in fp8 and in bf16, 200 steps of the embedded corpus from the same init and on the same
-    windows: the held-out loss after them (the validation shard) within 1.5%."""
+    windows: the held-out loss after them (the validation shard) within 1.5%. One init is a draw: on an H100 the
+    shipped tree passes from seven of seven inits, and a tree equal to it on average (the residual stream's gradient
+    kept to 16 bits) failed from two of them (docs/PERFORMANCE.md, 2026-12-07)."""
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
     train, val = read_shard(embedded_text / "train.bin"), read_shard(embedded_text / "val.bin")
     held_out = held_out_micro_batches(val, shape.seq_len, micro)
