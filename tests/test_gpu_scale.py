@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 
 from andrea.config import load_experiment
-from andrea.engines.crosscheck import (OP_LIMITS, OPS, compare_op, held_out_micro_batches, step_allocations,
-                                       text_micro_batches, train_run)
+from andrea.engines.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, text_training, train_run
 from andrea.layout import ParameterLayout
 from andrea.ops.base import OpShape
 from andrea.precision import PRECISIONS
-from andrea.shards import read_shard, write_shard
+from andrea.shards import write_shard
 from andrea.train import model_options
 from conftest import EXPERIMENTS, REPO
 
@@ -116,11 +115,8 @@ def test_fp8_follows_bf16_on_text_over_200_steps_at_120m(engines, embedded_text)
     shipped tree passes from seven of seven inits, and a tree equal to it on average (the residual stream's gradient
     kept to 16 bits) failed from two of them (docs/PERFORMANCE.md, 2026-12-07)."""
     shape, micro = EXPERIMENT["120M"].model, BENCH_BATCH["120M"]
-    train, val = read_shard(embedded_text / "train.bin"), read_shard(embedded_text / "val.bin")
-    held_out = held_out_micro_batches(val, shape.seq_len, micro)
-    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M"), held_out=held_out,
-                         stream=lambda step: text_micro_batches(train, shape.seq_len, micro, 1, step))
-            for p in ("bf16", "fp8")}
+    text = text_training(embedded_text, shape.seq_len, micro)
+    runs = {p: train_run(engines[p], shape, micro, 1, PARITY_STEPS, **options("120M"), **text) for p in ("bf16", "fp8")}
     free_device_memory()
     b, f = runs["bf16"], runs["fp8"]
     rel = abs(f.held_out - b.held_out) / b.held_out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -128,6 +129,16 @@ HELD_OUT_BATCHES = 8  # micro-batches of a validation shard a held-out loss aver
 def held_out_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n: int = HELD_OUT_BATCHES, seed: int = 7):
     """n fixed micro-batches of a validation shard: the held-out loss of train_run."""
     return [b for i in range(n) for b in text_micro_batches(tokens, T, micro_batch, 1, i, seed)]
+
+
+def text_training(folder, T: int, micro_batch: int) -> dict:
+    """train_run's `stream` and `held_out` for the text of a tokens folder (train.bin, val.bin): one micro-batch a
+    step of train.bin's windows, and val.bin's held-out micro-batches (the text parity test's runs)."""
+    from andrea.shards import read_shard
+
+    train = read_shard(Path(folder) / "train.bin")
+    return {"stream": lambda step: text_micro_batches(train, T, micro_batch, 1, step),
+            "held_out": held_out_micro_batches(read_shard(Path(folder) / "val.bin"), T, micro_batch)}
 
 
 def lr_at(step: int) -> float:

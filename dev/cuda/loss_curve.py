@@ -24,8 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench import BENCH, EXPERIMENTS, options  # noqa: E402
 
-from andrea.engines.crosscheck import held_out_micro_batches, text_micro_batches, train_run  # noqa: E402
-from andrea.shards import read_shard  # noqa: E402
+from andrea.engines.crosscheck import text_training, train_run  # noqa: E402
 
 
 def main() -> int:
@@ -42,11 +41,7 @@ def main() -> int:
     from andrea.engines.cuda_engine import CudaEngine
 
     shape, micro = EXPERIMENTS[args.shape].model, BENCH[args.shape]
-    text = {}
-    if args.text:
-        train = read_shard(args.text / "train.bin")
-        text = {"held_out": held_out_micro_batches(read_shard(args.text / "val.bin"), shape.seq_len, micro),
-                "stream": lambda step: text_micro_batches(train, shape.seq_len, micro, 1, step)}
+    text = text_training(args.text, shape.seq_len, micro) if args.text else {}
     for seed in map(int, args.seeds.split(",")):
         for precision in args.precisions.split(","):
             run = train_run(CudaEngine(precision=precision), shape, micro, 1, args.steps, seed=seed,
