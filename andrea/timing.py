@@ -92,6 +92,19 @@ def fastest_peer(runs: list[dict]) -> dict:
     return {**best, "runs_ms": [r["ms_per_step"] for r in runs]}
 
 
+def alternating(timers: dict, rounds: int) -> dict[str, list[float]]:
+    """Each timer's readings over `rounds` rounds, the timers taking turns within a round (a, b, a, b, ...): every
+    one meets the card in the same run of states (a step at the card's power limit drifts in clock over a call, so
+    one reading each, taken one after the other, gives the later ones another card)."""
+    if rounds < 1:
+        raise ValueError(f"rounds {rounds}: at least one")
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return times
+
+
 def peer_pairs(bench: dict):
     """Each engine variant of a benchmark report's `bench` section beside the PyTorch variants it is
     compared with: the same precision, and for bf16 also bf16 + torch.compile (the peer that counts).

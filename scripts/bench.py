@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline PATH/torch_baseline.py]
         [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,fp8,bf16-eager] [--peers ...]
-        [--peer-runs 3]
+        [--rounds 1] [--peer-runs 3]
 
 Correctness (every op against float64 NumPy, training, determinism, memory, resume) is the `gpu` tests:
 `python3 -m pytest -m gpu`. This script only measures:
@@ -11,8 +11,8 @@ Correctness (every op against float64 NumPy, training, determinism, memory, resu
   memory    the trainer's memory plan (training model, the sampler inside it) against CuPy's pool and the device
   bench     train_step at 12M (B=32, T=512) and 120M (B=8, T=1024) per precision; each op of the real step
             (recorded by andrea.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
-            (andrea/ops); the PyTorch peer's variants in the same call, each in --peer-runs processes, the
-            fastest counting
+            (andrea/ops); with --rounds N the variants of a shape take turns N times, their medians counting;
+            the PyTorch peer's variants in the same call, each in --peer-runs processes, the fastest counting
 The peer is the PyTorch baseline script given by --baseline (default: $ANDREA_PEER_BASELINE); without one
 the bench section times the engine alone and says so. Writes bench.json and bench.txt under --out (default: $OUT, else results/bench); scripts/gpu_report.py
 turns bench.json into docs/PERFORMANCE.md's tables. Exits non-zero if any section fails.
@@ -42,7 +42,7 @@ from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_mi
 from andrea.ops import op_cost  # noqa: E402
 from andrea.precision import PRECISIONS  # noqa: E402
 from andrea.train import model_options  # noqa: E402
-from andrea.timing import OpRecorder, against_bf16, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
+from andrea.timing import OpRecorder, against_bf16, alternating, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
@@ -138,7 +138,7 @@ def ceilings():
     dst = cupy.empty_like(src)
     ms = median_ms(lambda: dst.__setitem__(slice(None), src), reps=5)
     out["copy_tb_s"] = round(2 * src.nbytes / ms / 1e9, 2)
-    del a, b, c, src, dst
+    a = b = c = src = dst = None  # device memory back before the next section
     free_device_memory()
     log(json.dumps(out))
     return out
@@ -222,7 +222,9 @@ def op_times(engine, recorder, model, names=None) -> dict:
 
 
 @section("bench")
-def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
+def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int = 1):
+    """Each engine variant's step at both shapes (with `rounds` > 1 the shape's variants built together and timed in
+    turn, round after round, their median counting: timing.alternating), each plain variant's ops, then the peers."""
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.model import Model, init_params
 
@@ -230,24 +232,39 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
     for name, micro in BENCH.items():
         shape = EXPERIMENTS[name].model
         tokens = micro * shape.seq_len
-        for variant in variants:
-            precision, eager, masked = variant_parts(variant)
-            engine = CudaEngine(precision=precision)
-            recorder = OpRecorder(engine)
-            model = Model(recorder, shape, micro, graphs=not eager, **options(name))
-            model.load_state(init_params(model.layout, 0))
-            ms = per_step_ms(model, masked=masked)
-            out["engine"][f"{name}/{variant}"] = {"micro_batch": micro, "ms_per_step": round(ms, 2),
-                                                  "tokens_per_s": round(tokens / ms * 1e3)}
-            log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s")
-            if eager or masked:  # the op timings are the plain variant's
-                del model, recorder, engine
-                free_device_memory()
-                continue
-            ops_ms = op_times(engine, recorder, model)
-            out["ops"][f"{name}/{precision}"] = ops_ms
-            log("  ops " + ", ".join(f"{op} {v['ms']:.3f}" for op, v in ops_ms.items()))
-            del model, recorder, engine
+        for group in ([variants] if rounds > 1 else [[v] for v in variants]):  # one at a time: less device memory
+            built = {}
+            for variant in group:
+                precision, eager, masked = variant_parts(variant)
+                engine = CudaEngine(precision=precision)
+                recorder = OpRecorder(engine)
+                model = Model(recorder, shape, micro, graphs=not eager, **options(name))
+                built[variant] = (engine, recorder, model, init_params(model.layout, 0))
+
+            def timer(variant):
+                _, _, model, init = built[variant]
+
+                def run():
+                    model.load_state(init)  # every round the same steps from the same weights
+                    return per_step_ms(model, masked=variant_parts(variant)[2])
+                return run
+
+            times = alternating({v: timer(v) for v in group}, rounds)
+            for variant, (engine, recorder, model, _) in built.items():
+                ms = statistics.median(times[variant])
+                entry = {"micro_batch": micro, "ms_per_step": round(ms, 2), "tokens_per_s": round(tokens / ms * 1e3)}
+                if rounds > 1:
+                    entry["runs_ms"] = [round(t, 3) for t in times[variant]]
+                out["engine"][f"{name}/{variant}"] = entry
+                log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s"
+                    + (f" (median of {rounds} rounds: " + ", ".join(f"{t:.2f}" for t in times[variant]) + ")"
+                       if rounds > 1 else ""))
+                precision, eager, masked = variant_parts(variant)
+                if not (eager or masked):  # the op timings are the plain variant's
+                    ops_ms = op_times(engine, recorder, model)
+                    out["ops"][f"{name}/{precision}"] = ops_ms
+                    log("  ops " + ", ".join(f"{op} {v['ms']:.3f}" for op, v in ops_ms.items()))
+            built = engine = recorder = model = None  # this group's device memory back before the next
             free_device_memory()
     if baseline:
         for name in BENCH:
@@ -265,22 +282,29 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1):
     return out
 
 
+def rounds_of(entry: dict) -> str:
+    """An engine variant's rounds, where it ran several (--rounds)."""
+    runs = entry.get("runs_ms", [])
+    return f"  (median of {len(runs)} rounds: {min(runs):.2f}-{max(runs):.2f} ms)" if len(runs) > 1 else ""
+
+
 def table() -> str:
     """One line an engine variant and PyTorch peer that ran in this call; a variant without one, one line."""
     lines, paired = [], {}
     for name, precision, e, peer, base in peer_pairs(report.get("bench", {})):
         engine = f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
-        paired.setdefault(engine, False)
+        paired.setdefault(engine, (False, e))
         if base:
-            paired[engine] = True
+            paired[engine] = (True, e)
             runs = base.get("runs_ms", [base["ms_per_step"]])
             spread = f"  (fastest of {len(runs)} runs: {min(runs):.2f}-{max(runs):.2f} ms)" if len(runs) > 1 else ""
             lines.append(f"{engine}   PyTorch {peer:13} {base['ms_per_step']:8.2f} ms {base['tokens_per_s']:>11,} tok/s  "
-                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread}")
-    lines += [f"{engine}   (no PyTorch peer of this precision ran)" for engine, done in paired.items() if not done]
+                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread}{rounds_of(e)}")
+    lines += [f"{engine}   (no PyTorch peer of this precision ran){rounds_of(e)}" for engine, (done, e) in paired.items()
+              if not done]
     lines += [f"{name:5} {variant:11} {ratio:.3f}x ANDREA bf16 (tokens/s, this call)"
               for name, variant, ratio in against_bf16(report.get("bench", {}))]
-    if any(paired.values()):
+    if any(done for done, _ in paired.values()):
         host = report["bench"].get("host", {})
         lines.append(f"host: {host.get('cpu', '?')}, {host.get('cpus', '?')} CPUs (the peer launches its kernels from it)")
     for key, e in report.get("memory", {}).items():
@@ -300,10 +324,15 @@ def main() -> int:
     parser.add_argument("--bench", default=",".join((*PRECISIONS, "bf16-eager")),
                         help=f"engine variants the bench section times, of {', '.join(BENCH_VARIANTS)}")
     parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the engine's variants, timed in turn within a round, their median counting "
+                             "(more than 1: a shape's variants are in device memory together)")
     parser.add_argument("--peer-runs", type=int, default=3,
                         help="processes each peer variant runs in; the fastest counts (its step time moves between "
                              "processes: 12M bf16 + compile has read 6.7-11.4 ms)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: the engine's variants run at least one round")
     if args.peer_runs < 1:
         parser.error(f"--peer-runs {args.peer_runs}: the peers run in at least one process each")
     baseline = None if args.baseline in (None, "", "none") else args.baseline
@@ -314,7 +343,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = {"device": device_info, "ceilings": ceilings, "memory": memory,
-             "bench": lambda: bench(baseline, args.bench.split(","), args.peers.split(","), args.peer_runs)}
+             "bench": lambda: bench(baseline, args.bench.split(","), args.peers.split(","), args.peer_runs,
+                                   args.rounds)}
     for name in args.sections.split(","):
         if name not in steps:
             parser.error(f"unknown section {name!r}; choose from {', '.join(steps)}")

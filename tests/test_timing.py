@@ -75,3 +75,40 @@ def test_the_benchmark_table_gives_fp8_its_ratio_to_bf16():
     text = bench.table()
     assert "120M  fp8         1.161x ANDREA bf16" in text
     assert "failed sections: none" in text
+
+
+def test_alternating_timers_take_turns_within_each_round():
+    from andrea.timing import alternating
+
+    calls = []
+
+    def timer(name):
+        def run():
+            calls.append(name)
+            return float(len(calls))
+        return run
+
+    times = alternating({"bf16": timer("bf16"), "fp8": timer("fp8")}, rounds=3)
+    assert calls == ["bf16", "fp8"] * 3
+    assert times == {"bf16": [1.0, 3.0, 5.0], "fp8": [2.0, 4.0, 6.0]}
+    with pytest.raises(ValueError):
+        alternating({"bf16": timer("bf16")}, rounds=0)
+
+
+def test_the_benchmark_table_shows_an_engine_variant_s_rounds():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+    spec = importlib.util.spec_from_file_location("andrea_bench_script", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = {"120M/bf16": {"micro_batch": 8, "ms_per_step": 14.8, "tokens_per_s": 553_514, "runs_ms": [14.9, 14.8, 14.7]},
+              "120M/fp8": {"micro_batch": 8, "ms_per_step": 12.9, "tokens_per_s": 635_039}}
+    peer = {"ms_per_step": 20.3, "tokens_per_s": 403_547, "runs_ms": [20.3, 20.6]}
+    bench.report["bench"] = {"engine": engine, "baseline": {"120M/bf16-compile": peer}, "host": {}}
+    lines = bench.table().splitlines()
+    (bf16,) = [ln for ln in lines if "bf16-compile" in ln]
+    assert bf16.endswith("1.37x  (fastest of 2 runs: 20.30-20.60 ms)  (median of 3 rounds: 14.70-14.90 ms)")
+    (fp8,) = [ln for ln in lines if " fp8 " in ln and "no PyTorch peer" in ln]
+    assert "rounds" not in fp8  # one reading: nothing to show
