@@ -1,5 +1,5 @@
 """The op recorder the benchmark times the real schedule with: it sees every op call of a step and changes
-nothing of it; and which of the PyTorch peer's runs the benchmark counts."""
+nothing of it; which of the PyTorch peer's runs the benchmark counts; how its variants take turns."""
 
 import numpy as np
 import pytest
