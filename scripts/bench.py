@@ -56,6 +56,7 @@ def variant_parts(variant: str) -> tuple[str, bool, bool]:
     precision, _, kind = variant.partition("-")
     return precision, kind == "eager", kind == "masked"
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
+ROUNDS = "median of {n} rounds"  # how an engine variant's --rounds count
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
 
 report: dict = {}
@@ -226,12 +227,14 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
     """Each engine variant's step at both shapes (with `rounds` > 1 the shape's variants built together and timed in
     turn, round after round, their median counting: timing.alternating), each plain variant's ops, then the peers."""
     from andrea.engines.cuda_engine import CudaEngine
+    from andrea.layout import ParameterLayout
     from andrea.model import Model, init_params
 
     out = {"engine": {}, "ops": {}, "baseline": {}, "host": host_cpu()}
     for name, micro in BENCH.items():
         shape = EXPERIMENTS[name].model
         tokens = micro * shape.seq_len
+        init = init_params(ParameterLayout(shape), 0)  # every variant's weights: the layout is the shape's
         for group in ([variants] if rounds > 1 else [[v] for v in variants]):  # one at a time: less device memory
             built = {}
             for variant in group:
@@ -239,18 +242,18 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
                 engine = CudaEngine(precision=precision)
                 recorder = OpRecorder(engine)
                 model = Model(recorder, shape, micro, graphs=not eager, **options(name))
-                built[variant] = (engine, recorder, model, init_params(model.layout, 0))
+                built[variant] = (engine, recorder, model, masked)
 
             def timer(variant):
-                _, _, model, init = built[variant]
+                _, _, model, masked = built[variant]
 
                 def run():
                     model.load_state(init)  # every round the same steps from the same weights
-                    return per_step_ms(model, masked=variant_parts(variant)[2])
+                    return per_step_ms(model, masked=masked)
                 return run
 
             times = alternating({v: timer(v) for v in group}, rounds)
-            for variant, (engine, recorder, model, _) in built.items():
+            for variant, (engine, recorder, model, masked) in built.items():
                 ms = statistics.median(times[variant])
                 entry = {"micro_batch": micro, "ms_per_step": round(ms, 2), "tokens_per_s": round(tokens / ms * 1e3)}
                 if rounds > 1:
@@ -259,7 +262,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
                 log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s"
                     + (f" (median of {rounds} rounds: " + ", ".join(f"{t:.2f}" for t in times[variant]) + ")"
                        if rounds > 1 else ""))
-                precision, eager, masked = variant_parts(variant)
+                precision, eager, _ = variant_parts(variant)
                 if not (eager or masked):  # the op timings are the plain variant's
                     ops_ms = op_times(engine, recorder, model)
                     out["ops"][f"{name}/{precision}"] = ops_ms
@@ -282,10 +285,11 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
     return out
 
 
-def rounds_of(entry: dict) -> str:
-    """An engine variant's rounds, where it ran several (--rounds)."""
+def spread(entry: dict, counted: str) -> str:
+    """An entry's readings (`runs_ms`: the peer's processes, the engine's --rounds) beside the one that counts,
+    where there were several; `counted` says which counts, e.g. "fastest of {n} runs"."""
     runs = entry.get("runs_ms", [])
-    return f"  (median of {len(runs)} rounds: {min(runs):.2f}-{max(runs):.2f} ms)" if len(runs) > 1 else ""
+    return f"  ({counted.format(n=len(runs))}: {min(runs):.2f}-{max(runs):.2f} ms)" if len(runs) > 1 else ""
 
 
 def table() -> str:
@@ -296,12 +300,11 @@ def table() -> str:
         paired.setdefault(engine, (False, e))
         if base:
             paired[engine] = (True, e)
-            runs = base.get("runs_ms", [base["ms_per_step"]])
-            spread = f"  (fastest of {len(runs)} runs: {min(runs):.2f}-{max(runs):.2f} ms)" if len(runs) > 1 else ""
             lines.append(f"{engine}   PyTorch {peer:13} {base['ms_per_step']:8.2f} ms {base['tokens_per_s']:>11,} tok/s  "
-                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread}{rounds_of(e)}")
-    lines += [f"{engine}   (no PyTorch peer of this precision ran){rounds_of(e)}" for engine, (done, e) in paired.items()
-              if not done]
+                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread(base, 'fastest of {n} runs')}"
+                         f"{spread(e, ROUNDS)}")
+    lines += [f"{engine}   (no PyTorch peer of this precision ran){spread(e, ROUNDS)}"
+              for engine, (done, e) in paired.items() if not done]
     lines += [f"{name:5} {variant:11} {ratio:.3f}x ANDREA bf16 (tokens/s, this call)"
               for name, variant, ratio in against_bf16(report.get("bench", {}))]
     if any(done for done, _ in paired.values()):
