@@ -7,6 +7,7 @@ evaluated target tokens, in bits, divided by the UTF-8 length of the text those 
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from dataclasses import asdict
@@ -30,39 +31,57 @@ MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this
 
 
 def validation_loss(model, windows, n_batches: int, assistant: bool = False, source: int | None = None) -> float:
-    """Mean loss over the first n_batches micro-batches of the validation windows (in order; of one
-    source's val split with `source`); with `assistant`, over the targets the loss masks count
-    (assistant content and its <|im_end|>): the weighted mean sum(w ce) / sum(w) over all n_batches
-    micro-batches, a micro-batch without such a target adding nothing."""
-    if not assistant:
-        losses = [model.forward(*windows.val_batch(i, model.micro_batch, source)) for i in range(n_batches)]
-        return float(np.mean(losses))
+    """The mean cross-entropy over the targets of the validation windows (docs/EVAL.md): windows.val_windows(n_batches
+    x micro-batch), i.e. min(n_batches x B, W) windows evenly spaced over the split (over one source's val split with
+    `source`), each once, so every source counts by its share of the tokens. With `assistant`, over the targets the
+    loss masks count (assistant content and its <|im_end|>): sum(w ce) / sum(w), a micro-batch without such a target
+    adding nothing."""
+    B = model.micro_batch
+    chosen = windows.val_windows(n_batches * B, source)
     total, counted = 0.0, 0.0
-    for i in range(n_batches):
-        weights = windows.val_weights(i, model.micro_batch, source)
-        w = float(weights.sum(dtype=np.float64))
+    for first in range(0, len(chosen), B):
+        rows = chosen[first: first + B]
+        real = len(rows)
+        rows = rows + rows[-1:] * (B - real)  # the model's micro-batch size; the padding rows weigh 0
+        (x, y), = windows.micro_batches_of(rows, 1)
+        if assistant:
+            weights = windows.micro_weights_of(rows, 1)[0]
+            weights[real:] = 0
+        elif real < B:
+            weights = np.zeros(y.shape, np.float32)
+            weights[:real] = 1
+        else:
+            weights = None
+        w = float(y.size if weights is None else weights.sum(dtype=np.float64))
         if w > 0:
-            total += model.forward(*windows.val_batch(i, model.micro_batch, source), weights=weights) * w
+            total += model.forward(x, y, weights=weights) * w
             counted += w
     if counted == 0:
-        raise AndreaError(f"{windows.path}: the first {n_batches} validation micro-batches hold no assistant target; "
+        raise AndreaError(f"{windows.path}: the {len(chosen)} validation windows hold no assistant target; "
                           "raise intervals.eval_batches or check the loss masks")
     return total / counted
 
 
 def source_validation_losses(model, windows, n_batches: int) -> dict[str, float]:
-    """{source: its val split's loss over n_batches micro-batches} for a folder of several sources (those
-    with at least one val window); {} for one source."""
+    """{source: validation_loss over its own val split} (min(n_batches x B, W_k) of its windows, evenly spaced) for a
+    folder of several sources (those with at least one val window); {} for one source."""
     if len(windows.sources) < 2:
         return {}
     return {name: validation_loss(model, windows, n_batches, source=k)
             for k, name in enumerate(windows.sources) if windows.source_windows(k) > 0}
 
 
-def evaluated_targets(windows, micro_batch: int, n_batches: int) -> np.ndarray:
-    """The target tokens validation_loss scores, in order: consecutive windows are consecutive
-    text, so the concatenation decodes as the val shard's own text."""
-    return np.concatenate([windows.val_batch(i, micro_batch)[1].reshape(-1) for i in range(n_batches)])
+def evaluated_targets(windows, micro_batch: int, n_batches: int) -> list[np.ndarray]:
+    """The target tokens validation_loss scores (none of the padding), in order, as pieces of consecutive text: the
+    targets of adjacent windows of one source follow each other in its shard, so each run of them is one piece, which
+    decodes as a stretch of the val shard's own text."""
+    runs: list[list[int]] = []
+    for w in windows.val_windows(n_batches * micro_batch):
+        if runs and w == runs[-1][-1] + 1 and windows.window_source(w) == windows.window_source(w - 1):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return [windows.micro_batches_of(run, 1)[0][1].reshape(-1) for run in runs]
 
 
 def bits_per_byte(mean_loss: float, n_tokens: int, n_bytes: int) -> float:
@@ -84,11 +103,18 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     ckpt, data_dir = Path(ckpt), Path(data_dir)
     exp = experiment_for(ckpt, experiment)
     shape = exp.model
-    n_batches = exp.intervals["eval_batches"] if n_batches is None else n_batches
-    if n_batches < 1:
+    if n_batches not in (None, "all") and n_batches < 1:
         raise AndreaError(f"--batches {n_batches} must be at least 1")
     val_path = data_dir / "val.bin"
     windows = TokenWindows(val_path, shape.seq_len, exp.seed, shape.vocab_size)
+    B, W = exp.micro_batch_size, windows.n_windows
+    if n_batches is None:  # as the training loop: min(eval_batches x B, W) windows
+        n_batches = exp.intervals["eval_batches"]
+    elif n_batches == "all":
+        n_batches = -(-W // B)
+    elif n_batches * B > W:  # distinct windows only: no window scored twice
+        raise AndreaError(f"--batches {n_batches} asks for {n_batches * B:,} windows ({n_batches} micro-batches of "
+                          f"{B}) but {val_path} has {W:,}; pass fewer batches, or --batches all to score each once")
     tokenizer_path = find_tokenizer(data_dir, tokenizer)
     chat = load_tokenizer(tokenizer_path) if tokenizer_path else None
 
@@ -105,8 +131,10 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
         raise AndreaError(f"{ckpt}: its validation loss on {val_path} is {loss} although its weights are finite "
                           "(the forward overflows); use an earlier checkpoint")
 
-    targets = evaluated_targets(windows, model.micro_batch, n_batches)
-    n_bytes = len(chat.decode(targets).encode("utf-8")) if chat else None
+    n_windows = len(windows.val_windows(n_batches * model.micro_batch))
+    pieces = evaluated_targets(windows, model.micro_batch, n_batches)
+    n_tokens = sum(piece.size for piece in pieces)  # n_windows x seq_len: the scored targets, none of the padding
+    n_bytes = sum(len(chat.decode(piece).encode("utf-8")) for piece in pieces) if chat else None
     state = read_state(ckpt)
     ckpt_record = _file_record(ckpt)
     return {
@@ -126,16 +154,16 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
             "val_loss_assistant": loss_assistant,  # assistant tokens only (the loss masks); None without masks
             "val_loss_sources": per_source,  # each source's val split, as the training loop's val_loss_sources
             "perplexity": math.exp(loss) if loss < MAX_EXP_ARG else None,  # JSON has no infinity
-            "bits_per_byte": bits_per_byte(loss, targets.size, n_bytes) if n_bytes else None,
-            "tokens": int(targets.size),
+            "bits_per_byte": bits_per_byte(loss, n_tokens, n_bytes) if n_bytes else None,
+            "tokens": int(n_tokens),
             "bytes": n_bytes,
-            "batches": n_batches,
+            "batches": -(-n_windows // model.micro_batch),  # micro-batches run, the last padded where B doesn't divide
             "micro_batch": model.micro_batch,
             "seq_len": shape.seq_len,
-            "distinct_windows": min(n_batches * model.micro_batch, windows.n_windows),
+            "distinct_windows": n_windows,  # each scored once; data.val.windows of them: the whole split
         },
         "engine": model.engine.name,
-        "throughput": {"tokens_per_s": targets.size / wall, "wall_s": wall},
+        "throughput": {"tokens_per_s": n_tokens / wall, "wall_s": wall},
     }
 
 
@@ -161,11 +189,22 @@ def register(subparsers) -> None:
     p.add_argument("--data", required=True, help="folder with val.bin (and tokenizer.json)")
     p.add_argument("--out", required=True, help="JSON report to write, e.g. results/eval/ANDREA-12M.json")
     p.add_argument("--tokenizer", help="tokenizer.json for bits per byte (default: DATA/tokenizer.json)")
-    p.add_argument("--batches", type=int, help="validation micro-batches (default: the experiment's intervals.eval_batches)")
+    p.add_argument("--batches", type=_batches, help="validation micro-batches, distinct windows evenly spaced over the "
+                   "split, or `all`: every window once (default: the experiment's intervals.eval_batches)")
     p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
                    help="auto (default) uses CUDA when a device is present, else NumPy; the loss equals "
                    "training's when the engine is the one that trained")
     p.set_defaults(func=main)
+
+
+def _batches(value: str) -> int | str:
+    """--batches: a number of micro-batches, or `all`."""
+    if value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a number of micro-batches nor `all`") from None
 
 
 def main(args) -> int:

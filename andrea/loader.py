@@ -14,7 +14,8 @@ the W windows drawn from PCG64(seed, e): each epoch visits every window once, in
 Resume therefore needs only the step. With one source this is exactly the single-shard scheme.
 An experiment with `mixing` draws its batches by andrea.mixing instead (docs/FIREHOSE-BANDIT.md);
 `micro_batches_of` / `micro_weights_of` read any list of windows.
-Validation reads windows 0, 1, 2, ... in order: the sources' val sets one after the other.
+Validation scores `val_windows(n)`: n windows evenly spaced over all W of the split (or over one
+source's), so every source is scored by its share of the windows (docs/EVAL.md).
 
 Loss masks (DIR/<name>/train.mask.bin beside each shard, see andrea.shards): the target weights of
 a batch, aligned with its targets, come from `train_micro_weights` / `val_weights`.
@@ -109,7 +110,8 @@ class TokenWindows:
                         f"{shard}: token id {top} does not fit the model's vocab_size {vocab_size}; "
                         "tokenize with a tokenizer of that size"
                     )
-        self._masks: list[np.ndarray] | None = None
+        # read (and their values checked) at open: a bad mask stops a run before its first step, not at its first eval
+        self._masks = self._read_masks() if self.has_masks else None
         self._perm_epoch = -1
         self._perm = None
 
@@ -136,6 +138,17 @@ class TokenWindows:
 
     def _train_windows(self, step: int, batch_size: int, rank: int, world: int) -> list[int]:
         return rank_rows(self.batch_windows(step, batch_size), rank, world)
+
+    def val_windows(self, count: int, source: int | None = None) -> list[int]:
+        """The windows validation scores, in order: n = min(count, W) of the split's W windows (of one source's
+        with `source`), window (2j + 1) W // 2n for j < n. Evenly spaced (a step of W / n >= 1), so distinct and
+        each source scored by its share of the windows; n = W gives every window once."""
+        if source is None:
+            start, W = 0, self.n_windows
+        else:
+            start, W = int(self.window_offsets[source]), self.source_windows(source)
+        n = min(count, W)
+        return [start + (2 * j + 1) * W // (2 * n) for j in range(n)]
 
     def _val_windows(self, index: int, batch_size: int, source: int | None = None) -> list[int]:
         first = index * batch_size
@@ -179,8 +192,8 @@ class TokenWindows:
         return self.micro_batches_of(self._train_windows(step, batch_size, rank, world), micro_batches)
 
     def val_batch(self, index: int, batch_size: int, source: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Validation micro-batch `index`: windows in order (of one source's val split with `source`),
-        wrapping if the shards are short."""
+        """Micro-batch `index` of the windows in order (of one source's with `source`), wrapping if the shards
+        are short: the split read from its start (validation scores `val_windows` instead)."""
         return self._gather(self._val_windows(index, batch_size, source))
 
     def train_sources(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> np.ndarray:
@@ -192,12 +205,17 @@ class TokenWindows:
     def has_masks(self) -> bool:
         return all(mask_path(shard).is_file() for shard in self.shards)
 
+    def _read_masks(self) -> list[np.ndarray]:
+        """Each shard's loss mask; read_mask refuses one that does not cover its shard or holds a value other
+        than 0 or 1."""
+        missing = [str(mask_path(s)) for s in self.shards if not mask_path(s).is_file()]
+        if missing:
+            raise AndreaError(f"{missing[0]}: no loss mask beside the shard; rerun `andrea tokenize`")
+        return [read_mask(mask_path(s), part.size) for s, part in zip(self.shards, self._parts)]
+
     def _weights(self, windows) -> np.ndarray:
         if self._masks is None:
-            missing = [str(mask_path(s)) for s in self.shards if not mask_path(s).is_file()]
-            if missing:
-                raise AndreaError(f"{missing[0]}: no loss mask beside the shard; rerun `andrea tokenize`")
-            self._masks = [read_mask(mask_path(s), part.size) for s, part in zip(self.shards, self._parts)]
+            self._masks = self._read_masks()
         T = self.seq_len
         rows = []
         for w in windows:

@@ -130,13 +130,22 @@ def mask_path(shard: str | os.PathLike) -> Path:
     return shard.with_name(shard.name.removesuffix(".bin") + ".mask.bin")
 
 
-def read_mask(path: str | os.PathLike, tokens: int | None = None) -> np.ndarray:
-    """Memory-map a loss mask after checking its header and size; with `tokens`, also that it
-    covers a shard of that many tokens."""
+def read_mask(path: str | os.PathLike, tokens: int | None = None, chunk: int = 1 << 24) -> np.ndarray:
+    """Memory-map a loss mask after checking its header, its size and its values (0 or 1: a loss
+    weight, so any other byte would scale a target's loss); with `tokens`, also that it covers a
+    shard of that many tokens. The values are read once, in pieces of `chunk`."""
     mask = _read(path, MASK_MAGIC, MASK_DTYPE, "loss mask", "andrea tokenize")
     if tokens is not None and mask.size != tokens:
         raise AndreaError(
             f"{path}: {mask.size:,} mask values for a shard of {tokens:,} tokens; "
             "rerun `andrea tokenize` to write the shard and its mask together"
         )
+    for start in range(0, mask.size, chunk):
+        piece = mask[start: start + chunk]
+        if piece.max() > 1:  # the writer refuses such values: the file changed since
+            at = start + int(np.argmax(piece > 1))
+            raise AndreaError(
+                f"{path}: mask value {int(mask[at])} at token position {at:,} is not 0 or 1; "
+                "rerun `andrea tokenize` to write the shard and its mask again"
+            )
     return mask
