@@ -17,7 +17,7 @@ import numpy as np
 from andrea.atomic import atomic_write
 from andrea.errors import AndreaError
 from andrea.hashing import sha256_file
-from andrea.runfiles import RunFiles
+from andrea.runfiles import BEST_SUFFIX, RunFiles
 
 HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
 HEADER_BYTES = HEADER.itemsize
@@ -107,29 +107,79 @@ def read_finite_weights(path, layout, what: str):
     return step, params
 
 
+def state_path(ckpt) -> Path:
+    """The `.state.json` that speaks for a checkpoint: NAME.state.json beside NAME.ckpt, and for NAME.best.ckpt
+    the run's NAME.state.json (its `best` entry vouches for it), unless a NAME.best.state.json lies there."""
+    ckpt = Path(ckpt)
+    own = RunFiles(ckpt).state
+    if ckpt.name.endswith(BEST_SUFFIX) and not own.is_file():
+        return RunFiles(ckpt.with_name(ckpt.name[: -len(BEST_SUFFIX)] + ".ckpt")).state
+    return own
+
+
+def is_best(ckpt, state: dict | None) -> bool:
+    """True when `ckpt` is a run's NAME.best.ckpt read through the run's state."""
+    ckpt = Path(ckpt)
+    return ckpt.name.endswith(BEST_SUFFIX) and state_path(ckpt) != RunFiles(ckpt).state
+
+
 def read_state(ckpt) -> dict | None:
-    """The `.state.json` beside a checkpoint, or None when there is none."""
-    path = RunFiles(Path(ckpt)).state
+    """The `.state.json` that speaks for a checkpoint (state_path), or None when there is none."""
+    path = state_path(ckpt)
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        state = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise AndreaError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); it was damaged or hand-edited") from None
+    except UnicodeDecodeError:
+        raise AndreaError(f"{path}: not UTF-8 text; it was damaged or hand-edited") from None
+    if not isinstance(state, dict):
+        raise AndreaError(f"{path}: not a run's state (a JSON object); it was damaged or hand-edited")
+    return state
 
 
-def recorded_sha256s(state: dict | None) -> set[str]:
-    """sha256 of the checkpoints a .state.json vouches for."""
+def recorded_sha256s(state: dict | None, ckpt=None) -> set[str]:
+    """sha256 of the checkpoints a .state.json vouches for: its recent checkpoints, or for the run's
+    NAME.best.ckpt (`ckpt`) its best entry."""
+    if ckpt is not None and is_best(ckpt, state):
+        # best_previous: the best before, while the state already names the one being written
+        return {b["sha256"] for b in ((state or {}).get("best"), (state or {}).get("best_previous")) if b}
     return {c["sha256"] for c in (state or {}).get("checkpoints", [])}
 
 
 def verify_against_state(path) -> None:
-    """If a .state.json lies beside the checkpoint, its sha256 must be one of those it recorded."""
-    recorded = recorded_sha256s(read_state(path))
-    if recorded:
-        digest = sha256_file(path)
-        if digest not in recorded:
-            raise AndreaError(
-                f"{path}: sha256 {digest[:16]}… matches none recorded in {RunFiles(Path(path)).state}; "
-                "the checkpoint was modified or damaged"
-            )
+    """If a .state.json speaks for the checkpoint, its sha256 must be one of those it recorded."""
+    state = read_state(path)
+    recorded = recorded_sha256s(state, path)
+    if not recorded and not (state is not None and is_best(path, state)):
+        return  # a state that records no checkpoint (written by hand, or by another tool) vouches for none
+    digest = sha256_file(path)
+    if digest not in recorded:
+        what = "the best checkpoint it records" if is_best(path, state) else "any checkpoint it records"
+        raise AndreaError(
+            f"{path}: sha256 {digest[:16]}… is not {what} ({state_path(path)}); "
+            "the checkpoint was modified or damaged, or written after the state"
+        )
+
+
+def untrusted_values(params, m, v) -> str | None:
+    """What makes a state unfit to train on or to write, in words, or None: weights and Adam's m must be
+    finite, v finite and non-negative. A NaN there is carried into every later update while the loss and the
+    gradient norm can still read finite."""
+    for name, vec, ok in (("weights", params, np.isfinite), ("m", m, np.isfinite),
+                          ("v", v, lambda x: np.isfinite(x) & (x >= 0))):
+        bad = ~ok(vec)
+        if bad.any():
+            first = int(np.argmax(bad))
+            return (f"{int(bad.sum()):,} of the {vec.size:,} values of {name} are "
+                    f"{'NaN, infinite or negative' if name == 'v' else 'NaN or infinite'} "
+                    f"(the first at index {first:,}: {vec[first]})")
+    return None
+
+
+def check_trainable(path, params, m, v) -> None:
+    """A checkpoint read to train on (--init-from, --resume) must hold numbers that can be trusted."""
+    fault = untrusted_values(params, m, v)
+    if fault:
+        raise AndreaError(f"{path}: {fault}; it cannot be trained on; use an earlier checkpoint")

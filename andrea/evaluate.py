@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import read_finite_weights, read_state, recorded_sha256s
+from andrea.checkpoint import is_best, read_finite_weights, read_state, recorded_sha256s, state_path
 from andrea.errors import AndreaError
+from andrea.identity import check_tokenizer, data_fingerprint, record_mismatches
 from andrea.hashing import sha256_file
 from andrea.inference import find_tokenizer, inference_engine, load_tokenizer
 from andrea.inspect_ckpt import experiment_for
@@ -97,10 +98,33 @@ def _file_record(path: Path) -> dict:
     return record
 
 
-def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: str = "auto",
-                        n_batches: int | None = None) -> dict:
-    """Everything `andrea eval` writes, as one JSON-ready dict. All but `throughput` is deterministic."""
-    ckpt, data_dir = Path(ckpt), Path(data_dir)
+def _vouched(ckpt: Path, state: dict | None, sha256: str) -> bool | None:
+    """Whether the run's state vouches for the checkpoint; None when no state speaks for it, or one that records
+    no checkpoint (written by hand or another tool)."""
+    recorded = recorded_sha256s(state, ckpt)
+    if state is None or not (recorded or is_best(ckpt, state)):
+        return None
+    return sha256 in recorded
+
+
+def evaluate_checkpoint(experiment, ckpt, data_dir=None, *, tokenizer=None, engine: str = "auto",
+                        n_batches: int | str | None = None, other_data: bool = False, unvouched: bool = False) -> dict:
+    """Everything `andrea eval` writes, as one JSON-ready dict. All but `throughput` is deterministic. The data
+    defaults to the folder the run's state records; a checkpoint the state does not vouch for (`unvouched`) or
+    validation data other than the run's (`other_data`) is refused unless asked for, and the JSON says which."""
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    ckpt_record = _file_record(ckpt)
+    vouched = _vouched(ckpt, state, ckpt_record["sha256"])
+    if vouched is False and not unvouched:
+        raise AndreaError(f"{ckpt}: sha256 {ckpt_record['sha256'][:16]}… is not a checkpoint {state_path(ckpt)} vouches "
+                          "for (modified, damaged or of another run); pass --unvouched to evaluate it anyway")
+    trained = (state or {}).get("data") or {}
+    if data_dir is None:
+        if not trained.get("dir"):
+            raise AndreaError(f"{ckpt}: no .state.json records the data it was trained on; pass --data")
+        data_dir = trained["dir"]
+    data_dir = Path(data_dir)
     exp = experiment_for(ckpt, experiment)
     shape = exp.model
     if n_batches not in (None, "all") and n_batches < 1:
@@ -115,7 +139,15 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     elif n_batches * B > W:  # distinct windows only: no window scored twice
         raise AndreaError(f"--batches {n_batches} asks for {n_batches * B:,} windows ({n_batches} micro-batches of "
                           f"{B}) but {val_path} has {W:,}; pass fewer batches, or --batches all to score each once")
+    read = data_fingerprint(data_dir, windows.files)
+    differs = record_mismatches({k: trained[k] for k in read if k in trained}, read) if trained else []
+    if differs and not other_data:
+        raise AndreaError(f"{ckpt}: was trained on {trained.get('dir')} but --data {data_dir} holds other validation "
+                          f"data ({'; '.join(differs[:2])}); pass the data it was trained on, or --other-data to score "
+                          "it on this data (the JSON says so)")
     tokenizer_path = find_tokenizer(data_dir, tokenizer)
+    if tokenizer_path is not None and state is not None:
+        check_tokenizer(ckpt, state, tokenizer_path, state_path(ckpt))
     chat = load_tokenizer(tokenizer_path) if tokenizer_path else None
 
     step, params = read_finite_weights(ckpt, ParameterLayout(shape), f"experiment {exp.name}")
@@ -135,18 +167,18 @@ def evaluate_checkpoint(experiment, ckpt, data_dir, *, tokenizer=None, engine: s
     pieces = evaluated_targets(windows, model.micro_batch, n_batches)
     n_tokens = sum(piece.size for piece in pieces)  # n_windows x seq_len: the scored targets, none of the padding
     n_bytes = sum(len(chat.decode(piece).encode("utf-8")) for piece in pieces) if chat else None
-    state = read_state(ckpt)
-    ckpt_record = _file_record(ckpt)
     return {
         "format": EVAL_FORMAT,
         "experiment": {"name": exp.name, "path": exp.path, "trajectory_hash": exp.trajectory_hash()},
         "checkpoint": {**ckpt_record, "step": step, "n_params": int(params.size),
-                       "vouched_for_by_state": ckpt_record["sha256"] in recorded_sha256s(state) if state else None},
+                       "vouched_for_by_state": vouched},
         "data": {"val": {**(_file_record(val_path) if windows.files == [val_path] else  # sources without a union
                             {"path": str(val_path), "shards": [_file_record(s) for s in windows.files]}),
                          "tokens": int(windows.tokens.size), "windows": windows.n_windows},
                  "tokenizer": _file_record(tokenizer_path) if tokenizer_path else None},
-        "trained_on": (state or {}).get("data"),
+        "trained_on": trained or None,
+        # None: no state records the training data; False: --other-data scored data other than the run's
+        "data_as_trained": (not differs) if trained else None,
         "tokens_per_source": _tokens_per_source(state, ckpt_record["sha256"]),
         "lineage": asdict(lineage(val_path)) if manifest_path(val_path).is_file() else None,
         "metrics": {
@@ -186,7 +218,8 @@ def register(subparsers) -> None:
     )
     p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
     p.add_argument("--ckpt", required=True, help="checkpoint, e.g. results/ANDREA-12M.ckpt")
-    p.add_argument("--data", required=True, help="folder with val.bin (and tokenizer.json)")
+    p.add_argument("--data", help="folder with val.bin (and tokenizer.json) (default: the data folder the checkpoint's "
+                   ".state.json records)")
     p.add_argument("--out", required=True, help="JSON report to write, e.g. results/eval/ANDREA-12M.json")
     p.add_argument("--tokenizer", help="tokenizer.json for bits per byte (default: DATA/tokenizer.json)")
     p.add_argument("--batches", type=_batches, help="validation micro-batches, distinct windows evenly spaced over the "
@@ -194,6 +227,12 @@ def register(subparsers) -> None:
     p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
                    help="auto (default) uses CUDA when a device is present, else NumPy; the loss equals "
                    "training's when the engine is the one that trained")
+    p.add_argument("--other-data", action="store_true",
+                   help="score the checkpoint on --data although its validation files are not those it was trained "
+                   "with (refused without it; the JSON's data_as_trained says false)")
+    p.add_argument("--unvouched", action="store_true",
+                   help="evaluate a checkpoint that its .state.json does not vouch for (refused without it; the "
+                   "JSON's checkpoint.vouched_for_by_state says false)")
     p.set_defaults(func=main)
 
 
@@ -209,7 +248,8 @@ def _batches(value: str) -> int | str:
 
 def main(args) -> int:
     report = evaluate_checkpoint(args.experiment, args.ckpt, args.data, tokenizer=args.tokenizer,
-                                 engine=args.engine, n_batches=args.batches)
+                                 engine=args.engine, n_batches=args.batches, other_data=args.other_data,
+                                 unvouched=args.unvouched)
     write_json_atomic(args.out, report)
     val = report["data"]["val"]
     inputs = [args.ckpt, *([val["path"]] if "shards" not in val else [s["path"] for s in val["shards"]])]

@@ -97,7 +97,7 @@ def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     from andrea.inspect_ckpt import experiment_for
     from andrea.layout import ParameterLayout
     from andrea.manifest import write_manifest
-    from andrea.inference import load_tokenizer, tokenizer_for
+    from andrea.inference import load_tokenizer, tokenizer_for, vouched_state
     from andrea.sample import check_vocab
 
     try:
@@ -108,6 +108,7 @@ def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise AndreaError(f"{out_dir}: exists and is not a folder; choose another OUTDIR")
+    vouched_state(ckpt)
     exp = experiment_for(ckpt, experiment)
     shape, layout = exp.model, ParameterLayout(exp.model)
     tokenizer_path = tokenizer_for(ckpt, tokenizer)

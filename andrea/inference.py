@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from andrea.checkpoint import read_state
+from andrea.checkpoint import read_state, state_path, verify_against_state
 from andrea.data.chatml import ChatTokenizer
 from andrea.engines import cuda_available, make_engine
 from andrea.errors import AndreaError
+from andrea.identity import check_tokenizer
 
 
 def inference_engine(name: str, precision: str):
@@ -34,11 +35,22 @@ def find_tokenizer(data_dir, explicit=None) -> Path | None:
 
 
 def tokenizer_for(ckpt, explicit=None) -> Path:
-    """The tokenizer of a checkpoint: --tokenizer, else the one beside the data it was trained on."""
+    """The tokenizer of a checkpoint: --tokenizer, else the one beside the data it was trained on; either way
+    the one its run's state records (identity.check_tokenizer)."""
     state = read_state(ckpt) or {}
     data_dir = state.get("data", {}).get("dir")
     path = find_tokenizer(data_dir, explicit) if (explicit or data_dir) else None
     if path is None:
         where = f"in {data_dir}, the data folder its .state.json records" if data_dir else "recorded for it"
         raise AndreaError(f"{ckpt}: no tokenizer.json {where}; pass --tokenizer")
+    if not path.is_file():
+        raise AndreaError(f"{path}: tokenizer file not found; pass --tokenizer with the one {ckpt} was trained with")
+    check_tokenizer(ckpt, state, path, state_path(ckpt))
     return path
+
+
+def vouched_state(ckpt) -> dict | None:
+    """The state that speaks for a checkpoint to be run (its experiment, tokenizer and data come from it), after
+    checking that it vouches for this very file: sha256 among its recent checkpoints, or its best."""
+    verify_against_state(ckpt)
+    return read_state(ckpt)

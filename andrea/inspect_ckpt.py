@@ -13,12 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import map_checkpoint, read_header, read_state, recorded_sha256s
+from andrea.checkpoint import is_best, map_checkpoint, read_header, read_state, recorded_sha256s, state_path
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
 from andrea.hashing import sha256_file
 from andrea.layout import ParameterLayout
-from andrea.runfiles import RunFiles
 
 DEFAULT_EXPERIMENTS_DIR = "config/experiments"
 VECTORS = ("weights", "m", "v")
@@ -42,13 +41,13 @@ def experiment_for(ckpt, explicit=None) -> Experiment:
     ckpt = Path(ckpt)
     _, n_params = read_header(ckpt)
     state = read_state(ckpt) or {}
-    state_path = RunFiles(ckpt).state
+    speaks = state_path(ckpt)
     if explicit:
         exp = load_experiment(explicit)
     elif "experiment" in state:
-        exp = validate(state["experiment"], f"{state_path} (field 'experiment')")
+        exp = validate(state["experiment"], f"{speaks} (field 'experiment')")
     else:
-        raise AndreaError(f"{ckpt}: no {state_path.name} beside it names its experiment; pass --experiment")
+        raise AndreaError(f"{ckpt}: no {speaks.name} beside it names its experiment; pass --experiment")
     expected = ParameterLayout(exp.model).n_params
     if n_params != expected:
         owners = ", ".join(e.path for e in matching_experiments(n_params)) or "no file in " + DEFAULT_EXPERIMENTS_DIR
@@ -66,7 +65,7 @@ def refuse_other_model(ckpt, state: dict | None, exp: Experiment, remedy: str) -
     trained = (state or {}).get("experiment", {}).get("model")
     if trained is not None and trained != exp.raw["model"]:
         raise AndreaError(
-            f"{ckpt}: trained with model {json.dumps(trained, sort_keys=True)} (per {RunFiles(Path(ckpt)).state}), "
+            f"{ckpt}: trained with model {json.dumps(trained, sort_keys=True)} (per {state_path(ckpt)}), "
             f"but {exp.path} has model {json.dumps(exp.raw['model'], sort_keys=True)}; {remedy}"
         )
 
@@ -115,8 +114,9 @@ def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_
                     for e in matches],
     }
     if state is not None:
-        report["state"] = {"path": str(RunFiles(ckpt).state), "experiment": state.get("experiment", {}).get("name"),
-                           "step": state.get("step"), "vouches_for_this_file": report["sha256"] in recorded_sha256s(state)}
+        report["state"] = {"path": str(state_path(ckpt)), "experiment": state.get("experiment", {}).get("name"),
+                           "step": state.get("step"), "role": "best" if is_best(ckpt, state) else "checkpoint",
+                           "vouches_for_this_file": report["sha256"] in recorded_sha256s(state, ckpt)}
     exp = _layout_experiment(ckpt, explicit, state, matches, notes)
     if exp is None:
         notes.append(f"no experiment fixes the tensor layout of {n_params:,} parameters; "
@@ -141,7 +141,8 @@ def render(report: dict, console) -> None:
         f"checkpoint  {report['checkpoint']}  ({report['bytes']:,} bytes, sha256 {report['sha256'][:16]}…)",
         f"step        {report['step']:,}",
         f"n_params    {report['n_params']:,}",
-        "state       " + (f"{state['path']}: {state['experiment']}, step {state['step']}, vouches for this file: "
+        "state       " + (f"{state['path']}: {state['experiment']}, step {state['step']}, vouches for this file"
+                          f"{' as its best checkpoint' if state['role'] == 'best' else ''}: "
                           f"{'yes' if state['vouches_for_this_file'] else 'NO'}" if state else "none beside the checkpoint"),
         "matches     " + ("; ".join(f"{m['path']} ({m['name']}{', same trajectory' if m['same_trajectory'] else ''})"
                                     for m in report["matches"]) or "no experiment file has this many parameters"),

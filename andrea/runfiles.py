@@ -18,6 +18,8 @@ from typing import Iterator
 EXIT_NONFINITE = 3
 # The supervisor's restart count, handed to the trainer it starts.
 RESTARTS_ENV = "ANDREA_RESTARTS"
+# NAME.best.ckpt: the run's checkpoint at its best validation loss, vouched for by NAME.state.json's `best`
+BEST_SUFFIX = ".best.ckpt"
 
 
 class RunFiles:
@@ -31,7 +33,7 @@ class RunFiles:
         self.samples = stem.with_name(stem.name + ".samples.json")
         self.log = stem.with_name(stem.name + ".log")
         self.lock = stem.with_name(stem.name + ".lock")
-        self.best = stem.with_name(stem.name + ".best.ckpt")  # the checkpoint at the best validation loss
+        self.best = stem.with_name(stem.name + BEST_SUFFIX)
         self.archive = stem.with_name(stem.name + ".archive")  # NAME.archive/<phase>/: each finished phase
 
     def phase_archive(self, phase: str) -> Path:

@@ -13,7 +13,7 @@ import numpy as np
 from andrea.checkpoint import read_finite_weights
 from andrea.data.chatml import ChatTokenizer
 from andrea.errors import AndreaError
-from andrea.inference import inference_engine, load_tokenizer, tokenizer_for
+from andrea.inference import inference_engine, load_tokenizer, tokenizer_for, vouched_state
 from andrea.inspect_ckpt import experiment_for
 from andrea.layout import ParameterLayout
 from andrea.model import Model
@@ -126,6 +126,7 @@ def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tok
     """One chat completion from a checkpoint; the same arguments give the same text."""
     if max_new_tokens < 1:
         raise AndreaError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    vouched_state(ckpt)
     exp = experiment_for(ckpt, experiment)
     chat = load_tokenizer(tokenizer_for(ckpt, tokenizer))
     sampler = Sampler(inference_engine(engine, exp.precision), exp.model, chat)

@@ -27,15 +27,17 @@ import numpy as np
 
 from andrea import __version__
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import read_checkpoint, read_state, verify_against_state, write_checkpoint
+from andrea.checkpoint import (check_trainable, checkpoint_digest, read_checkpoint, read_state, untrusted_values,
+                               verify_against_state, write_checkpoint)
 from andrea.config import load_experiment
 from andrea.errors import AndreaError, error_sentence
+from andrea.identity import data_fingerprint, record_mismatches, tokenizer_fingerprint
 from andrea.inspect_ckpt import refuse_other_model
 from andrea.loader import rank_rows
 from andrea.memory import device_bytes
 from andrea.mixing import Mixture, MixState
 from andrea.parallel import launch, rank_from_env
-from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line
+from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line, iter_records
 from andrea.stop_signals import STOP_SIGNALS
 from andrea.supervise import START_OPTIONS, supervise
 
@@ -74,6 +76,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                        help="continue from --out if it exists and its .state.json matches the experiment "
                        "(starts from step 0 if there is no checkpoint yet)")
     start.add_argument("--init-from", metavar="CKPT", help="start from any checkpoint of this model size (weights, m, v, step)")
+    p.add_argument("--switch-data", action="store_true",
+                   help="with --resume: continue on --data although the run was trained on other data or another "
+                   "tokenizer (without it that is refused); the switch is logged and kept in .state.json")
     p.add_argument("--tokenizer", help="tokenizer.json for samples (default: DATA/tokenizer.json if present)")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="a NaN/inf loss or gradient norm: stop before the update (default, exit 3) or skip the step")
@@ -123,26 +128,21 @@ class Log:
             f.write(f"{stamp} {msg}\n")
 
 
-def data_fingerprint(data_dir: Path, *windows) -> dict:
-    """Bytes and manifest sha256 of what the run reads, keyed by path in DATA: train.bin and val.bin (a folder
-    of sources: their union), or, in a folder of sources without a union, each source's shards."""
-    out = {}
-    for split in windows:
-        for path in split.files:
-            key = str(path.relative_to(data_dir))
-            out[key] = {"bytes": path.stat().st_size}
-            manifest = path.with_name(path.name + ".manifest.json")
-            if manifest.is_file():
-                out[key]["sha256"] = json.loads(manifest.read_text()).get("sha256")
-    return out
-
-
 def model_options(exp, engine_name: str) -> dict:
     """The experiment's memory options for the training model on this engine. The NumPy engine recomputes
     nothing: recompute trades a device's memory for time, and on the host only the time would be paid (the
     bits are the same either way). The classifier's pieces stay: they are part of the trajectory."""
     options = exp.memory_options
     return {**options, "recompute": ()} if engine_name == "numpy" else options
+
+
+class UntrustedState(Exception):
+    """The model's state holds numbers that cannot be trusted (a NaN weight, m or v; a negative v): nothing of it
+    is written, the run stops."""
+
+    def __init__(self, step: int, detail: str):
+        super().__init__(detail)
+        self.step = step
 
 
 class Trainer:
@@ -185,6 +185,13 @@ class Trainer:
         self.mix_state = MixState.fresh(len(self.train_windows.sources))
         if self.mixture.active:
             self._check_val_sources()
+        self.data_record = {"dir": str(data), **data_fingerprint(data, self.train_windows.files + self.val_windows.files)}
+        self.tokenizer_path = self._tokenizer_path(args.tokenizer)
+        self.tokenizer_record = tokenizer_fingerprint(self.tokenizer_path)
+        self.data_history: list[dict] = []  # the data of earlier stretches of a run resumed with --switch-data
+        self._data_switch: tuple[str, list[str]] | None = None
+        # every refusal of --resume / --init-from comes before the engine and its memory plan are built and printed
+        self.start_from = self._check_start()
         self.data_parallel = None
         world = 1
         if self.rank is not None:
@@ -214,7 +221,7 @@ class Trainer:
                            **model_options(self.exp, self.engine.name))
         self.sampler = None
         self.prompts: list[list[int]] = []
-        self._setup_sampling(args.tokenizer)
+        self._setup_sampling()
         # every buffer on the device: the training model's, and the sampler's (inside it, or beside it)
         plans = [self.model.plan] + ([self.sampler.model.plan] if self.sampler else [])
         where = "inside the training model's memory" if self.sampler and self.sampler.shares_weights else "beside it"
@@ -251,6 +258,14 @@ class Trainer:
         for stale in self.files.stale_temp_files():
             stale.unlink(missing_ok=True)
 
+    def _tokenizer_path(self, explicit) -> Path | None:
+        from andrea.inference import find_tokenizer
+
+        path = find_tokenizer(self.data_dir, explicit)
+        if path is not None and not path.is_file():
+            raise AndreaError(f"{path}: tokenizer file not found")
+        return path
+
     def _refuse_existing_checkpoint(self) -> None:
         if self.files.ckpt.exists() and not self.args.resume:
             raise AndreaError(
@@ -258,18 +273,16 @@ class Trainer:
                 "or remove it to start over"
             )
 
-    def _setup_sampling(self, explicit_tokenizer) -> None:
-        from andrea.inference import find_tokenizer, load_tokenizer
+    def _setup_sampling(self) -> None:
+        from andrea.inference import load_tokenizer
         from andrea.sample import Sampler, validation_prompts
 
         if self.exp.intervals["sample"] <= 0 or not self.is_main:
             return
-        path = find_tokenizer(self.data_dir, explicit_tokenizer)
+        path = self.tokenizer_path
         if path is None:
             self.log(f"samples: skipped (no tokenizer.json in {self.data_dir}; pass --tokenizer to enable)")
             return
-        if not path.is_file():
-            raise AndreaError(f"{path}: tokenizer file not found")
         tokenizer = load_tokenizer(path)
         self.prompts = validation_prompts(tokenizer, self.val_windows.tokens, N_SAMPLE_PROMPTS)
         if not self.prompts:
@@ -282,13 +295,50 @@ class Trainer:
             self.sampler = Sampler(self.engine, self.exp.model, tokenizer)
 
     # ---- start state -------------------------------------------------------------------------
+    def _check_start(self) -> tuple | None:
+        """Everything --resume and --init-from refuse, checked before anything is built: (how, state, step,
+        params, m, v) of the checkpoint to start from, or None to start from step 0."""
+        files, args = self.files, self.args
+        if args.resume and files.ckpt.exists():
+            return self._check_resume()
+        self._refuse_existing_checkpoint()
+        self._refuse_orphaned_run_files()
+        if args.init_from:
+            step, params, m, v = self._read_verified(Path(args.init_from))
+            refuse_other_model(args.init_from, read_state(args.init_from), self.exp,
+                               "--init-from takes a checkpoint of this experiment's model shape")
+            return "init_from", None, step, params, m, v
+        return None
+
+    def _refuse_orphaned_run_files(self) -> None:
+        """No checkpoint at --out, but another run's files are there: its state and phase archives are never
+        written over. The one exception is a run whose first checkpoint write was cut short (its state went
+        first, and no checkpoint was ever completed): the same trajectory on the same data starts over."""
+        files = self.files
+        archived = sorted(p.name for p in files.archive.iterdir()) if files.archive.is_dir() else []
+        if files.state.is_file() and not archived and self.args.resume:
+            state = read_state(files.ckpt)
+            completed = files.loss.is_file() and any(
+                r.get("event") == "checkpoint" for r in iter_records(files.loss))
+            if (not completed and state.get("trajectory_hash") == self.exp.trajectory_hash()
+                    and not self._data_changes(state)):
+                return
+        present = ([files.state.name] if files.state.is_file() else []) + \
+            ([f"{files.archive.name}/ ({', '.join(archived)})"] if archived else []) + \
+            ([files.best.name] if files.best.is_file() and files.state.is_file() else [])
+        if present:
+            raise AndreaError(
+                f"{files.ckpt}: missing, but {', '.join(present)} of a run {'are' if len(present) > 1 else 'is'} there "
+                f"(in {files.ckpt.parent}); put its checkpoint back to {'resume' if self.args.resume else 'continue'} it, "
+                "or pass another --out (or move those files away) to start a new run"
+            )
+
     def start_step(self, stop: int) -> int:
         from andrea.model import init_params
 
         files, args = self.files, self.args
-        if args.resume and files.ckpt.exists():
+        if self.start_from is not None and self.start_from[0] == "resume":
             return self._resume(stop)
-        self._refuse_existing_checkpoint()
         if args.resume:
             # Resume before the first checkpoint: start over, keeping the history (later lines win).
             self.log(f"resume: no checkpoint at {files.ckpt} yet; starting from step 0")
@@ -299,10 +349,14 @@ class Trainer:
                     old = path.with_name(path.name + ".old")
                     path.replace(old)
                     self.log(f"moved {path.name} of a run that left no checkpoint to {old}")
-        if args.init_from:
-            step, params, m, v = self._read_verified(Path(args.init_from))
-            refuse_other_model(args.init_from, read_state(args.init_from), self.exp,
-                               "--init-from takes a checkpoint of this experiment's model shape")
+        if files.best.exists() and not files.state.exists():
+            # a best checkpoint no state vouches for: its run never completed a checkpoint; kept aside
+            old = files.best.with_name(files.best.name + ".old")
+            files.best.replace(old)
+            self.log(f"moved {files.best.name}, which no state vouches for, to {old}")
+        if self.start_from is not None:  # --init-from
+            _, _, step, params, m, v = self.start_from
+            self.start_from = None
             self.model.load_state(params, m, v)
             self.event("init_from", step=step, checkpoint=str(args.init_from), stop=stop, total_steps=self.total_steps)
             return step
@@ -311,11 +365,28 @@ class Trainer:
         return 0
 
     def _read_verified(self, path: Path):
-        """Read a checkpoint, checked against the .state.json beside it if there is one."""
+        """Read a checkpoint to train on: checked against the .state.json that speaks for it, if any, and for
+        numbers that can be trusted."""
         verify_against_state(path)
-        return read_checkpoint(path, self.model.layout.n_params, f"experiment {self.exp.name}")
+        step, params, m, v = read_checkpoint(path, self.model_n_params(), f"experiment {self.exp.name}")
+        check_trainable(path, params, m, v)
+        return step, params, m, v
 
-    def _resume(self, stop: int) -> int:
+    def model_n_params(self) -> int:
+        from andrea.layout import ParameterLayout
+
+        return ParameterLayout(self.exp.model).n_params
+
+    def _data_changes(self, state: dict) -> list[str]:
+        """How the data and tokenizer handed to this run differ from those its state records."""
+        changes = record_mismatches(state.get("data") or {}, self.data_record)
+        was, now = state.get("tokenizer"), self.tokenizer_record
+        if was and (now is None or now["sha256"] != was["sha256"]):
+            changes.append(f"tokenizer: trained with sha256 {was['sha256'][:12]}…, now "
+                           + (f"sha256 {now['sha256'][:12]}…" if now else "none"))
+        return changes
+
+    def _check_resume(self) -> tuple:
         files = self.files
         if not files.state.is_file():
             raise AndreaError(
@@ -334,6 +405,24 @@ class Trainer:
             )
         step, params, m, v = self._read_verified(files.ckpt)
         self._check_phases(state, step)
+        changes = self._data_changes(state)
+        recorded_dir = (state.get("data") or {}).get("dir", "?")
+        if changes and not self.args.switch_data:
+            raise AndreaError(
+                f"{files.ckpt}: cannot resume: it was trained on {recorded_dir} but --data {self.data_dir} differs "
+                f"({'; '.join(changes[:3])}{'; ...' if len(changes) > 3 else ''}); pass the data it was trained on, "
+                "or add --switch-data to continue on this data (recorded in its .state.json)"
+            )
+        self.data_history = list(state.get("data_history", []))
+        if changes:
+            self.data_history.append({"until_step": step, "data": state.get("data"), "tokenizer": state.get("tokenizer")})
+            self._data_switch = (recorded_dir, changes)
+        return "resume", state, step, params, m, v
+
+    def _resume(self, stop: int) -> int:
+        files = self.files
+        _, state, step, params, m, v = self.start_from
+        self.start_from = None
         self.model.load_state(params, m, v)
         best = state.get("best")
         self.best = best if best and best["step"] <= step else None
@@ -353,6 +442,11 @@ class Trainer:
                      "change a CPU run's bytes, but another BLAS library or kernel may (docs/REPRODUCIBILITY.md)")
         self.event("resume", step=step, stop=stop, total_steps=self.total_steps)
         self.log(f"resumed {files.ckpt} at step {step}")
+        if self._data_switch:
+            before, changes = self._data_switch
+            self.event("data_switched", step=step, before=before, now=str(self.data_dir), changes=changes)
+            self.log(f"resume: --switch-data: trained on {before} until step {step}, continues on {self.data_dir} "
+                     f"({'; '.join(changes)})")
         return step
 
     def _resumed_mixing(self, entry: dict, step: int) -> MixState:
@@ -418,14 +512,22 @@ class Trainer:
                 "free space or fix the disk, then rerun with --resume (a cut-short line is ended and skipped)"
             ) from None
 
+    def _trusted_host_state(self, step: int, what: str):
+        """(params, m, v) on the host, refused when they hold a NaN or a negative v: such an update went through
+        a finite loss and gradient norm (from state that was already bad), and is never written."""
+        params, m, v = self.model.host_state()
+        fault = untrusted_values(params, m, v)
+        if fault:
+            raise UntrustedState(step, f"step {step}: {fault} in the model's state; "
+                                       f"the {what} was not written")
+        return params, m, v
+
     def checkpoint(self, step: int, elapsed: float, reason: str) -> None:
         """Write checkpoint + state so that a kill at any instant leaves a pair that resumes:
         the state is written first and vouches for both the new and the previous checkpoint."""
-        from andrea.checkpoint import checkpoint_digest
-
         if not self.is_main:
             return
-        params, m, v = self.model.host_state()
+        params, m, v = self._trusted_host_state(step, "checkpoint")
         digest = checkpoint_digest(step, params, m, v)
         # the mixing state goes with each checkpoint: the state file may vouch for the one before this one too
         entry = {"step": step, "sha256": digest, "elapsed_s": elapsed, "mixing": self.mix_state.to_json(),
@@ -455,7 +557,9 @@ class Trainer:
             "total_steps": self.total_steps,
             "samples_seen": step * self.exp.batch_size,
             "tokens_seen": step * self.exp.tokens_per_step,
-            "data": {"dir": str(self.data_dir), **data_fingerprint(self.data_dir, self.train_windows, self.val_windows)},
+            "data": self.data_record,
+            "tokenizer": self.tokenizer_record,
+            **({"data_history": self.data_history} if self.data_history else {}),
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
             "phases": [{"name": p.name, "start": p.start, "end": p.end, "hash": p.hash(), "loss_on": p.loss_on,
                         "status": "finished" if p.end <= step else "running" if p.start < step else "waiting"}
@@ -464,6 +568,7 @@ class Trainer:
             "mixing": self.mix_state.to_json(),
             "tokens_per_source": self._tokens_per_source(),
             "best": self.best,
+            "best_previous": None,
             "engine": self.engine.name,
             **({"cpu": self._cpu()} if self.engine.name == "numpy" else {}),
             "n_params": self.model.layout.n_params,
@@ -497,6 +602,20 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._train()
+        except UntrustedState as fault:
+            # an update cannot be undone, so --on-nonfinite skip stops here too
+            last = self._last_checkpoint()
+            self.event("nonfinite", step=fault.step, detail=str(fault), action="stop")
+            self.log(f"{fault}; the last good checkpoint is {'step ' + str(last) if last is not None else 'none'}; "
+                     "the run stops")
+            return EXIT_NONFINITE
+
+    def _last_checkpoint(self) -> int | None:
+        return self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
+
+    def _train(self) -> int:
         from andrea.model import LossScaleOverflow, NonFiniteStep
 
         exp, model = self.exp, self.model
@@ -628,12 +747,16 @@ class Trainer:
             self.write_samples(step)
 
     def _write_best(self, step: int, value: float) -> None:
-        """NAME.best.ckpt (the seed's format) at the best headline validation loss so far."""
-        from andrea.checkpoint import checkpoint_digest
-
-        params, m, v = self.model.host_state()
+        """NAME.best.ckpt (the seed's format) at the best headline validation loss so far. The state on disk is
+        told first (its `best`, the one before kept as `best_previous`), so a kill at any instant leaves a best
+        checkpoint the state vouches for."""
+        params, m, v = self._trusted_host_state(step, "best checkpoint")
+        previous, self.best = self.best, {"step": step, "metric": self.headline, "value": value,
+                                          "sha256": checkpoint_digest(step, params, m, v)}
+        if self.files.state.is_file():
+            state = read_state(self.files.ckpt)
+            write_json_atomic(self.files.state, {**state, "best": self.best, "best_previous": previous})
         write_checkpoint(self.files.best, step, params, m, v)
-        self.best = {"step": step, "metric": self.headline, "value": value, "sha256": checkpoint_digest(step, params, m, v)}
         self.event("best", step=step, val_loss=value, metric=self.headline)
 
     def _pivot(self, phase, step: int, elapsed: float) -> None:
