@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import is_best, read_finite_weights, read_state, recorded_sha256s, state_path
+from andrea.checkpoint import is_best, read_finite_weights, read_header, read_state, recorded_sha256s, state_path
 from andrea.errors import AndreaError
 from andrea.identity import check_tokenizer, data_fingerprint, record_mismatches
 from andrea.hashing import sha256_file
@@ -113,6 +113,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir=None, *, tokenizer=None, engi
     defaults to the folder the run's state records; a checkpoint the state does not vouch for (`unvouched`) or
     validation data other than the run's (`other_data`) is refused unless asked for, and the JSON says which."""
     ckpt = Path(ckpt)
+    read_header(ckpt)  # a checkpoint at all, before anything else is read
     state = read_state(ckpt)
     ckpt_record = _file_record(ckpt)
     vouched = _vouched(ckpt, state, ckpt_record["sha256"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from andrea.checkpoint import read_state, state_path, verify_against_state
+from andrea.checkpoint import read_header, read_state, state_path, verify_against_state
 from andrea.data.chatml import ChatTokenizer
 from andrea.engines import cuda_available, make_engine
 from andrea.errors import AndreaError
@@ -52,5 +52,6 @@ def tokenizer_for(ckpt, explicit=None) -> Path:
 def vouched_state(ckpt) -> dict | None:
     """The state that speaks for a checkpoint to be run (its experiment, tokenizer and data come from it), after
     checking that it vouches for this very file: sha256 among its recent checkpoints, or its best."""
+    read_header(ckpt)  # a checkpoint at all, before its state is read
     verify_against_state(ckpt)
     return read_state(ckpt)
