@@ -18,7 +18,7 @@ Validation scores `val_windows(n)`: n windows evenly spaced over all W of the sp
 source's), so every source is scored by its share of the windows (docs/EVAL.md).
 
 Loss masks (DIR/<name>/train.mask.bin beside each shard, see andrea.shards): the target weights of
-a batch, aligned with its targets, come from `train_micro_weights` / `val_weights`.
+a batch, aligned with its targets, come from `train_micro_weights` / `micro_weights_of`.
 """
 
 from __future__ import annotations
@@ -150,13 +150,6 @@ class TokenWindows:
         n = min(count, W)
         return [start + (2 * j + 1) * W // (2 * n) for j in range(n)]
 
-    def _val_windows(self, index: int, batch_size: int, source: int | None = None) -> list[int]:
-        first = index * batch_size
-        if source is None:
-            return [(first + i) % self.n_windows for i in range(batch_size)]
-        start, n = int(self.window_offsets[source]), self.source_windows(source)
-        return [start + (first + i) % n for i in range(batch_size)]
-
     @property
     def files(self) -> list[Path]:
         """What the split is read from, as the run's records name it: DIR/<split>.bin (one source, or the
@@ -190,11 +183,6 @@ class TokenWindows:
         """The step's batch (rows [rank·B/world, (rank+1)·B/world) of it on a data-parallel rank),
         split into micro_batches (tokens, targets) pairs."""
         return self.micro_batches_of(self._train_windows(step, batch_size, rank, world), micro_batches)
-
-    def val_batch(self, index: int, batch_size: int, source: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Micro-batch `index` of the windows in order (of one source's with `source`), wrapping if the shards
-        are short: the split read from its start (validation scores `val_windows` instead)."""
-        return self._gather(self._val_windows(index, batch_size, source))
 
     def train_sources(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> np.ndarray:
         """The source index of each sequence of the step's batch (this rank's rows)."""
@@ -232,10 +220,6 @@ class TokenWindows:
                             world: int = 1) -> list[np.ndarray]:
         """Target weights of each micro-batch of `train_micro_batches`."""
         return self.micro_weights_of(self._train_windows(step, batch_size, rank, world), micro_batches)
-
-    def val_weights(self, index: int, batch_size: int, source: int | None = None) -> np.ndarray:
-        """Target weights of `val_batch(index, batch_size, source)`."""
-        return self._weights(self._val_windows(index, batch_size, source))
 
 
 def rank_rows(rows: list, rank: int, world: int) -> list:

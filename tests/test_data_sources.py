@@ -62,8 +62,10 @@ def test_one_shard_gives_the_batches_it_always_gave(tmp_path):
             for (x, y), (xo, yo) in zip(new.train_micro_batches(step, 8, 2, rank, world),
                                         old.train_micro_batches(step, 8, 2, rank, world)):
                 assert np.array_equal(x, xo) and np.array_equal(y, yo)
-    for index in (0, 5, 39):
-        assert all(np.array_equal(a, b) for a, b in zip(new.val_batch(index, 8), old.val_batch(index, 8)))
+    for index in (0, 5, 38):
+        (x, y), = new.micro_batches_of(list(range(index * 8, index * 8 + 8)), 1)
+        xo, yo = old.val_batch(index, 8)
+        assert np.array_equal(x, xo) and np.array_equal(y, yo)
 
 
 @pytest.fixture
@@ -105,8 +107,9 @@ def test_weights_are_the_masks_at_the_targets(three_sources):
     for step in (0, 9, 31):
         for (_, y), w in zip(windows.train_micro_batches(step, 8, 2), windows.train_micro_weights(step, 8, 2)):
             assert w.shape == y.shape and np.array_equal(w, y % 2)
-    _, y = windows.val_batch(3, 4)
-    assert np.array_equal(windows.val_weights(3, 4), y % 2)
+    chosen = windows.val_windows(4)
+    (_, y), = windows.micro_batches_of(chosen, 1)
+    assert np.array_equal(windows.micro_weights_of(chosen, 1)[0], y % 2)
 
 
 def write_source(path, name, n):
