@@ -3,8 +3,8 @@
 For results/NAME.ckpt: NAME.state.json, NAME.loss.json (JSON Lines: one object per step or event,
 appended across resumes and phases, never truncated or archived), NAME.samples.json, NAME.log,
 NAME.lock, NAME.best.ckpt (at the best validation loss), NAME.archive/<phase>/ (each finished phase's
-checkpoint, samples and state), and while a data-parallel run under srun starts, NAME.nccl-id.JOB. Imported by the trainer, its supervisor and
-the report; imports nothing of the engine.
+checkpoint, samples and state), and while a data-parallel run under srun starts, NAME.nccl-id.JOB. Imported by the trainer, its supervisor,
+the report and the dashboard; imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -80,15 +80,43 @@ def end_torn_line(path: Path) -> bool:
     return True
 
 
+# A record is a few hundred bytes (a mixing run's, with its per-source objects, a few kilobytes): a
+# longer line is foreign, and is passed over unparsed and never held whole, so that no line of a
+# history costs a reader more time or memory than this.
+MAX_RECORD_BYTES = 1 << 20
+# What json.loads raises for a line that is not JSON; RecursionError for one nested deeper than it goes.
+NOT_JSON = (ValueError, UnicodeDecodeError, RecursionError)
+
+
+def history_lines(f) -> Iterator[bytes]:
+    """The lines of the binary file `f`, each with its newline (a last one without); a line longer
+    than MAX_RECORD_BYTES (its newline not counted) is read past in pieces and left out."""
+    while line := f.readline(MAX_RECORD_BYTES + 1):
+        if len(line) <= MAX_RECORD_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(MAX_RECORD_BYTES)
+
+
+def loads_record(line: bytes) -> dict | None:
+    """The JSON object that is the whole of `line` (with or without its newline), or None: for a torn,
+    empty or foreign line, one longer than MAX_RECORD_BYTES (not parsed) or one nested too deep to parse."""
+    if len(line) - line.endswith(b"\n") > MAX_RECORD_BYTES:
+        return None
+    try:
+        rec = json.loads(line)
+    except NOT_JSON:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def iter_records(path) -> Iterator[dict]:
     """Every line of a JSON Lines history that is a JSON object; torn, empty or foreign lines are skipped."""
     with open(path, "rb") as f:
-        for raw in f:
-            try:
-                rec = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
+        for line in history_lines(f):
+            rec = loads_record(line)
+            if rec is not None:
                 yield rec
 
 
