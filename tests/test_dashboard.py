@@ -3,7 +3,9 @@
 import http.client
 import json
 import os
+import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from andrea.cli import main as cli_main
-from andrea.dashboard.server import DashboardServer
+from andrea.dashboard.server import STATIC, DashboardServer, parse_record
 from andrea.errors import AndreaError
 from andrea.runfiles import iter_records
 from conftest import EXPERIMENTS
@@ -448,3 +450,178 @@ def test_a_real_two_phase_run_is_listed_with_its_phase_and_best(tmp_path, tiny_e
         run = listed(srv, "tiny")
     assert run["phase"] == "polish"
     assert run["best"] == {"step": best["step"], "val_loss": best["val_loss"], "metric": "val_loss_assistant"}
+
+
+# Lines that are no record, as the listing meets them: nested deeper than the JSON parser goes (one
+# holding "best", which the listing parses looking for the newest best event), or built to make a
+# search for a record glued onto a torn line cost time.
+HOSTILE = {
+    "deep array": b"[" * 100_000,
+    "deep object": b'{"a":' * 100_000,
+    "deep best": b'{"event": "best", "step": 9, "a": ' + b"[" * 100_000,
+    "deep closed": b'{"step": 9, "phase": "deep", "a":' * 50_000 + b"1" + b"}" * 50_000,
+    "braces": b"{" * 320_000,
+    "braces closed": b"{" * 320_000 + b"}" * 1_000,
+    "nested objects": b'{"a": ' + b'{"b": 0}, ' * 32_000 + b"}",
+    "overlong record": json.dumps({"step": 9, "phase": "long", "pad": "x" * (2 << 20)}).encode(),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_lines_are_passed_over_by_the_listing(tmp_path, name):
+    """The phase and best step of the lines around a hostile one, in a listing that takes well under
+    a second (the search for a glued record is one pass over the line, not one per "{")."""
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / "two.loss.json"
+    run.write_bytes(phased_history().encode() + HOSTILE[name] + b"\n")
+    with running(results) as srv:
+        start = time.monotonic()
+        two = listed(srv, "two")
+        took = time.monotonic() - start
+        assert (two["phase"], two["best"]["step"]) == ("polish", 4)
+        assert took < 1.5, f"{took:.2f} s"
+        with open(run, "ab") as f:  # and the listing goes on from there
+            f.write(HOSTILE[name] + b"\n" + json.dumps(dict(LOSS_LINES[1], step=5, phase="cooldown")).encode() + b"\n")
+            f.write(json.dumps({"event": "best", "step": 5, "val_loss": 4.5}).encode() + b"\n" + HOSTILE[name] + b"\n")
+        two = listed(srv, "two")
+    assert (two["phase"], two["best"]["step"]) == ("cooldown", 5)
+
+
+@pytest.mark.parametrize("name", ["braces", "deep object", "nested objects", "braces closed"])
+def test_a_record_glued_after_a_hostile_line_is_found_in_linear_time(name):
+    """Twice the line costs about twice the time (the search it replaced took 6 s for 320,000 "{")."""
+    record = json.dumps(dict(LOSS_LINES[1], phase="polish")).encode()
+    took = []
+    for times in (1, 2):
+        line = HOSTILE[name] * times
+        start = time.monotonic()
+        assert parse_record(line) in (None, {})  # "{}" ends a run of braces closed by its last "}"
+        assert parse_record(line + record) == json.loads(record)
+        took.append(time.monotonic() - start)
+    assert took[1] < 1.0, took
+
+
+def test_a_line_that_never_ends_is_not_held(tmp_path):
+    """A line growing by a megabyte a listing, with no newline: the digest keeps at most a record's
+    worth of it and reads on from the line after."""
+    from andrea.runfiles import MAX_RECORD_BYTES
+    results = tmp_path / "results"
+    results.mkdir()
+    run = results / "two.loss.json"
+    run.write_text(phased_history())
+    with running(results) as srv:
+        for _ in range(4):
+            with open(run, "ab") as f:
+                f.write(b'{"step": 9, "phase": "endless", "a": "' + b"x" * (1 << 20))
+            assert listed(srv, "two")["phase"] == "polish"
+            assert all(len(d.tail) <= MAX_RECORD_BYTES for d in srv.digests.values())
+        with open(run, "ab") as f:
+            f.write(b'"}\n' + json.dumps(dict(LOSS_LINES[1], step=5, phase="cooldown")).encode() + b"\n")
+        assert listed(srv, "two")["phase"] == "cooldown"
+
+
+@pytest.mark.parametrize("state", [b"[" * 100_000, b'{"a":' * 100_000, b'{"step": 3, "pad": "' + b"x" * (2 << 20) + b'"}'])
+def test_a_hostile_state_file_is_passed_over(tree, server, state):
+    (tree / "run.state.json").write_bytes(state)
+    resp, data = request(server, "GET", "/api/runs")
+    assert resp.status == 200 and {r["id"]: r for r in json.loads(data)["runs"]}["run"]["state"] is None
+
+
+def raw_exchange(srv, data: bytes, timeout: float = 5) -> bytes:
+    """Send `data` on a fresh loopback connection and read until the server closes it."""
+    with socket.create_connection(srv.server_address[:2], timeout=timeout) as sock:
+        sock.sendall(data)
+        reply = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (chunk := sock.recv(65536)):
+            reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("host", [b"[", b"[::1", b"]", b"[zz]", b"[127.0.0.1]"])
+def test_an_unparsable_host_is_400(server, host):
+    reply = raw_exchange(server, b"GET /api/runs HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), reply[:200]
+    assert 0 < len(body) < 200 and b"Host" in body
+    assert request(server, "GET", "/api/runs")[0].status == 200
+
+
+def test_a_slow_request_is_cut_at_its_deadline(tree, monkeypatch):
+    """A client trickling its headers a byte at a time (never idle for long) gets 408 and a closed
+    connection once the request's deadline passes; other clients are served meanwhile."""
+    from andrea.dashboard import server as server_module
+    deadline = getattr(server_module, "REQUEST_DEADLINE_S", 0)
+    monkeypatch.setattr(server_module, "REQUEST_DEADLINE_S", 0.6, raising=False)
+    trickle = b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200
+    with running(tree) as srv, socket.create_connection(srv.server_address[:2], timeout=5) as sock:
+        start = time.monotonic()
+        reply, served = b"", []
+        for byte in trickle:  # at most 200 bytes, 0.05 s apart: 10 s
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not served and time.monotonic() - start > 0.2:
+                served.append(request(srv, "GET", "/api/runs")[0].status)
+            if select.select([sock], [], [], 0.05)[0]:
+                break
+        closed_after = time.monotonic() - start
+        sock.settimeout(3)
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    assert served == [200]
+    assert closed_after < 0.6 + 1.5, f"{closed_after:.2f} s"
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert 5 <= deadline <= 30  # long enough for any client that is not stalling on purpose
+
+
+def test_a_request_on_time_is_served_after_an_idle_wait(tree, monkeypatch):
+    """The deadline runs from a request's first byte: a kept-alive connection idle for longer than
+    the deadline (but within the idle timeout) still carries the next request."""
+    from andrea.dashboard import server as server_module
+    monkeypatch.setattr(server_module, "REQUEST_DEADLINE_S", 0.3, raising=False)
+    with running(tree) as srv:
+        conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=10)
+        conn.request("GET", "/api/runs")
+        assert conn.getresponse().read()
+        time.sleep(0.6)
+        conn.request("GET", "/api/runs")
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["runs"]
+        conn.close()
+
+
+def test_the_page_reads_lines_as_the_server_does(tmp_path):
+    """The page's parseRecord (static/app.js, run by Node) on torn, glued and hostile lines: the same
+    record as the server's parse_record, each within a second."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs Node.js to run the page's reader")
+    script = (STATIC / "app.js").read_text()
+    reader = [re.search(rf"^const {name} = .*$", script, re.M).group() for name in ("encoder", "MAX_RECORD_BYTES")]
+    reader += [re.search(rf"^function {name}\(.*?^}}$", script, re.M | re.S).group()
+               for name in ("parseRecord", "parseObject", "gluedRecordStart")]
+    record = json.dumps(dict(LOSS_LINES[1], step=5, phase="polish", note='a \\"{[ }\\')).encode()
+    lines = [record, b"null", b"[1, 2]", b'"{}"', b"[" + record + b"]", record[:30], record[:30] + record,
+             b'{"phase": "pol' + record, b'{"a": "\\' + record, b'{"a": "\\\\' + record, b"{}  ", b"x" + record + b" \t"]
+    lines += [line + tail for name, line in HOSTILE.items() if name != "deep closed" for tail in (b"", record)]
+    (tmp_path / "lines.json").write_text(json.dumps([line.decode() for line in lines]))
+    (tmp_path / "read.js").write_text("\n".join(reader) + """
+const fs = require("fs");
+const out = JSON.parse(fs.readFileSync(process.argv[2], "utf8")).map((line) => {
+  const start = Date.now();
+  const rec = parseRecord(line);
+  return {rec, ms: Date.now() - start};
+});
+console.log(JSON.stringify(out));
+""")
+    ran = subprocess.run([node, tmp_path / "read.js", tmp_path / "lines.json"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    for line, got in zip(lines, json.loads(ran.stdout), strict=True):
+        assert got["rec"] == parse_record(line), line[:80]
+        assert got["ms"] < 1000, (line[:80], got["ms"])

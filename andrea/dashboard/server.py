@@ -9,16 +9,19 @@ Routes (GET and HEAD only; every other method gets 405 with `Allow: GET, HEAD`):
 
 Safe by default: binds loopback unless --allow-remote; a path with `..`, an absolute path or a symlink
 that resolves outside the served folder gets 403; a Host header other than a loopback name gets 403
-(so a web page cannot reach the server by DNS rebinding).
+(so a web page cannot reach the server by DNS rebinding), one that cannot be parsed 400; a request
+whose line and headers take longer than REQUEST_DEADLINE_S to arrive gets 408 and loses its connection.
 """
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -27,16 +30,25 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from andrea.errors import AndreaError
+from andrea.runfiles import MAX_RECORD_BYTES, loads_record
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOSS_SUFFIX = ".loss.json"
 STATE_SUFFIX = ".state.json"
 ALLOWED_METHODS = ("GET", "HEAD")
-# A connection that sends no request (or stalls mid-request, or stops reading a response) for this
-# long is closed: the page polls every two seconds, so only abandoned connections reach it.
+# A connection that sends no request (or stops reading a response) for this long is closed: the page
+# polls every two seconds, so only abandoned connections reach it.
 IDLE_TIMEOUT_S = 30.0
+# From its first byte, a request's line and headers must arrive within this long, or it gets 408 and the
+# connection is closed: a client trickling a byte at a time is never idle, yet must not hold a thread.
+REQUEST_DEADLINE_S = 10.0
 # A loss file is digested in pieces of at most this many bytes (the first listing reads it whole).
 DIGEST_CHUNK = 1 << 22
+# The tokens a backward pass over a line stops at: a bracket, or a quote with the backslashes before it
+# (the line is reversed, so they follow it).
+JSON_TOKENS = re.compile(rb'[][{}]|"\\*')
+# JSON's whitespace, which may end a line after its record.
+JSON_SPACE = b" \t\r\n"
 # ASCII digits only: str.isdigit() takes '²' (which int() refuses), int() takes '٣' and '5_0'.
 BYTE_RANGE = re.compile(r"([0-9]*)-([0-9]*)")
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
@@ -103,10 +115,11 @@ def byte_position(digits: str, size: int) -> int:
 def read_state(path: str) -> dict | None:
     """The summary of a .state.json; None for one that is unreadable or not a JSON object."""
     try:
-        state = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            state = loads_record(f.read(MAX_RECORD_BYTES + 1))  # longer is no state file
+    except OSError:
         return None
-    if not isinstance(state, dict):
+    if state is None:
         return None
     experiment = state.get("experiment")
     return {"step": state.get("step"), "total_steps": state.get("total_steps"),
@@ -115,18 +128,35 @@ def read_state(path: str) -> dict | None:
 
 def parse_record(line: bytes) -> dict | None:
     """The JSON object on a whole line, or None, as the page reads it: a line that is not one (`null`,
-    a number, an array, a line torn by a full disk) is passed over, and a record that the next append
-    glued onto a torn line is the part from one of its "{" to the end that parses."""
-    i = line.find(b"{")
-    while i >= 0:
-        try:
-            rec = json.loads(line[i:])
-        except (ValueError, UnicodeDecodeError):
-            pass
-        else:
-            if isinstance(rec, dict):
-                return rec
-        i = line.find(b"{", i + 1)
+    a number, an array, a line torn by a full disk, one longer than MAX_RECORD_BYTES) is passed over,
+    and a record that the next append glued onto a torn line is the part from one of its "{" to the
+    end that parses. Only the "{" that the line's last "}" closes can be that one (from any other,
+    the object ends before the line does), so one pass backwards finds it and one parse reads it."""
+    rec = loads_record(line)
+    if rec is not None or len(line) > MAX_RECORD_BYTES:
+        return rec
+    start = glued_record_start(line)
+    return loads_record(line[start:]) if start else None
+
+
+def glued_record_start(line: bytes) -> int | None:
+    """Where the "{" is that the last "}" of `line` closes, counting brackets outside strings from the
+    end; None if the line ends otherwise, if that bracket is missing or not a "{", or if it lies deeper
+    than json.loads goes."""
+    end = len(line.rstrip(JSON_SPACE))
+    if not line[:end].endswith(b"}"):
+        return None
+    depth, quoted, limit = 0, False, sys.getrecursionlimit()
+    for token in JSON_TOKENS.finditer(line[:end][::-1]):
+        mark = token.group()
+        if mark[0] == ord('"'):
+            quoted ^= len(mark) % 2 == 1  # an even number of backslashes before it: it opens or ends a string
+        elif not quoted:
+            depth += 1 if mark in b"}]" else -1
+            if depth > limit:
+                return None
+            if depth == 0:
+                return end - 1 - token.start() if mark == b"{" else None
     return None
 
 
@@ -138,7 +168,8 @@ class LossDigest:
     """What the runs table shows of a loss file without the page reading it: the phase training is in
     (that of the newest step record, or the one a pivot event written after it starts; None for a run
     without phases) and the newest `best` event. Each listing reads only the bytes appended since the
-    last one, and of those parses only the event lines it needs and the newest step record."""
+    last one, and of those parses only the event lines it needs and the newest step record. A line
+    longer than a record can be is passed over as it arrives: at most MAX_RECORD_BYTES of it is kept."""
 
     def __init__(self, file_id: tuple[int, int]):
         self.file_id = file_id
@@ -148,6 +179,7 @@ class LossDigest:
     def start_over(self) -> None:
         self.offset = 0
         self.tail = b""
+        self.overlong = False  # in a line longer than MAX_RECORD_BYTES: the bytes up to its newline are dropped
         self.phase: str | None = None
         self.best: dict | None = None
 
@@ -174,9 +206,16 @@ class LossDigest:
                 pass
 
     def _digest(self, chunk: bytes) -> None:
+        if self.overlong:
+            cut = chunk.find(b"\n")
+            if cut < 0:
+                return
+            chunk, self.overlong = chunk[cut + 1:], False
         buf = self.tail + chunk
         end = buf.rfind(b"\n") + 1  # whole lines only: the trainer may be mid-write
         self.tail, body = buf[end:], buf[:end]
+        if len(self.tail) > MAX_RECORD_BYTES:
+            self.tail, self.overlong = b"", True
         for rec in records_backwards(body, b'"best"'):  # the newest best event
             if rec.get("event") == "best" and is_number(rec.get("step")):
                 self.best = {"step": rec["step"],
@@ -256,6 +295,39 @@ def run_summaries(root: str, digests: dict | None = None) -> list[dict]:
     return runs
 
 
+class RequestTooSlow(Exception):
+    """A request whose line and headers did not all arrive by its deadline."""
+
+
+class ConnectionReader(io.RawIOBase):
+    """The connection's bytes for the handler's rfile: between requests each read waits up to the idle
+    timeout; while `deadline` is set (a request's line and headers are arriving) no read goes past it."""
+
+    def __init__(self, sock: socket.socket, idle_timeout: float):
+        self.sock = sock
+        self.idle_timeout = idle_timeout
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        if self.deadline is None:
+            return self.sock.recv_into(buf)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestTooSlow()
+        self.sock.settimeout(min(left, self.idle_timeout))
+        try:
+            return self.sock.recv_into(buf)
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise RequestTooSlow() from None
+            raise
+        finally:
+            self.sock.settimeout(self.idle_timeout)
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "andrea-dashboard"
     protocol_version = "HTTP/1.1"  # keep-alive: the page polls the same host every few seconds
@@ -264,11 +336,40 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.idle_timeout  # StreamRequestHandler.setup puts it on the socket
         super().setup()
+        self.rfile.close()  # the socket's own reader, which knows no deadline
+        self.reader = ConnectionReader(self.connection, self.server.idle_timeout)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        """The standard library's, with a deadline from the request's first byte to its last header."""
+        try:
+            waiting = self.rfile.peek(1)  # empty: the client closed the connection
+        except (TimeoutError, ConnectionError):  # idle (a kept-alive connection nobody uses any more), or reset
+            waiting = b""
+        if not waiting:
+            self.close_connection = True
+            return
+        self.requestline = "(request line incomplete)"  # until parse_request reads it
+        self.reader.deadline = time.monotonic() + REQUEST_DEADLINE_S
+        try:
+            super().handle_one_request()
+        except RequestTooSlow:
+            self.close_connection = True
+            self.command, self.request_version = None, self.protocol_version
+            try:
+                self._error(Refused(HTTPStatus.REQUEST_TIMEOUT, "the request took too long to arrive",
+                                    {"Connection": "close"}))
+            except OSError:  # the client is gone too
+                pass
+        finally:
+            self.reader.deadline = None
 
     def parse_request(self) -> bool:
         """The standard library's parsing, then 405 for every method but GET and HEAD (it would
         answer 501 to one it finds no do_METHOD for)."""
-        if not super().parse_request():
+        parsed = super().parse_request()
+        self.reader.deadline = None  # the headers are in: the reply is written under the idle timeout
+        if not parsed:
             return False
         if self.command in ALLOWED_METHODS:
             return True
@@ -315,7 +416,10 @@ class Handler(BaseHTTPRequestHandler):
         host = self.headers.get("Host")
         if host is None:
             return
-        name = urlsplit("//" + host).hostname or ""
+        try:
+            name = urlsplit("//" + host).hostname or ""
+        except ValueError:  # "[", "[::1", "[not-an-address]"
+            raise Refused(HTTPStatus.BAD_REQUEST, "malformed Host header; use http://127.0.0.1:PORT/") from None
         if name not in LOOPBACK_NAMES and not is_loopback_ip(name):
             raise Refused(HTTPStatus.FORBIDDEN, "unexpected Host header; use http://127.0.0.1:PORT/")
 

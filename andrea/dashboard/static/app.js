@@ -28,6 +28,10 @@ const COUNT_INCRS = Array.from({length: 16}, (_, e) => [1, 2, 5].map((m) => m * 
 const TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
   172800, 604800];
 const decoder = new TextDecoder();
+const encoder = new TextEncoder();
+// A record is a few hundred bytes (a mixing run's, a few kilobytes): a longer line is foreign and is
+// passed over unparsed, and of a line still growing at most this much is kept (as the server does).
+const MAX_RECORD_BYTES = 1 << 20;
 
 const runs = new Map();   // id -> Run, in the order they appeared
 const view = readHash();  // what the address keeps: x axis, log scale, smoothing, selected runs
@@ -59,18 +63,29 @@ class Run {
     this.fileId = fileId;
     this.offset = 0;
     this.tail = new Uint8Array(0);
+    this.overlong = false;  // in a line longer than MAX_RECORD_BYTES: the bytes up to its newline are dropped
     this.records = [];
     this.events = [];
     this.version++;
   }
 
   ingest(bytes) {
+    this.offset += bytes.length;
+    if (this.overlong) {
+      const cut = bytes.indexOf(10);
+      if (cut < 0) return;
+      bytes = bytes.subarray(cut + 1);
+      this.overlong = false;
+    }
     const buf = new Uint8Array(this.tail.length + bytes.length);
     buf.set(this.tail);
     buf.set(bytes, this.tail.length);
-    this.offset += bytes.length;
     const end = buf.lastIndexOf(10) + 1;  // whole lines only: the trainer may be mid-write
     this.tail = buf.slice(end);
+    if (this.tail.length > MAX_RECORD_BYTES) {
+      this.tail = new Uint8Array(0);
+      this.overlong = true;
+    }
     for (const line of decoder.decode(buf.subarray(0, end)).split("\n")) {
       const rec = parseRecord(line);
       if (!rec) continue;
@@ -123,14 +138,48 @@ class Run {
 // ---- reading ------------------------------------------------------------------------------------
 
 // The JSON object on a whole line, or null: a line that is not one (`null`, a number, an array, a
-// line torn by a full disk or a crash) is passed over. When the next append glued a whole record onto
-// a torn line, that record is the part from one of its "{" to the end that parses (a "{" nested
-// inside the record leaves the record's own "}" behind, so it never parses).
+// line torn by a full disk or a crash, one longer than MAX_RECORD_BYTES) is passed over. When the next
+// append glued a whole record onto a torn line, that record is the part from one of its "{" to the end
+// that parses. Only the "{" that the line's last "}" closes can be that one (from any other, the
+// object ends before the line does), so one pass backwards finds it and one parse reads it.
 function parseRecord(line) {
-  for (let i = line.indexOf("{"); i >= 0; i = line.indexOf("{", i + 1)) {
-    try { return JSON.parse(line.slice(i)); } catch { /* not an object from here on */ }
+  if (line.length > MAX_RECORD_BYTES / 3 && encoder.encode(line).length > MAX_RECORD_BYTES) return null;
+  const whole = parseObject(line);
+  if (whole) return whole;
+  const start = gluedRecordStart(line);
+  return start > 0 ? parseObject(line.slice(start)) : null;
+}
+
+function parseObject(text) {
+  try {
+    const value = JSON.parse(text);
+    return value !== null && typeof value === "object" && !Array.isArray(value) ? value : null;
+  } catch {
+    return null;  // not JSON
   }
-  return null;
+}
+
+// Where the "{" is that the last "}" of `line` closes, counting brackets outside strings from the end
+// (a quote opens or ends a string when an even number of backslashes precede it); -1 if the line ends
+// otherwise or that bracket is missing or not a "{".
+function gluedRecordStart(line) {
+  let end = line.length;
+  while (end > 0 && " \t\r\n".includes(line[end - 1])) end--;
+  if (line[end - 1] !== "}") return -1;
+  let depth = 0, quoted = false;
+  for (let i = end - 1; i >= 0; i--) {
+    const c = line[i];
+    if (c === '"') {
+      let k = i;
+      while (k > 0 && line[k - 1] === "\\") k--;
+      if ((i - k) % 2 === 0) quoted = !quoted;
+      i = k;  // the backslashes are no brackets
+    } else if (!quoted && "{}[]".includes(c)) {
+      depth += c === "}" || c === "]" ? 1 : -1;
+      if (depth === 0) return c === "{" ? i : -1;
+    }
+  }
+  return -1;
 }
 
 async function detectSource() {
