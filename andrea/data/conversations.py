@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import unicodedata
 from collections import Counter
@@ -36,6 +37,7 @@ WEIGHTS = (0, 1)  # a turn's weight: 1 counts its tokens in the loss mask, 0 doe
 
 DROP_REASONS = {
     "broken_json": "the record is not valid JSON (counted; the file is read on)",
+    "integer_too_long": "the record holds an integer of more digits than Python converts (4,300 by default)",
     "not_a_record": "the row is not a JSON object",
     "no_conversation": "neither a 'conversations' nor a 'messages' field",
     "conversation_not_a_list": "the conversation is not a list of turns",
@@ -119,7 +121,7 @@ def hermes_turns(row, parts: Counter) -> list[dict | None]:
     """The row's turns in the Hermes-3 schema ({from, value, weight}), text exactly as given.
 
     Only what the schema cannot hold drops the row: a turn that is not an object, a role, content
-    or weight of another type, a lone surrogate. A missing role or content, or a null turn, is
+    or weight of another type, a weight no float holds, a lone surrogate. A missing role or content, or a null turn, is
     kept as null for prep to judge turn by turn. The OpenAI roles user and assistant get their
     Hermes names; every other role stays as written (prep maps roles)."""
     turns, role_key, content_key = conversation_of(row)
@@ -134,13 +136,38 @@ def hermes_turns(row, parts: Counter) -> list[dict | None]:
         if role is not None and not isinstance(role, str):
             raise Dropped("role_not_text")
         value = content_text(turn.get(content_key), parts)
-        weight = turn.get("weight")
-        if weight is not None and not isinstance(weight, (bool, int, float)):
-            raise Dropped("weight_not_a_number")
+        weight = _weight(turn.get("weight"))
         if not all(text is None or _is_valid_unicode(text) for text in (role, value)):
             raise Dropped("invalid_unicode")  # parquet strings are UTF-8: a lone surrogate cannot be stored
-        out.append({"from": OPENAI_TO_HERMES.get(role, role), "value": value, "weight": None if weight is None else float(weight)})
+        out.append({"from": OPENAI_TO_HERMES.get(role, role), "value": value, "weight": weight})
     return out
+
+
+def _weight(weight) -> float | None:
+    """A turn's weight as the float the schema holds; raises Dropped for one of another type, or one
+    no float holds (1e400, which the json module reads as infinity, an integer as large, NaN)."""
+    if weight is None:
+        return None
+    if not isinstance(weight, (bool, int, float)):
+        raise Dropped("weight_not_a_number")
+    try:
+        weight = float(weight)
+    except OverflowError:
+        raise Dropped("bad_weight") from None
+    if not math.isfinite(weight):
+        raise Dropped("bad_weight")
+    return weight
+
+
+def hermes_source(row) -> str | None:
+    """The row's own `source` when it is non-empty text, else None; raises Dropped for text that is
+    not valid Unicode, which parquet cannot store."""
+    source = row.get("source") if isinstance(row, Mapping) else None
+    if not isinstance(source, str) or not source:
+        return None
+    if not _is_valid_unicode(source):
+        raise Dropped("invalid_unicode")
+    return source
 
 
 _LINE_BREAKS = re.compile(r"\r\n?|[\x0b\x0c\x85\u2028\u2029]")

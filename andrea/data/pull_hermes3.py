@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 import pyarrow as pa
 
 from andrea.data import HERMES3_DATASET, embedded_corpus
-from andrea.data.conversations import Dropped, hermes_turns
+from andrea.data.conversations import Dropped, hermes_source, hermes_turns
 from andrea.data.drops import Drops
 from andrea.data.progress import log, progress
 from andrea.data.raw_rows import Rows, Unreadable, json_lines, json_records, open_stream, parquet_rows
@@ -87,6 +87,11 @@ def embedded_source(source: str) -> RawSource:
 
 
 def local_source(path: Path) -> RawSource:
+    if path.is_dir():
+        raise AndreaError(
+            f"{path}: is a directory; --source takes one JSON, JSONL or parquet file in it, or pass "
+            f"`--source hub --hub-id {path}` for a folder laid out like a Hub dataset"
+        )
     if not path.is_file():
         raise AndreaError(
             f"{path}: no such file; --source takes `hub`, `embedded` or the path of a local JSON, JSONL or parquet file"
@@ -223,13 +228,12 @@ def hermes_rows(raw: RawSource, drops: Drops, parts) -> Iterator[list[dict]]:
                     drops.add(row.reason, f"{label}:{number}")
                     continue
                 try:
+                    source = hermes_source(row)
                     turns = hermes_turns(row, parts)
                 except Dropped as drop:
                     drops.add(drop.reason, f"{label}:{number}")
                     continue
-                source = row.get("source")
-                batch.append({"conversations": turns,
-                              "source": source if isinstance(source, str) and source else raw.default_source})
+                batch.append({"conversations": turns, "source": source or raw.default_source})
                 if len(batch) == BATCH_ROWS:
                     yield batch
                     batch = []

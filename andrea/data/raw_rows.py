@@ -28,12 +28,17 @@ from andrea.data.tables import iter_batches
 READ_BYTES = 1 << 20  # what one read of a JSON array asks for; the buffer grows for larger records
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
+# an object's opening up to its first key, e.g. `{"conversations"`: valid JSON has this text only where
+# an object opens (a quote inside a string is escaped), so it marks where the next element starts
+_OPENER = re.compile(r'\{[ \t\n\r]*"(?:[^"\\\n]|\\.)*"')
+MAX_OPENERS = 8  # the elements' distinct openings remembered; chat files have one or two
 
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A record that is not valid JSON (or whose JSON-typed parquet value is not); `reason` is a
-    drop reason of the pull."""
+    """A record that cannot be decoded: not valid JSON (nor its JSON-typed parquet value), an
+    integer too long to convert, or text that is not UTF-8 in parquet; `reason` is a drop reason
+    of the pull."""
 
     reason: str = "broken_json"
 
@@ -44,6 +49,12 @@ Rows = Iterator[tuple[int, object]]
 def _text(raw: bytes) -> str:
     # invalid UTF-8 bytes become lone surrogates, which the pull then drops as invalid_unicode
     return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _decode_error(err: ValueError) -> Unreadable:
+    # the json module raises a plain ValueError (no JSONDecodeError) only for an integer longer than
+    # int() converts (sys.get_int_max_str_digits(), 4,300 digits by default)
+    return Unreadable("broken_json" if isinstance(err, json.JSONDecodeError) else "integer_too_long")
 
 
 def json_lines(stream: IO[bytes]) -> Rows:
@@ -57,7 +68,9 @@ def json_lines(stream: IO[bytes]) -> Rows:
             continue
         try:
             yield number, json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
+        except ValueError as err:
+            yield number, _decode_error(err)
+        except RecursionError:
             yield number, Unreadable()
 
 
@@ -103,14 +116,29 @@ class _Buffer:
         return self.eof or self.text.endswith("\n")
 
 
-def _skip_broken(buf: _Buffer, indent: int | None) -> None:
+def _skip_broken(buf: _Buffer, indent: int | None, openers: set[str]) -> None:
     """Move past one broken array element, tolerantly: by brackets outside strings (a string also
-    ends at a newline, which JSON forbids inside one), stopping at a ',' or ']' of the array, or at
-    a line that opens a new element at the elements' indentation."""
-    depth, in_string, i = 0, False, buf.pos
+    ends at a newline, which JSON forbids inside one), stopping at a ',' or ']' of the array, at a
+    line that opens a new element at the elements' indentation, or at the opening of an element
+    (`openers`, and this element's own), wherever it is: on one line, a lost '}' or '"' leaves the
+    brackets or strings wrong to the end of the array. An object element that closes early (a lost
+    '[' or '{') goes on to the next object or the array's end: what comes between is its rest."""
     opener = None if indent is None else "\n" + " " * indent + "{"
+    own = _OPENER.match(buf.text, buf.pos)
+    openers = tuple(openers | {own.group()}) if own else tuple(openers)
     while True:
-        if i + len(opener or " ") >= len(buf.text) and not buf.eof:
+        _skip_brackets(buf, opener, openers)
+        if not own or _next_element(buf) in ("", "{", "]"):
+            return
+
+
+def _skip_brackets(buf: _Buffer, opener: str | None, openers: tuple[str, ...]) -> None:
+    """One pass of `_skip_broken`: to the end of the brackets, an indented opening line (`opener`)
+    or an element's opening (`openers`)."""
+    depth, in_string, i = 0, False, buf.pos
+    longest = max([len(opener or " "), *map(len, openers)])
+    while True:
+        if i + longest >= len(buf.text) and not buf.eof:
             start = buf.pos
             buf.fill()
             i -= start  # fill drops the text before pos
@@ -118,6 +146,8 @@ def _skip_broken(buf: _Buffer, indent: int | None) -> None:
         if i >= len(buf.text):
             break
         c = buf.text[i]
+        if c == "{" and i > buf.pos and buf.text.startswith(openers, i):
+            break
         if in_string:
             if c == "\\":
                 i += 2
@@ -140,7 +170,16 @@ def _skip_broken(buf: _Buffer, indent: int | None) -> None:
             i += 1
             break
         i += 1
-    buf.advance(min(i, len(buf.text)))
+    # at least one character: a stray '}' must not be met again
+    buf.advance(min(max(i, buf.pos + 1), len(buf.text)))
+
+
+def _next_element(buf: _Buffer) -> str:
+    """The first character of the array's next element, or ']', or "" at the end of the stream;
+    moves past whitespace and commas."""
+    while (c := buf.skip_whitespace()) == ",":
+        buf.advance(buf.pos + 1)
+    return c
 
 
 def json_array(stream: IO[bytes]) -> Rows:
@@ -152,6 +191,7 @@ def json_array(stream: IO[bytes]) -> Rows:
         return
     buf.advance(buf.pos + 1)
     indent = -1  # of the elements' opening lines; None when they do not start lines
+    openers: set[str] = set()  # how the decoded elements open, e.g. `{"conversations"`
     while True:
         c = buf.skip_whitespace()
         if c == "":  # the array never closes: the file is cut short (a cut element was counted)
@@ -175,11 +215,16 @@ def json_array(stream: IO[bytes]) -> Rows:
                     buf.fill(max(READ_BYTES, len(buf.text) - buf.pos))  # doubling: long elements parse in O(n)
                     continue
                 yield line, Unreadable()
-                _skip_broken(buf, indent)
+                _skip_broken(buf, indent, openers)
+            except ValueError as err:  # valid JSON, but an integer too long to convert
+                yield line, _decode_error(err)
+                _skip_broken(buf, indent, openers)
             except RecursionError:
                 yield line, Unreadable()
-                _skip_broken(buf, indent)
+                _skip_broken(buf, indent, openers)
             else:
+                if len(openers) < MAX_OPENERS and (opening := _OPENER.match(buf.text, buf.pos)):
+                    openers.add(opening.group())
                 buf.advance(end)
                 yield line, row
             break
@@ -251,15 +296,37 @@ def parquet_rows(source) -> Rows:
                 if (d := _decoder(f.type, features.get(f.name)))}
     number = 0
     for batch in iter_batches(table):
-        for row in batch.to_pylist():
+        for row in _pylist(batch):
             number += 1
+            if isinstance(row, Unreadable):
+                yield number, row
+                continue
             try:
                 for name, decode in decoders.items():
                     row[name] = decode(row[name])
-            except (json.JSONDecodeError, TypeError, RecursionError):
+            except ValueError as err:
+                yield number, _decode_error(err)
+                continue
+            except (TypeError, RecursionError):
                 yield number, Unreadable()
                 continue
             yield number, row
+
+
+def _pylist(batch: pa.RecordBatch) -> list:
+    """The batch's rows as Python values; a row whose string bytes are not UTF-8 (which pyarrow
+    does not check when reading) is Unreadable, and the rest of the batch is kept."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    rows = []
+    for i in range(batch.num_rows):
+        try:
+            rows.append(batch.slice(i, 1).to_pylist()[0])
+        except UnicodeDecodeError:
+            rows.append(Unreadable("invalid_unicode"))
+    return rows
 
 
 def open_stream(file: IO[bytes], name: str) -> IO[bytes]:
