@@ -134,6 +134,8 @@ def read_state(ckpt) -> dict | None:
         raise AndreaError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); it was damaged or hand-edited") from None
     except UnicodeDecodeError:
         raise AndreaError(f"{path}: not UTF-8 text; it was damaged or hand-edited") from None
+    except RecursionError:
+        raise AndreaError(f"{path}: nested deeper than a run's state ever is; it was damaged or hand-edited") from None
     if not isinstance(state, dict):
         raise AndreaError(f"{path}: not a run's state (a JSON object); it was damaged or hand-edited")
     return state

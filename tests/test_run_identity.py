@@ -16,6 +16,7 @@ from andrea.runfiles import EXIT_NONFINITE, RunFiles, iter_records
 from andrea.shards import read_shard, write_shard
 
 MAIN, POLISH = 4, 2
+N_TINY = 135_808  # ANDREA-tiny's parameters
 
 
 @pytest.fixture
@@ -204,3 +205,17 @@ def test_sample_refuses_a_tokenizer_rewritten_since_training(finished, capsys):
     assert cli_main(["sample", "--ckpt", str(files.ckpt), "--prompt", "hello", "--engine", "numpy"]) == 2
     err = capsys.readouterr().err
     assert "was trained with the tokenizer of sha256" in err and str(data / "tokenizer.json") in err
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[" * 100_000, "nested deeper than a run's state ever is"),
+    ("[1, 2]", "not a run's state (a JSON object)"),
+    ("{\"experiment\": ", "not valid JSON"),
+])
+def test_a_damaged_state_is_one_sentence(tmp_path, text, says, capsys):
+    ckpt = tmp_path / "x.ckpt"
+    write_checkpoint(ckpt, 1, *(np.zeros(N_TINY, np.float32) for _ in range(3)))
+    RunFiles(ckpt).state.write_text(text)
+    assert cli_main(["inspect", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
