@@ -154,10 +154,14 @@ def stray(text):
     return text + "}"  # a bracket no element opened
 
 
+def stray_close(text):
+    return text + "]"  # a bracket that would end the array early
+
+
 LAYOUTS = {"spaced": ("[", ", ", "]"), "tight": ("[", ",", "]"), "indented": ("[\n  ", ",\n  ", "\n]\n")}
 
 
-@pytest.mark.parametrize("damage", [unclosed, unterminated, unopened, stray])
+@pytest.mark.parametrize("damage", [unclosed, unterminated, unopened, stray, stray_close])
 @pytest.mark.parametrize("broken", [0, 14, N - 1])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_array_loses_only_its_broken_element(tmp_path, capsys, damage, broken, layout):
@@ -169,7 +173,7 @@ def test_an_array_loses_only_its_broken_element(tmp_path, capsys, damage, broken
     path.write_text(start + separator.join(texts) + end, encoding="utf-8")
     manifest, pulled = pull(tmp_path, path, capsys)
     assert manifest["dropped"] == {"broken_json": 1}
-    if damage is stray:  # the element is whole; the bracket after it is the record dropped
+    if damage in (stray, stray_close):  # the element is whole; the bracket after it is the record dropped
         assert manifest["counts"] == {"rows_in": N + 1, "rows_out": N}
         assert pulled == expected(rows, set())
     else:

@@ -184,7 +184,8 @@ def _next_element(buf: _Buffer) -> str:
 
 def json_array(stream: IO[bytes]) -> Rows:
     """The elements of a top-level JSON array, streamed: memory holds one element at a time.
-    Commas are separators only (a missing or trailing one loses nothing)."""
+    Commas are separators only (a missing or trailing one loses nothing); a ']' followed by a comma
+    is stray, not the array's end."""
     buf = _Buffer(stream)
     if buf.skip_whitespace() != "[":
         yield buf.line, Unreadable()
@@ -197,8 +198,12 @@ def json_array(stream: IO[bytes]) -> Rows:
         if c == "":  # the array never closes: the file is cut short (a cut element was counted)
             return
         if c == "]":
+            line = buf.line
             buf.advance(buf.pos + 1)
-            break
+            if buf.skip_whitespace() != ",":
+                break
+            yield line, Unreadable()  # a stray ']' with elements after it: they are read on
+            continue
         if c == ",":
             buf.advance(buf.pos + 1)
             continue
