@@ -1,16 +1,15 @@
 """`andrea` command line: one subcommand per pipeline stage.
 
 Each stage module exposes `register(subparsers)`, adding its subcommand with a `func` default.
-Heavy imports stay inside the command functions so `andrea --help` is instant.
+Heavy imports stay inside the command functions so `andrea --help` is instant. The `andrea` console
+script enters at main(): this module imports nothing but the signal recorder before main() installs it
+for `andrea train` (argparse and everything else come after).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from andrea import __version__
-from andrea.errors import AndreaError, error_sentence
 from andrea.stop_signals import STOP_SIGNALS
 
 STAGE_MODULES = [
@@ -24,8 +23,12 @@ STAGE_MODULES = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
+    """The parser of `andrea` and every stage's subcommand."""
+    import argparse
     import importlib
+
+    from andrea import __version__
 
     parser = argparse.ArgumentParser(
         prog="andrea",
@@ -39,10 +42,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def at_least(low: int):
+    """An argparse type: a whole number of at least `low`, else one sentence naming the valid range."""
+
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {low}")
+        return value
+
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0, else one sentence naming the valid range."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of at least 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["train"]:
-        # before the imports below: a SIGTERM while the trainer starts is then recorded, not fatal
-        STOP_SIGNALS.install()
+        # before any other import: a signal while the trainer starts is then recorded, not fatal. The
+        # process's own command line (argv None) keeps them until it exits: one after the run is not fatal either.
+        STOP_SIGNALS.install(until_exit=argv is None)
+    from andrea.errors import AndreaError, error_sentence
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

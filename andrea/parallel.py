@@ -23,7 +23,7 @@ import numpy as np
 from andrea.atomic import write_json_atomic
 from andrea.errors import AndreaError
 from andrea.runfiles import RunFiles
-from andrea.stop_signals import STOP_SIGNALS
+from andrea.stop_signals import SIGNALS, STOP_SIGNALS, blocked
 
 RANK_ENV, WORLD_ENV, LOCAL_ENV, NCCL_ID_ENV = "ANDREA_RANK", "ANDREA_WORLD_SIZE", "ANDREA_LOCAL_RANK", "ANDREA_NCCL_ID"
 ID_WAIT_S = 300
@@ -163,7 +163,7 @@ class DataParallel:
 
 def launch(command: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
     """Start one process per GPU of this host running `command` (the `andrea train` command of a rank,
-    from andrea.train.child_command); forward SIGTERM/SIGUSR1 to all."""
+    from andrea.train.child_command); forward SIGTERM/SIGUSR1 to all, held pending while they start."""
     from cupy.cuda import runtime
 
     available = runtime.getDeviceCount()
@@ -172,20 +172,29 @@ def launch(command: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
     uid = new_unique_id()
     children: list[subprocess.Popen] = []
     pending: list[int] = []
+    started = False
 
     def forward(signum, frame):
         pending.append(signum)
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+        if started:
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    old = {s: signal.signal(s, forward) for s in SIGNALS}
     try:
-        if STOP_SIGNALS.terminate or signal.SIGTERM in pending:
-            return sigterm_exit_code  # arrived while this process started: nothing to train
-        for r in range(n_gpus):
-            env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
-            children.append(subprocess.Popen(command, env=env))
+        # The ranks start with both signals blocked (each unblocks them once its handlers are in place): one
+        # forwarded while they start waits for them instead of killing a rank.
+        with blocked():
+            if STOP_SIGNALS.terminate or signal.SIGTERM in pending:
+                return sigterm_exit_code  # arrived while this process started: nothing to train
+            for r in range(n_gpus):
+                env = {**os.environ, RANK_ENV: str(r), WORLD_ENV: str(n_gpus), LOCAL_ENV: str(r), NCCL_ID_ENV: uid}
+                children.append(subprocess.Popen(command, env=env))
+            started = True  # from here forward() reaches every rank; what arrived before goes to all now
+            for signum in ([signal.SIGUSR1] if STOP_SIGNALS.snapshot else []) + list(pending):
+                for child in children:
+                    child.send_signal(signum)
         statuses = [child.wait() for child in children]
     finally:
         for s, handler in old.items():

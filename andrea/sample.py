@@ -149,6 +149,8 @@ def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tok
 
 
 def register(subparsers) -> None:
+    from andrea.cli import at_least, non_negative_float
+
     p = subparsers.add_parser(
         "sample",
         help="generate a chat reply from a checkpoint",
@@ -161,10 +163,12 @@ def register(subparsers) -> None:
     p.add_argument("--system", help="an optional system message before it")
     p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: DATA/tokenizer.json of the training data)")
-    p.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0 is greedy (default {TEMPERATURE})")
-    p.add_argument("--top-k", type=int, default=TOP_K, help=f"sample from the k likeliest tokens; 0: all (default {TOP_K})")
+    p.add_argument("--temperature", type=non_negative_float, default=TEMPERATURE,
+                   help=f"0 is greedy (default {TEMPERATURE})")
+    p.add_argument("--top-k", type=at_least(0), default=TOP_K,
+                   help=f"sample from the k likeliest tokens; 0: all (default {TOP_K})")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="most tokens to generate (default 256)")
     p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
                    help="auto (default) uses CUDA when a device is present, else NumPy")
     p.add_argument("--json", action="store_true", help="print prompt, completion and settings as JSON")
