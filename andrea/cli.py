@@ -42,37 +42,6 @@ def build_parser():
     return parser
 
 
-def at_least(low: int):
-    """An argparse type: a whole number of at least `low`, else one sentence naming the valid range."""
-
-    def parse(text: str) -> int:
-        import argparse
-
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {low}")
-        return value
-
-    return parse
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number of at least 0, else one sentence naming the valid range."""
-    import argparse
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of at least 0")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["train"]:
         # before any other import: a signal while the trainer starts is then recorded, not fatal. The

@@ -17,6 +17,7 @@ from andrea.inference import inference_engine, load_tokenizer, tokenizer_for, vo
 from andrea.inspect_ckpt import experiment_for
 from andrea.layout import ParameterLayout
 from andrea.model import Model
+from andrea.options import at_least, non_negative_float
 
 TEMPERATURE = 0.8
 TOP_K = 40
@@ -149,8 +150,6 @@ def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tok
 
 
 def register(subparsers) -> None:
-    from andrea.cli import at_least, non_negative_float
-
     p = subparsers.add_parser(
         "sample",
         help="generate a chat reply from a checkpoint",

@@ -36,6 +36,7 @@ from andrea.inspect_ckpt import refuse_other_model
 from andrea.loader import rank_rows
 from andrea.memory import device_bytes
 from andrea.mixing import Mixture, MixState
+from andrea.options import at_least
 from andrea.parallel import launch, rank_from_env
 from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record, end_torn_line, iter_records
 from andrea.stop_signals import STOP_SIGNALS
@@ -69,7 +70,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="checkpoint to write, e.g. results/ANDREA-12M.ckpt")
     p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
                    help="auto (default) uses CUDA when a device is present, else NumPy")
-    p.add_argument("--max-steps", type=int, default=None,
+    p.add_argument("--max-steps", type=at_least(1), default=None,
                    help="stop after this many optimizer steps in total (the LR schedule still spans the full run)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
@@ -632,10 +633,11 @@ class Trainer:
             self.log(f"SIGTERM while starting: nothing trained, stopped at step {step}; resume with --resume")
             return self.args.sigterm_exit_code
         self._catch_up_archive(step)
-        t_start = time.time()
+        # durations on a monotonic clock: a wall clock stepped back (NTP, a resumed VM) would make them negative
+        t_start = time.perf_counter()
         with Progress(self.console, step, stop, enabled=self.is_main) as progress:
             while step < stop:
-                t0 = time.time()
+                t0 = time.perf_counter()
                 phase = self.program.phase_at(step)
                 iv = phase.intervals
                 probs, windows, sources = self._draw(phase, step)
@@ -669,9 +671,9 @@ class Trainer:
                     self.log(f"step {step + 1}: {fault}; step skipped (no update)")
                     trained = False
                 step += 1
-                elapsed = self.elapsed_before + time.time() - t_start
+                elapsed = self.elapsed_before + time.perf_counter() - t_start
                 if trained:
-                    self._after_step(phase, step, loss, lr, norm, time.time() - t0, elapsed, progress, mixed)
+                    self._after_step(phase, step, loss, lr, norm, time.perf_counter() - t0, elapsed, progress, mixed)
                 pivot = step == phase.end and step < self.total_steps
                 if pivot:
                     self._pivot(phase, step, elapsed)
@@ -690,7 +692,7 @@ class Trainer:
                 elif trained and not pivot and iv["checkpoint"] and step % iv["checkpoint"] == 0 and step < stop:
                     self.checkpoint(step, elapsed, "interval")
             if not (self.recent_checkpoints and self.recent_checkpoints[-1]["step"] == step):  # a pivot wrote it
-                self.checkpoint(step, self.elapsed_before + time.time() - t_start,
+                self.checkpoint(step, self.elapsed_before + time.perf_counter() - t_start,
                                 "end" if step == self.total_steps else "max-steps")
         self.log(f"done: step {step} of {self.total_steps}")
         return 0
@@ -728,8 +730,9 @@ class Trainer:
 
         exp, iv = self.exp, phase.intervals
         record = {"step": step, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": norm,
-                  "tokens": step * exp.tokens_per_step, "tokens_per_s": exp.tokens_per_step / dt, "time": elapsed,
-                  **mixed}
+                  "tokens": step * exp.tokens_per_step,
+                  "tokens_per_s": exp.tokens_per_step / dt if dt > 0 else None,  # no rate for a step that took no time
+                  "time": elapsed, **mixed}
         last = step == phase.end
         if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
             record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
@@ -804,7 +807,7 @@ class Progress:
         self.enabled = enabled
         self.live = enabled and console.is_terminal
         self.every = max(1, (stop - start) // 20)
-        self.t0 = time.time()
+        self.t0 = time.monotonic()
 
     def __enter__(self):
         if self.live:
@@ -821,14 +824,14 @@ class Progress:
             self.bar.__exit__(*exc)
 
     def update(self, step: int, rec: dict) -> None:
-        info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s"
+        info = f"loss {rec['loss']:.4f}" + (f"  {rec['tokens_per_s']:,.0f} tok/s" if rec["tokens_per_s"] else "")
         if "val_loss" in rec:
             info += f"  val {rec['val_loss']:.4f}"
         if self.live:
             self.bar.update(self.task, completed=step, info=info)
         elif self.enabled and ((step - self.start) % self.every == 0 or step == self.stop):
             done = step - self.start
-            eta = (time.time() - self.t0) / max(done, 1) * (self.stop - step)
+            eta = (time.monotonic() - self.t0) / max(done, 1) * (self.stop - step)
             self.console.print(f"step {step}/{self.stop}  {info}  eta {eta:,.0f}s", highlight=False, soft_wrap=True)
 
 

@@ -30,7 +30,7 @@ def non_default(action: argparse.Action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, next(c for c in action.choices if c != action.default)]
-    if action.type is not None:  # int, or a range-checked int (andrea.cli.at_least)
+    if action.type is not None:  # int, or a range-checked int (andrea.options.at_least)
         return [flag, str((action.default or 0) + 7)]
     return [flag, f"set-{action.dest}"]
 
