@@ -7,6 +7,7 @@ repository's own results/ and .snakemake/ are never touched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SNAKEMAKE = BIN / "snakemake"
 COPIED = ("Snakefile", "workflow", "config", "profiles", "andrea", "kernels")
-DATA_STAGES = {"pull_hermes3", "prep_megachat", "train_tokenizer", "tokenize"}
+DATA_STAGES = {"pull_hermes3", "prep_megachat", "data_identity", "train_tokenizer", "tokenize"}
 SOURCES = [s["name"] for s in yaml.safe_load((REPO / "config" / "config.yaml").read_text())["data"]["sources"]]
 REPORT_RULES = {"plot_loss", "eval_table", "all"}
 
@@ -93,6 +94,24 @@ def set_data(workdir: Path, data: dict) -> None:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
+def token_folder(workdir: Path, experiment: str = "ANDREA-tiny") -> str:
+    """The token folder `experiment` trains on under the workdir's config (the train job's --data in
+    a dry run)."""
+    proc = snakemake(workdir, "--dry-run", "--printshellcmds", "--forcerun", "train", f"results/{experiment}.ckpt")
+    return re.search(r"andrea train .*--data (\S+)", proc.stdout).group(1)
+
+
+def one(paths) -> Path:
+    """The one path of a glob."""
+    found = list(paths)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def file_hashes(folder: Path) -> dict[Path, str]:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A workflow copy where `snakemake` (rule all) has run once for ANDREA-tiny."""
@@ -101,23 +120,32 @@ def built(tmp_path_factory) -> Path:
     ran = job_counts(proc.stdout + proc.stderr)
     assert set(ran) == DATA_STAGES | {"train", "eval"} | REPORT_RULES
     assert len(SOURCES) >= 2 and ran["pull_hermes3"] == ran["prep_megachat"] == len(SOURCES)
-    assert ran["train_tokenizer"] == ran["tokenize"] == 1
+    assert ran["data_identity"] == ran["train_tokenizer"] == ran["tokenize"] == 1
     return workdir
 
 
 def test_end_to_end_on_tiny(built):
     results = built / "results"
+    tokens = one((results / "data").glob("tokens-V512-*"))
+    assert re.fullmatch(r"tokens-V512-[0-9a-f]{12}", tokens.name)
+    assert f"results/data/{tokens.name}" == token_folder(built)
     for name in ("ANDREA-tiny.ckpt", "ANDREA-tiny.loss.json", "ANDREA-tiny.state.json",
                  "eval/ANDREA-tiny.json", "report/ANDREA-tiny.loss.svg", "report/evaluation.html",
-                 "data/tokens-V512/train.bin.manifest.json", "data/tokens-V512/tokenizer.json"):
+                 f"data/{tokens.name}/train.bin.manifest.json", f"data/{tokens.name}/tokenizer.json"):
         assert (results / name).is_file(), name
+    identity = json.loads((tokens / "identity.json").read_text())
+    assert [s["name"] for s in identity["sources"]] == SOURCES and identity["vocab_size"] == 512
+    preps = []
     for source in SOURCES:
-        for name in (f"sources/{source}/hermes3.parquet", f"sources/{source}/megachat/val.parquet.manifest.json",
-                     f"tokens-V512/{source}/train.bin", f"tokens-V512/{source}/val.mask.bin.manifest.json"):
-            assert (results / "data" / name).is_file(), name
-    tokenizer_inputs = json.loads((results / "data/tokens-V512/tokenizer.json.manifest.json").read_text())["inputs"]
-    assert [i["path"] for i in tokenizer_inputs] == [f"../sources/{s}/megachat/train.parquet" for s in SOURCES]
-    lineage = subprocess.run([str(BIN / "andrea"), "lineage", f"results/data/tokens-V512/{SOURCES[-1]}/train.bin"],
+        folder = one((results / "data" / "sources").glob(f"{source}-*"))
+        prep = one(folder.glob("megachat-*"))
+        preps.append(f"../sources/{folder.name}/{prep.name}/train.parquet")
+        for path in (folder / "hermes3.parquet", prep / "val.parquet.manifest.json",
+                     tokens / source / "train.bin", tokens / source / "val.mask.bin.manifest.json"):
+            assert path.is_file(), path
+    tokenizer_inputs = json.loads((tokens / "tokenizer.json.manifest.json").read_text())["inputs"]
+    assert [i["path"] for i in tokenizer_inputs] == preps
+    lineage = subprocess.run([str(BIN / "andrea"), "lineage", f"results/data/{tokens.name}/{SOURCES[-1]}/train.bin"],
                              cwd=built, capture_output=True, text=True)
     assert lineage.returncode == 0 and f"{SOURCES[-1]}.jsonl.gz" in lineage.stdout, lineage.stdout
     train_log = (results / "logs/train/ANDREA-tiny.log").read_text()
@@ -135,9 +163,10 @@ def test_unchanged_rerun_plans_nothing(built):
 
 def test_tokenizer_parameter_reruns_tokenizer_and_downstream_only(built):
     edit_config(built, tokenizer={"min_frequency": 3})
+    tokens = {"data_identity", "train_tokenizer", "tokenize"}  # in a new token folder
     try:
-        assert planned(built, "results/eval/ANDREA-tiny.json") == {"train_tokenizer", "tokenize", "train", "eval"}
-        assert planned(built) == {"train_tokenizer", "tokenize", "train", "eval"} | REPORT_RULES
+        assert planned(built, "results/eval/ANDREA-tiny.json") == tokens | {"train", "eval"}
+        assert planned(built) == tokens | {"train", "eval"} | REPORT_RULES
     finally:
         edit_config(built, tokenizer={"min_frequency": 2})
     assert planned(built) == set()
@@ -160,22 +189,45 @@ def test_code_change_reruns_what_runs_it(built):
 def test_forcerun_prep_megachat(built):
     proc = snakemake(built, "--forcerun", "prep_megachat")
     ran = job_counts(proc.stdout + proc.stderr)
-    assert set(ran) == DATA_STAGES - {"pull_hermes3"} | {"train", "eval"} | REPORT_RULES
+    assert set(ran) == DATA_STAGES - {"pull_hermes3", "data_identity"} | {"train", "eval"} | REPORT_RULES
     assert ran["prep_megachat"] == len(SOURCES)
     assert planned(built) == set()
 
 
 def test_forcerun_of_one_sources_prep_reruns_that_sources_chain_only(built):
-    counts = planned_counts(built, "--forcerun", f"results/data/sources/{SOURCES[0]}/megachat/train.parquet")
+    prep = one((built / "results/data/sources").glob(f"{SOURCES[0]}-*/megachat-*/train.parquet"))
+    counts = planned_counts(built, "--forcerun", str(prep.relative_to(built)))
     assert counts["prep_megachat"] == 1 and "pull_hermes3" not in counts
     # the tokenizer is trained on every source, so it and what follows it rerun
-    assert set(counts) == DATA_STAGES - {"pull_hermes3"} | {"train", "eval"} | REPORT_RULES
+    assert set(counts) == DATA_STAGES - {"pull_hermes3", "data_identity"} | {"train", "eval"} | REPORT_RULES
+
+
+def test_other_sources_make_other_folders_and_leave_the_old_ones(built):
+    """Dropping a source builds the same experiment's tokens in a new folder; every data file the first
+    config made (its token folder, every source's pull and prep) keeps its bytes."""
+    old = token_folder(built)
+    before = file_hashes(built / "results" / "data")
+    config = (built / "config" / "config.yaml").read_text()
+    edit_config(built, data={"sources": [s for s in yaml.safe_load(config)["data"]["sources"] if s["name"] == SOURCES[0]]})
+    try:
+        new = token_folder(built)
+        assert new != old and new.startswith("results/data/tokens-V512-")
+        proc = snakemake(built, f"{new}/train.bin")
+        # the kept source's pull and prep are the old ones, by name
+        assert set(job_counts(proc.stdout + proc.stderr)) == {"data_identity", "train_tokenizer", "tokenize"}
+        after = file_hashes(built / "results" / "data")
+        assert {p: after.get(p) for p in before} == before
+        assert [s["name"] for s in json.loads((built / new / "identity.json").read_text())["sources"]] == SOURCES[:1]
+    finally:
+        (built / "config" / "config.yaml").write_text(config)
+    assert token_folder(built) == old and planned(built) == set()
 
 
 def test_report_has_loss_curve_and_eval_table(built):
     snakemake(built, "--report", "report.html")
     html = (built / "report.html").read_text()
     assert "ANDREA-tiny.loss.svg" in html and "evaluation.html" in html
+    assert all(f"{s}</tt>" in html for s in SOURCES), "the description names each source"
 
 
 def test_dry_run_of_12m_lists_all_stages(tmp_path):
@@ -184,9 +236,11 @@ def test_dry_run_of_12m_lists_all_stages(tmp_path):
     counts = job_counts(proc.stdout)
     assert set(counts) == DATA_STAGES | {"train"}
     assert counts["pull_hermes3"] == counts["prep_megachat"] == len(SOURCES)
-    assert "--vocab-size 4096" in proc.stdout and "--data results/data/tokens-V4096" in proc.stdout
+    assert "--vocab-size 4096" in proc.stdout
+    assert re.search(r"--data results/data/tokens-V4096-[0-9a-f]{12} ", proc.stdout)
     for source in SOURCES:
-        assert f"--source {source}=results/data/sources/{source}/megachat" in proc.stdout
+        assert re.search(rf"--source {source}=results/data/sources/{source}-[0-9a-f]{{12}}/megachat-[0-9a-f]{{12}} ",
+                         proc.stdout)
 
 
 def test_the_single_source_form_still_works(tmp_path):
@@ -195,7 +249,8 @@ def test_the_single_source_form_still_works(tmp_path):
     proc = snakemake(workdir, "--dry-run", "--printshellcmds", "results/ANDREA-tiny.ckpt")
     counts = job_counts(proc.stdout)
     assert counts["pull_hermes3"] == counts["prep_megachat"] == 1
-    assert "--source embedded:pydocs --out results/data/sources/pydocs/hermes3.parquet" in proc.stdout
+    assert re.search(r"--source embedded:pydocs --out results/data/sources/pydocs-[0-9a-f]{12}/hermes3.parquet",
+                     proc.stdout)
 
 
 def test_bad_config_and_unknown_experiment_fail_clearly(tmp_path):

@@ -1,5 +1,6 @@
 import functools
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from andrea.config import load_experiment as load_experiment_file
 from andrea.errors import AndreaError
-from andrea.hashing import code_hash
+from andrea.hashing import code_hash, config_hash, sha256_file
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -34,6 +35,9 @@ wildcard_constraints:
     experiment="ANDREA-[A-Za-z0-9._-]+",
     vocab=r"\d+",
     source=r"[A-Za-z0-9_][A-Za-z0-9._-]*",
+    pull=r"[0-9a-f]{12}",
+    prep=r"[0-9a-f]{12}",
+    data=r"[0-9a-f]{12}",
 
 
 # ---- experiments ---------------------------------------------------------------------
@@ -77,12 +81,12 @@ def experiment_file(wildcards):
 
 
 def tokens_file(filename):
-    """Input function: `filename` in the experiment's token folder, one folder per vocabulary
-    size (shared by experiments of the same size)."""
+    """Input function: `filename` in the experiment's token folder, the one of its vocabulary size
+    and this config's data (shared by experiments of the same size)."""
 
     def path(wildcards):
         vocab = load_experiment(wildcards.experiment)["model"]["vocab_size"]
-        return f"results/data/tokens-V{vocab}/{filename}"
+        return f"{tokens_dir(vocab)}/{filename}"
 
     return path
 
@@ -120,7 +124,7 @@ def _data_sources():
         if entry["name"] in by_name:
             raise WorkflowError(
                 f"config/config.yaml: data.sources has two sources named {entry['name']!r}; "
-                "each source's outputs live under results/data/sources/<name>/, so give each its own name."
+                "each source's outputs live under results/data/sources/<name>-<hash>/, so give each its own name."
             )
         entry.setdefault("hub_id", data["hub_id"])
         entry.setdefault("revision", data["revision"])
@@ -140,13 +144,6 @@ def data_source(name):
     return DATA_SOURCES[name]
 
 
-def pull_inputs(wildcards):
-    """A local source file is an input, so editing it reruns that source's pull."""
-    source = data_source(wildcards.source)["source"]
-    local = source != "hub" and not source.startswith("embedded")
-    return {"source": source} if local else {}
-
-
 def pull_args(wildcards):
     """The pull's flags. Hub settings only count (and rerun the pull) for a Hub source."""
     entry = data_source(wildcards.source)
@@ -163,6 +160,136 @@ def tokenize_sources(wildcards, input):
         for name, train in zip(SOURCE_NAMES, input.train)
         for arg in ("--source", f"{name}={Path(train).parent}")
     )
+
+
+# ---- data identity -------------------------------------------------------------------
+# Each data folder is named by a short sha256 of what defines its content, so another config
+# makes other folders and never rewrites the ones an earlier run trained on (old folders stay
+# until removed by hand). The code a stage runs is not part of it: a code change reruns that
+# stage in place (its `code` param).
+
+IDENTITY_LENGTH = 12
+
+
+def short_hash(identity):
+    return config_hash(identity)[:IDENTITY_LENGTH]
+
+
+def is_local(source):
+    return source != "hub" and not source.startswith("embedded")
+
+
+@functools.cache
+def _file_sha256(path, size, mtime_ns):
+    """A local source's sha256, read once per (path, size, mtime) in this process: its bytes, not
+    its size and time, are its identity."""
+    return sha256_file(path)
+
+
+def local_file(entry):
+    """{path, sha256} of a local source; a path that is not a readable file fails the planning."""
+    try:
+        path = Path(entry["source"]).resolve(strict=True)
+        st = path.stat()
+        # opening it fails for a directory or an unreadable file
+        digest = _file_sha256(str(path), st.st_size, st.st_mtime_ns)
+    except OSError as err:
+        raise WorkflowError(
+            f"config/config.yaml: data source {entry['name']!r} cannot be read from "
+            f"{entry['source']} ({(err.strerror or str(err)).lower()}); fix its path (a relative "
+            f"path starts at {Path.cwd()}) or make it a readable file."
+        )
+    return {"path": str(path), "sha256": digest}
+
+
+@functools.cache
+def embedded_corpus_hash():
+    """sha256 of the packaged corpus (every file of andrea/data/embedded/)."""
+    return code_hash(REPO, ["andrea/data/embedded/"])
+
+
+def source_identity(name):
+    """What a source's pull is made of: its spec and what it reads."""
+    entry = DATA_SOURCES[name]
+    identity = {"name": name, "source": entry["source"]}
+    if entry["source"] == "hub":
+        # a branch is taken by name: pin a commit as `revision` to tie the pull to one state
+        identity.update(hub_id=entry["hub_id"], revision=entry["revision"])
+    elif is_local(entry["source"]):
+        identity["file"] = local_file(entry)
+    else:
+        identity["embedded_corpus_sha256"] = embedded_corpus_hash()
+    return identity
+
+
+# Computed while the Snakefile is parsed, so a missing local source fails every run, `-n` too.
+SOURCE_IDENTITIES = {name: source_identity(name) for name in SOURCE_NAMES}
+# results/data/sources/<name>-<hash>/: the pull; its megachat-<hash>/: the prep, which adds
+# val_fraction (so changing it reruns the prep, never the pull)
+SOURCE_DIRS = {
+    name: f"results/data/sources/{name}-{short_hash(identity)}"
+    for name, identity in SOURCE_IDENTITIES.items()
+}
+PREP_HASH = short_hash({"val_fraction": config["data"]["val_fraction"]})
+PREP_DIRS = {
+    name: f"{folder}/megachat-{PREP_HASH}" for name, folder in SOURCE_DIRS.items()
+}
+
+
+@functools.cache
+def data_identity(vocab):
+    """What a token folder is made of: every source (in config order, the tokenizer's input
+    order), val_fraction, the tokenizer settings and the vocabulary size. identity.json in the
+    folder is this, and its name carries its short hash."""
+    return {
+        "vocab_size": int(vocab),
+        "sources": [
+            {**SOURCE_IDENTITIES[name], "folder": SOURCE_DIRS[name]}
+            for name in SOURCE_NAMES
+        ],
+        "val_fraction": config["data"]["val_fraction"],
+        "tokenizer": {
+            key: config["tokenizer"][key]
+            for key in ("min_frequency", "max_token_length", "unspaced_chunk")
+        },
+    }
+
+
+def tokens_dir(vocab):
+    return f"results/data/tokens-V{vocab}-{short_hash(data_identity(vocab))}"
+
+
+def check_source_dir(wildcards):
+    """Input function of the per-source rules: they build this config's folders only (a folder of
+    another hash belongs to another config and is never rewritten); no inputs."""
+    asked = f"results/data/sources/{wildcards.source}-{wildcards.pull}"
+    expected = SOURCE_DIRS.get(wildcards.source)
+    if hasattr(wildcards, "prep"):
+        asked = f"{asked}/megachat-{wildcards.prep}"
+        expected = f"{expected}/megachat-{PREP_HASH}"
+    if asked != expected:
+        raise WorkflowError(
+            f"{asked}: not a folder of the data in config/config.yaml (its sources are "
+            f"{', '.join(SOURCE_DIRS.values())}, prepared in megachat-{PREP_HASH}/); ask for a "
+            "target of this config, or restore the config that made it."
+        )
+    return {}
+
+
+def check_tokens_dir(wildcards):
+    """Input function of the token folder's rules, as check_source_dir for the sources."""
+    asked = f"results/data/tokens-V{wildcards.vocab}-{wildcards.data}"
+    if asked != tokens_dir(wildcards.vocab):
+        raise WorkflowError(
+            f"{asked}: not the token folder of config/config.yaml's data (for V{wildcards.vocab} "
+            f"that is {tokens_dir(wildcards.vocab)}); ask for a target of this config, or "
+            "restore the config that made it."
+        )
+    return {}
+
+
+def identity_json(wildcards):
+    return json.dumps(data_identity(wildcards.vocab), indent=2, sort_keys=True) + "\n"
 
 
 # ---- threads -------------------------------------------------------------------------
@@ -207,19 +334,19 @@ STAGE_CODE = {
 def run_dir(wildcards, input):
     """Where a training run keeps its checkpoint while it runs: one folder per (code, experiment,
     data). Snakemake deletes a failed job's outputs, so the resumable run lives outside them; a
-    retry of the same job finds its folder and resumes, while any change starts a fresh one.
+    retry of the same job finds its folder and resumes, while any change starts a fresh one. The
+    data count by their token folder (its name carries the data identity) and by the train shard's
+    manifest (its sha256: code changes rewrite the shards in place).
     """
     digest = hashlib.sha256(code_version("train").encode())
+    digest.update(Path(input.experiment).read_bytes())
+    digest.update(Path(input.train).parent.name.encode())
     manifest = Path(f"{input.train}.manifest.json")
-    for path in (
-        Path(input.experiment),
-        manifest if manifest.is_file() else Path(input.train),
-    ):
-        digest.update(
-            path.read_bytes()
-            if path.suffix == ".json"
-            else str(path.stat().st_size).encode()
-        )
+    digest.update(
+        manifest.read_bytes()
+        if manifest.is_file()
+        else str(Path(input.train).stat().st_size).encode()
+    )
     digest.update(config["engine"].encode())
     return f"results/runs/{wildcards.experiment}/{digest.hexdigest()[:12]}"
 

@@ -1,9 +1,14 @@
 # Data stages: pull -> prep per source, one tokenizer over every source's train split, tokenize
 # per source (and their union). Each artifact has a <file>.manifest.json, declared as an output so
-# a rerun replaces it together with the artifact.
+# a rerun replaces it together with the artifact. Every folder is named by the hash of what
+# defines it (common.smk, data identity): another config writes other folders.
 
-SOURCE_DIR = "results/data/sources/{source}"
-TOKENS_DIR = "results/data/tokens-V{vocab}"
+SOURCE_DIR = "results/data/sources/{source}-{pull}"
+PREP_DIR = f"{SOURCE_DIR}/megachat-{{prep}}"
+TOKENS_DIR = "results/data/tokens-V{vocab}-{data}"
+# this config's prepared splits, in config order (the tokenizer's input order)
+PREP_TRAIN = [f"{PREP_DIRS[name]}/train.parquet" for name in SOURCE_NAMES]
+PREP_VAL = [f"{PREP_DIRS[name]}/val.parquet" for name in SOURCE_NAMES]
 SPLIT_FILES = [
     f"{split}{kind}{manifest}"
     for split in ("train", "val")
@@ -17,14 +22,16 @@ localrules:
     pull_hermes3,
 
 
+# A local source file is no input: its sha256 is in the folder's name, so an edit makes a new
+# folder, and a touch that leaves the bytes alone reruns nothing.
 rule pull_hermes3:
     input:
-        unpack(pull_inputs),
+        unpack(check_source_dir),
     output:
         parquet=f"{SOURCE_DIR}/hermes3.parquet",
         manifest=f"{SOURCE_DIR}/hermes3.parquet.manifest.json",
     log:
-        "results/logs/pull_hermes3/{source}.log",
+        "results/logs/pull_hermes3/{source}-{pull}.log",
     params:
         source=pull_args,
         code=code_version("pull_hermes3"),
@@ -34,14 +41,15 @@ rule pull_hermes3:
 
 rule prep_megachat:
     input:
+        unpack(check_source_dir),
         parquet=rules.pull_hermes3.output.parquet,
     output:
-        train=f"{SOURCE_DIR}/megachat/train.parquet",
-        val=f"{SOURCE_DIR}/megachat/val.parquet",
-        train_manifest=f"{SOURCE_DIR}/megachat/train.parquet.manifest.json",
-        val_manifest=f"{SOURCE_DIR}/megachat/val.parquet.manifest.json",
+        train=f"{PREP_DIR}/train.parquet",
+        val=f"{PREP_DIR}/val.parquet",
+        train_manifest=f"{PREP_DIR}/train.parquet.manifest.json",
+        val_manifest=f"{PREP_DIR}/val.parquet.manifest.json",
     log:
-        "results/logs/prep_megachat/{source}.log",
+        "results/logs/prep_megachat/{source}-{pull}-{prep}.log",
     params:
         out_dir=subpath(output.train, parent=True),
         val_fraction=config["data"]["val_fraction"],
@@ -51,15 +59,35 @@ rule prep_megachat:
         " --val-fraction {params.val_fraction} > {log} 2>&1"
 
 
+# What the token folder's hash covers, written into it for people to read.
+localrules:
+    data_identity,
+
+
+rule data_identity:
+    input:
+        unpack(check_tokens_dir),
+    output:
+        identity=f"{TOKENS_DIR}/identity.json",
+    log:
+        "results/logs/data_identity/V{vocab}-{data}.log",
+    params:
+        identity=identity_json,
+    run:
+        Path(output.identity).write_text(params.identity)
+        Path(log[0]).write_text(f"wrote {output.identity}\n")
+
+
 # One tokenizer for all sources, trained on the union of their train splits.
 rule train_tokenizer:
     input:
-        train=expand(rules.prep_megachat.output.train, source=SOURCE_NAMES),
+        identity=rules.data_identity.output.identity,
+        train=PREP_TRAIN,
     output:
         tokenizer=f"{TOKENS_DIR}/tokenizer.json",
         manifest=f"{TOKENS_DIR}/tokenizer.json.manifest.json",
     log:
-        "results/logs/train_tokenizer/V{vocab}.log",
+        "results/logs/train_tokenizer/V{vocab}-{data}.log",
     threads: job_threads("train_tokenizer")
     params:
         inputs=lambda wildcards, input: " ".join(f"--in {p}" for p in input.train),
@@ -78,18 +106,20 @@ rule train_tokenizer:
 # to the tokenizer: training reads the sources and the tokenizer from that one folder.
 rule tokenize:
     input:
+        unpack(check_tokens_dir),
         tokenizer=rules.train_tokenizer.output.tokenizer,
-        train=expand(rules.prep_megachat.output.train, source=SOURCE_NAMES),
-        val=expand(rules.prep_megachat.output.val, source=SOURCE_NAMES),
+        train=PREP_TRAIN,
+        val=PREP_VAL,
     output:
         [f"{TOKENS_DIR}/{name}" for name in SPLIT_FILES],
         expand(
-            "results/data/tokens-V{{vocab}}/{source}/{name}",
+            f"{TOKENS_DIR}/{{source}}/{{name}}",
             source=SOURCE_NAMES,
             name=SPLIT_FILES,
+            allow_missing=True,
         ),
     log:
-        "results/logs/tokenize/V{vocab}.log",
+        "results/logs/tokenize/V{vocab}-{data}.log",
     threads: job_threads("tokenize")
     params:
         sources=tokenize_sources,
