@@ -24,9 +24,8 @@ Policies (--policies, default: uniform proportional bandit bandit-loss):
     LABEL=JSON    any other mixing object, e.g. 'fixed-py={"policy": "fixed", "weights": {"pydocs": 3,
                   "wordnet": 1}}' (LABEL: letters, digits, '_' and '-')
 
-Data: --data DIR (default results/data/tokens-V<vocab_size>) holds one subfolder per source; when
-the default folder has no train.bin it is built first with
-`snakemake --cores 2 results/data/tokens-V<vocab>/train.bin` (the tokenize rule's union shard).
+Data: --data DIR (default: the workflow's one results/data/tokens-V<vocab_size>-<hash>, named by the
+data config, docs/WORKFLOW.md) holds one subfolder per source.
 
 --noise also runs every policy on a second data folder, OUT/data-noise/: links to the real sources'
 subfolders and tokenizer.json, plus noise/, a third source whose train and val shards are the
@@ -283,17 +282,16 @@ def train_env(threads: int) -> dict:
     return env
 
 
-def build_data(data: Path, vocab: int) -> None:
-    """results/data/tokens-V<vocab>/train.bin (and every source's shards) by the workflow's tokenize rule."""
-    target = f"results/data/tokens-V{vocab}/train.bin"
-    snakemake = Path(sys.executable).parent / "snakemake"
-    argv = [str(snakemake) if snakemake.is_file() else "snakemake", "--cores", "2", target]
-    print(f"{data}/train.bin missing: {' '.join(argv)}", file=sys.stderr)
-    proc = subprocess.run(argv, cwd=REPO, env=train_env(1), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BenchError(f"{' '.join(argv)} failed (status {proc.returncode}):\n{proc.stderr[-3000:]}")
-    if not (data / "train.bin").is_file():
-        raise BenchError(f"{' '.join(argv)} succeeded but {data}/train.bin is still missing")
+def default_data(vocab: int) -> Path:
+    """The workflow's token folder of this vocabulary size (results/data/tokens-V<vocab>-<hash>, named by the data
+    config: docs/WORKFLOW.md), when there is exactly one."""
+    found = sorted((REPO / "results" / "data").glob(f"tokens-V{vocab}-*/train.bin"))
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(str(p.parent) for p in found)
+        raise BenchError(f"results/data holds {'no' if not found else len(found)} token folder{'s' * (len(found) != 1)} "
+                         f"of vocabulary {vocab} ({what}); build it with `snakemake --cores 2 "
+                         f"results/ANDREA-12M.ckpt` (the data stages come first), or pass --data")
+    return found[0].parent
 
 
 def data_sources(data: Path) -> list[str]:
@@ -384,7 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"default: {' '.join(DEFAULT_POLICIES)}")
     parser.add_argument("--noise", action="store_true", help="also run them with a third, shuffled source")
     parser.add_argument("--noise-source", help="the real source whose tokens noise/ shuffles (default: the first)")
-    parser.add_argument("--data", type=Path, help="data folder (default results/data/tokens-V<vocab_size>)")
+    parser.add_argument("--data", type=Path, help="data folder (default: the workflow's results/data/tokens-V<vocab_size>-<hash>)")
     parser.add_argument("--out-dir", type=Path, help="work folder, kept (default: a temp folder, removed after a success)")
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args(argv)
@@ -398,10 +396,7 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     base = json.loads((EXPERIMENTS / MODELS[args.model]).read_text())
     vocab = base["model"]["vocab_size"]
-    default_data = REPO / "results" / "data" / f"tokens-V{vocab}"
-    data = (args.data or default_data).resolve()
-    if not (data / "train.bin").is_file() and data == default_data.resolve():
-        build_data(data, vocab)
+    data = (args.data or default_data(vocab)).resolve()
     if not data.is_dir():
         raise BenchError(f"{data}: no such data folder")
     sources = data_sources(data)

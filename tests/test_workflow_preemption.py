@@ -64,7 +64,7 @@ def test_preempted_training_job_is_retried_and_resumes(tmp_path):
     # The same experiment, uninterrupted, outside the workflow: the same bytes.
     ref = tmp_path / "ref" / f"{NAME}.ckpt"
     subprocess.run(["andrea", "train", "--experiment", str(workdir / f"config/experiments/{NAME}-TRAIN.json"),
-                    "--data", str(workdir / "results/data/tokens-V512"), "--out", str(ref), "--engine", "numpy"],
+                    "--data", str(next((workdir / "results/data").glob("tokens-V512-*"))), "--out", str(ref), "--engine", "numpy"],
                    check=True, capture_output=True, env={**os.environ, "PATH": f"{SNAKEMAKE.parent}:{os.environ['PATH']}"})
     assert (workdir / "results" / f"{NAME}.ckpt").read_bytes() == ref.read_bytes()
     assert snakemake(workdir, "--dry-run", f"results/{NAME}.ckpt").stdout.count("Nothing to be done") == 1
