@@ -152,7 +152,7 @@ for kind, rule, body in re.findall(r"^(localrule|rule) (\w+):\n((?:    .*\n)+)",
     jobid = re.search(r"^    jobid: (\d+)", body, re.M).group(1)
     jobs[jobid] = (rule, kind == "localrule")
 submitted = dict(re.findall(r"Job (\d+) has been submitted with SLURM jobid (\d+)", out))
-local_rules = {"pull_hermes3", "plot_loss", "eval_table", "all"}
+local_rules = {"pull_hermes3", "data_identity", "plot_loss", "eval_table", "all"}
 problems = []
 print(f"{'rule':<16} {'job':>4}  SLURM job id")
 for jobid, (rule, local) in sorted(jobs.items(), key=lambda item: int(item[0])):
