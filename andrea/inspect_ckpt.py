@@ -115,7 +115,9 @@ def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_
     }
     if state is not None:
         report["state"] = {"path": str(state_path(ckpt)), "experiment": state.get("experiment", {}).get("name"),
-                           "step": state.get("step"), "role": "best" if is_best(ckpt, state) else "checkpoint",
+                           "step": state.get("step"), "total_steps": state.get("total_steps"),
+                           "unfinished": state.get("unfinished"),
+                           "role": "best" if is_best(ckpt, state) else "checkpoint",
                            "vouches_for_this_file": report["sha256"] in recorded_sha256s(state, ckpt)}
     exp = _layout_experiment(ckpt, explicit, state, matches, notes)
     if exp is None:
@@ -141,7 +143,10 @@ def render(report: dict, console) -> None:
         f"checkpoint  {report['checkpoint']}  ({report['bytes']:,} bytes, sha256 {report['sha256'][:16]}…)",
         f"step        {report['step']:,}",
         f"n_params    {report['n_params']:,}",
-        "state       " + (f"{state['path']}: {state['experiment']}, step {state['step']}, vouches for this file"
+        "state       " + (f"{state['path']}: {state['experiment']}, step {state['step']}"
+                          + (f" of {state['total_steps']:,}" if state["total_steps"] else "")
+                          + (f" (unfinished: stopped by --{state['unfinished']}; `andrea train --resume` continues it)"
+                             if state["unfinished"] else "") + ", vouches for this file"
                           f"{' as its best checkpoint' if state['role'] == 'best' else ''}: "
                           f"{'yes' if state['vouches_for_this_file'] else 'NO'}" if state else "none beside the checkpoint"),
         "matches     " + ("; ".join(f"{m['path']} ({m['name']}{', same trajectory' if m['same_trajectory'] else ''})"

@@ -72,6 +72,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="auto (default) uses CUDA when a device is present, else NumPy")
     p.add_argument("--max-steps", type=at_least(1), default=None,
                    help="stop after this many optimizer steps in total (the LR schedule still spans the full run)")
+    p.add_argument("--cpu-max-steps", type=at_least(1), default=None, metavar="N",
+                   help="when the run trains on the NumPy engine (no GPU), stop after N steps in total: the first N "
+                   "of the same program, which --resume on a GPU continues (the log, the state and `andrea inspect` "
+                   "say the run is unfinished)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="continue from --out if it exists and its .state.json matches the experiment "
@@ -556,6 +560,8 @@ class Trainer:
             "trajectory_hash": self.exp.trajectory_hash(),
             "step": step,
             "total_steps": self.total_steps,
+            # why a checkpoint before the program's end is the last of this invocation (None: the run goes on)
+            "unfinished": None if step >= self.total_steps or step < self.stop_step() else self.stopped_by,
             "samples_seen": step * self.exp.batch_size,
             "tokens_seen": step * self.exp.tokens_per_step,
             "data": self.data_record,
@@ -613,6 +619,15 @@ class Trainer:
                      "the run stops")
             return EXIT_NONFINITE
 
+    def stop_step(self) -> int:
+        """Where this invocation stops: the program's end, or earlier by --max-steps / --cpu-max-steps (which of
+        them in self.stopped_by: the state says a run is unfinished, and why)."""
+        limits = [(self.total_steps, "end"), (self.args.max_steps, "max-steps")]
+        if self.engine.name == "numpy":
+            limits.append((self.args.cpu_max_steps, "cpu-max-steps"))
+        stop, self.stopped_by = min((n, why) for n, why in limits if n is not None)
+        return stop
+
     def _last_checkpoint(self) -> int | None:
         return self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
 
@@ -620,9 +635,12 @@ class Trainer:
         from andrea.model import LossScaleOverflow, NonFiniteStep
 
         exp, model = self.exp, self.model
-        stop = self.total_steps if self.args.max_steps is None else min(self.total_steps, self.args.max_steps)
+        stop = self.stop_step()
         signals = STOP_SIGNALS.install()  # already installed by the command line, unless called from Python
         step = self.start_step(stop)
+        if stop < self.total_steps and self.stopped_by == "cpu-max-steps":
+            self.log(f"the NumPy engine trains the first {stop} of the program's {self.total_steps} steps "
+                     "(--cpu-max-steps); `andrea train --resume` on a GPU continues the same program")
         self.log(f"training {exp.name}: steps {step} -> {stop} of {self.total_steps}, "
                  f"{exp.tokens_per_step:,} tokens/step, {model.layout.n_params:,} parameters"
                  + (f"; phases {', '.join(f'{p.name} {p.start + 1}-{p.end}' for p in self.program.phases)}"
@@ -693,8 +711,12 @@ class Trainer:
                     self.checkpoint(step, elapsed, "interval")
             if not (self.recent_checkpoints and self.recent_checkpoints[-1]["step"] == step):  # a pivot wrote it
                 self.checkpoint(step, self.elapsed_before + time.perf_counter() - t_start,
-                                "end" if step == self.total_steps else "max-steps")
-        self.log(f"done: step {step} of {self.total_steps}")
+                                "end" if step == self.total_steps else self.stopped_by)
+        if step == self.total_steps:
+            self.log(f"done: step {step} of {self.total_steps}")
+        else:
+            self.log(f"unfinished: stopped at step {step} of {self.total_steps} (--{self.stopped_by}); "
+                     f"`andrea train --resume`{' on a GPU' if self.stopped_by == 'cpu-max-steps' else ''} continues it")
         return 0
 
     def _draw(self, phase, step: int) -> tuple[list[float] | None, list[int], list[int]]:
@@ -843,6 +865,8 @@ def main(args) -> int:
     if args.gpus and rank_from_env() is None:
         return launch(child_command(args), args.gpus, args.sigterm_exit_code)
     console = Console(stderr=True)
+    if not console.is_terminal:  # a log file: the memory table unwrapped, not cut to 80 columns
+        console = Console(stderr=True, width=200)
     try:
         return Trainer(args, console).run()
     except (AndreaError, OSError) as err:

@@ -219,3 +219,22 @@ def test_a_damaged_state_is_one_sentence(tmp_path, text, says, capsys):
     assert cli_main(["inspect", str(ckpt)]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cpu_max_steps_trains_the_first_steps_and_says_the_run_is_unfinished(tmp_path, two_phase, chat_data, capsys):
+    """On the NumPy engine --cpu-max-steps stops early; the log, the state and inspect say so, and --resume
+    continues the same program to the bytes of an uninterrupted run."""
+    out = tmp_path / "cpu" / "tiny.ckpt"
+    assert train_numpy(two_phase, chat_data, out, "--cpu-max-steps", "3") == 0
+    err = capsys.readouterr().err
+    assert "trains the first 3 of the program's 6 steps (--cpu-max-steps)" in err
+    assert "unfinished: stopped at step 3 of 6 (--cpu-max-steps)" in err
+    state = json.loads(RunFiles(out).state.read_text())
+    assert (state["step"], state["total_steps"], state["unfinished"]) == (3, 6, "cpu-max-steps")
+    assert cli_main(["inspect", str(out)]) == 0
+    assert "step 3 of 6 (unfinished: stopped by --cpu-max-steps" in capsys.readouterr().out
+    assert train_numpy(two_phase, chat_data, out, "--resume") == 0
+    assert json.loads(RunFiles(out).state.read_text())["unfinished"] is None
+    reference = tmp_path / "ref" / "tiny.ckpt"
+    assert train_numpy(two_phase, chat_data, reference) == 0
+    assert out.read_bytes() == reference.read_bytes()
