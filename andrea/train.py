@@ -712,11 +712,9 @@ class Trainer:
             if not (self.recent_checkpoints and self.recent_checkpoints[-1]["step"] == step):  # a pivot wrote it
                 self.checkpoint(step, self.elapsed_before + time.perf_counter() - t_start,
                                 "end" if step == self.total_steps else self.stopped_by)
-        if step == self.total_steps:
-            self.log(f"done: step {step} of {self.total_steps}")
-        else:
-            self.log(f"unfinished: stopped at step {step} of {self.total_steps} (--{self.stopped_by}); "
-                     f"`andrea train --resume`{' on a GPU' if self.stopped_by == 'cpu-max-steps' else ''} continues it")
+        self.log(f"done: step {step} of {self.total_steps}" + ("" if step == self.total_steps else
+                 f"; unfinished: stopped by --{self.stopped_by}; `andrea train --resume`"
+                 f"{' on a GPU' if self.stopped_by == 'cpu-max-steps' else ''} continues it"))
         return 0
 
     def _draw(self, phase, step: int) -> tuple[list[float] | None, list[int], list[int]]:

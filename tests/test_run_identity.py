@@ -228,7 +228,7 @@ def test_cpu_max_steps_trains_the_first_steps_and_says_the_run_is_unfinished(tmp
     assert train_numpy(two_phase, chat_data, out, "--cpu-max-steps", "3") == 0
     err = capsys.readouterr().err
     assert "trains the first 3 of the program's 6 steps (--cpu-max-steps)" in err
-    assert "unfinished: stopped at step 3 of 6 (--cpu-max-steps)" in err
+    assert "done: step 3 of 6; unfinished: stopped by --cpu-max-steps; `andrea train --resume` on a GPU" in err
     state = json.loads(RunFiles(out).state.read_text())
     assert (state["step"], state["total_steps"], state["unfinished"]) == (3, 6, "cpu-max-steps")
     assert cli_main(["inspect", str(out)]) == 0
