@@ -20,6 +20,7 @@ STAGE_MODULES = [
     "andrea.export",
     "andrea.inspect_ckpt",
     "andrea.dashboard.cli",
+    "andrea.runs",
 ]
 
 
