@@ -17,6 +17,7 @@ STAGE_MODULES = [
     "andrea.train",
     "andrea.evaluate",
     "andrea.sample",
+    "andrea.chat",
     "andrea.export",
     "andrea.inspect_ckpt",
     "andrea.dashboard.cli",

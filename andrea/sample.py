@@ -7,11 +7,12 @@ Generation stops at `<|im_end|>` (the end of the assistant's turn) or `<|endofte
 from __future__ import annotations
 
 import json
+from typing import Iterator
 
 import numpy as np
 
 from andrea.checkpoint import read_finite_weights
-from andrea.data.chatml import ChatTokenizer
+from andrea.data.chatml import IM_END, IM_START, ChatTokenizer
 from andrea.errors import AndreaError
 from andrea.inference import inference_engine, load_tokenizer, tokenizer_for, vouched_state
 from andrea.inspect_ckpt import experiment_for
@@ -53,9 +54,14 @@ class Sampler:
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
                  rng: np.random.Generator) -> list[int]:
         """New token ids after the prompt, without the stop token; the context is the last seq_len ids."""
+        return list(self.stream(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                rng=rng))
+
+    def stream(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
+               rng: np.random.Generator) -> Iterator[int]:
+        """`generate`, one token id at a time as each is picked; stopping early draws no more from rng."""
         T = self.shape.seq_len
         ids = list(prompt_ids)
-        out: list[int] = []
         tokens = np.zeros((1, T), dtype=np.int32)
         for _ in range(max_new_tokens):
             context = ids[-T:]
@@ -65,10 +71,9 @@ class Sampler:
             probs = self.engine.to_host(self.model.buf["probs"][0, len(context) - 1]).astype(np.float64)
             next_id = pick_token(probs, temperature, top_k, rng)
             if next_id in self.stop_ids:
-                break
+                return
             ids.append(next_id)
-            out.append(next_id)
-        return out
+            yield next_id
 
 
 def pick_token(probs: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
@@ -122,17 +127,40 @@ def chat_turns(prompt: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
-def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tokenizer=None, engine: str = "auto",
-           temperature: float = TEMPERATURE, top_k: int = TOP_K, seed: int = 0, max_new_tokens: int = 256) -> dict:
-    """One chat completion from a checkpoint; the same arguments give the same text."""
-    if max_new_tokens < 1:
-        raise AndreaError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+def load_sampler(ckpt, *, experiment=None, tokenizer=None, engine: str = "auto") -> tuple[Sampler, object, int]:
+    """A checkpoint's Sampler with its weights loaded, its experiment and its step; the experiment and tokenizer
+    come from the state that vouches for it (or the explicit ones)."""
     vouched_state(ckpt)
     exp = experiment_for(ckpt, experiment)
     chat = load_tokenizer(tokenizer_for(ckpt, tokenizer))
     sampler = Sampler(inference_engine(engine, exp.precision), exp.model, chat)
     step, params = read_finite_weights(ckpt, ParameterLayout(exp.model), f"experiment {exp.name}")
     sampler.load_params(params)
+    return sampler, exp, step
+
+
+def one_line(text: str, limit: int) -> str:
+    """Text on one line for a log: newlines shown as ⏎, cut to `limit` characters with … where cut."""
+    flat = text.replace("\r\n", "\n").replace("\n", "⏎")
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
+def sample_line(step: int, item: dict) -> str:
+    """One training sample as a log line: the prompt's last user message (else the whole prompt) -> the completion."""
+    prompt = item["prompt"]
+    opener = f"{IM_START}user\n"
+    if opener in prompt:
+        prompt = prompt.rsplit(opener, 1)[1].split(IM_END, 1)[0]
+    return f"sample step {step}: {one_line(prompt, 60)} -> {one_line(item['completion'], 200)}"
+
+
+def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tokenizer=None, engine: str = "auto",
+           temperature: float = TEMPERATURE, top_k: int = TOP_K, seed: int = 0, max_new_tokens: int = 256) -> dict:
+    """One chat completion from a checkpoint; the same arguments give the same text."""
+    if max_new_tokens < 1:
+        raise AndreaError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    sampler, exp, step = load_sampler(ckpt, experiment=experiment, tokenizer=tokenizer, engine=engine)
+    chat = sampler.tokenizer
     prompt_ids = chat.encode_prompt(chat_turns(prompt, system))
     if len(prompt_ids) >= exp.model.seq_len:
         raise AndreaError(
