@@ -1,5 +1,6 @@
 """The dashboard server: what it serves, what it refuses, and that it only reads."""
 
+import fcntl
 import http.client
 import json
 import os
@@ -625,3 +626,62 @@ console.log(JSON.stringify(out));
     for line, got in zip(lines, json.loads(ran.stdout), strict=True):
         assert got["rec"] == parse_record(line), line[:80]
         assert got["ms"] < 1000, (line[:80], got["ms"])
+
+
+def workflow_runs(results, long_name="EXP"):
+    """results/ as the workflow leaves it after three runs of one experiment: `old` superseded, `cur` linked
+    into results/ (with samples at two steps, text with markup included), `live` older but running (its
+    lock is held by the returned file, as a trainer would hold it; close it to let go)."""
+    history = "".join(json.dumps(rec) + "\n" for rec in LOSS_LINES)
+    folders = {}
+    for key, days in (("old", 1), ("live", 2), ("cur", 3)):
+        folder = results / "runs" / long_name / key
+        folder.mkdir(parents=True)
+        state = {"step": 2, "total_steps": 40, "experiment": {"name": long_name}}
+        for suffix, text in ((".loss.json", history), (".state.json", json.dumps(state)), (".ckpt", "\0" * 16),
+                             (".lock", "")):
+            (folder / f"{long_name}{suffix}").write_text(text)
+            os.utime(folder / f"{long_name}{suffix}", (1.7e9 + days * 86400,) * 2)
+        folders[key] = folder
+    for suffix in (".loss.json", ".state.json", ".ckpt"):
+        os.link(folders["cur"] / f"{long_name}{suffix}", results / f"{long_name}{suffix}")
+    samples = [{"step": 1, "samples": [{"prompt": "early", "completion": "old text"}]},
+               {"step": 2, "samples": [{"prompt": "Say <b>hi</b> & bye", "completion": "<script>alert(1)</script>\nsecond line"},
+                                       {"prompt": "2nd", "completion": "ok"}]}]
+    (folders["cur"] / f"{long_name}.samples.json").write_text(json.dumps(samples))
+    lock = open(folders["live"] / f"{long_name}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return lock
+
+
+def test_run_list_tells_current_runs_from_superseded_ones_and_finds_samples(tmp_path):
+    """Current: linked into results/ (listed under results/NAME) or running; superseded: what
+    `andrea runs --prune` would remove. The samples file lies beside the run's folder copy of the history."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "plain.loss.json").write_text(json.dumps(LOSS_LINES[1]) + "\n")  # no run folder: current
+    lock = workflow_runs(results)
+    try:
+        with running(results) as srv:
+            runs = {r["id"]: r for r in json.loads(request(srv, "GET", "/api/runs")[1])["runs"]}
+            assert {i: r["current"] for i, r in runs.items()} == {
+                "EXP": True, "plain": True, "runs/EXP/live/EXP": True, "runs/EXP/old/EXP": False}
+            assert runs["EXP"]["samples"]["path"] == "runs/EXP/cur/EXP.samples.json"
+            assert runs["EXP"]["samples"]["size"] == (results / "runs/EXP/cur/EXP.samples.json").stat().st_size
+            assert runs["plain"]["samples"] is None and runs["runs/EXP/old/EXP"]["samples"] is None
+            resp, data = request(srv, "GET", "/" + "results/" + runs["EXP"]["samples"]["path"])
+            assert resp.status == 200 and json.loads(data)[1]["step"] == 2
+            # The survey is cached for SURVEY_TTL_S: a run stopped meanwhile is seen later, not at once.
+            lock.close()
+            srv.surveyed = None
+            runs = {r["id"]: r for r in json.loads(request(srv, "GET", "/api/runs")[1])["runs"]}
+            assert not runs["runs/EXP/live/EXP"]["current"]
+    finally:
+        lock.close()
+
+
+def test_the_page_has_the_superseded_toggle_and_the_samples_panel(server):
+    page = request(server, "GET", "/")[1].decode()
+    assert 'id="all"' in page and 'id="samples"' in page
+    script = request(server, "GET", "/app.js")[1].decode()
+    assert 'get("all")' in script and "textContent = completion" in script

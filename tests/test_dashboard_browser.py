@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_dashboard import REAL_MAIN, running, train_two_phase
+from test_dashboard import REAL_MAIN, running, train_two_phase, workflow_runs
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright: pip install playwright")
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
@@ -537,3 +537,72 @@ def test_page_draws_the_mixture_and_the_losses_per_source(tmp_path, page):
         wait_points(page, "early loss", 9)
         page.wait_for_function("!!window.andreaDashboard.charts.mix", timeout=10_000)
         assert source_charts_shown(page) == {"mix": True, "val_sources": False, "source_loss": False}
+
+
+def table_fits(page):
+    """The runs table's right edge against its container's and the page's: nothing cut off or scrolled."""
+    return page.evaluate("""() => {
+        const t = document.getElementById("runs"), box = t.parentElement.getBoundingClientRect();
+        const style = getComputedStyle(t.parentElement);
+        const ths = [...t.querySelectorAll("thead th")].filter((th) => th.offsetParent);
+        return {table: t.getBoundingClientRect().right, room: box.right - parseFloat(style.paddingRight),
+                last: ths[ths.length - 1].textContent, lastRight: ths[ths.length - 1].getBoundingClientRect().right,
+                scroll: t.scrollWidth, client: t.clientWidth,
+                page: document.documentElement.scrollWidth, view: document.documentElement.clientWidth};
+    }""")
+
+
+def test_page_lists_current_runs_shows_samples_and_fits_1400px(tmp_path, page):
+    """By default only current runs (linked into results/, or running); superseded ones with the toggle or
+    ?all=1. The table, with every optional column and long run ids, fits 1400 px. The newest samples of a
+    plotted run are shown as text."""
+    results = tmp_path / "results"
+    results.mkdir()
+    name = "ANDREA-120M-mixture-polish-with-a-long-experiment-name"
+    lock = workflow_runs(results, long_name=name)
+    (results / "two.loss.json").write_text(phased_lines(range(1, 71)))
+    old, live = f"runs/{name}/old/{name}", f"runs/{name}/live/{name}"
+    row = lambda run_id: page.locator(f'tr[data-run="{run_id}"]')  # noqa: E731
+    try:
+        with running(results) as srv:
+            base = f"http://127.0.0.1:{srv.server_address[1]}/?poll=200"
+            page.goto(f"{base}#runs={name},two,{live}")
+            wait_points(page, "two loss", 70)
+            page.wait_for_selector(f'#samples .sample-run[data-run="{name}"]', timeout=10_000)
+            assert row(name).is_visible() and row(live).is_visible() and not row(old).is_visible()
+            assert page.inner_text("#all-count") == "(1)" and "1 superseded hidden" in page.inner_text("#source")
+
+            # The newest step's samples, as text: markup in a prompt or completion is not markup.
+            panel = page.locator(f'#samples .sample-run[data-run="{name}"]')
+            assert "step 2" in panel.locator("figcaption").inner_text()
+            assert panel.locator(".prompt").all_inner_texts() == ["Say <b>hi</b> & bye", "2nd"]
+            assert panel.locator(".completion").first.inner_text() == "<script>alert(1)</script>\nsecond line"
+            assert page.locator("#samples b, #samples script").count() == 0
+            assert page.locator("#samples .sample-run").count() == 1  # the other plotted runs have no samples
+
+            for col in ("phase", "asst", "best"):
+                assert page.is_visible(f"#runs th.opt-{col}"), col
+            fit = table_fits(page)
+            assert fit["last"] == "ETA" and fit["lastRight"] <= fit["room"] + 0.5, fit
+            assert fit["table"] <= fit["room"] + 0.5 and fit["scroll"] <= fit["client"] and fit["page"] <= fit["view"], fit
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"), full_page=True)
+
+            # The toggle lists the superseded run (and keeps that in the address); the table still fits.
+            page.check("#all")
+            page.wait_for_function(f"!document.querySelector('tr[data-run=\"{old}\"]').hidden", timeout=10_000)
+            assert "all=1" in page.evaluate("location.hash")
+            assert row(old).locator(".tag").is_visible() and not row(name).locator(".tag").is_visible()
+            page.check(f'tr[data-run="{old}"] input')
+            fit = table_fits(page)
+            assert fit["lastRight"] <= fit["room"] + 0.5 and fit["page"] <= fit["view"], fit
+            page.uncheck("#all")
+            page.wait_for_function(f"document.querySelector('tr[data-run=\"{old}\"]').hidden", timeout=10_000)
+            assert not any(label.startswith(old) for label in series_labels(page))
+
+            # ?all=1 in the address lists them from the start.
+            page.goto(f"{base}&all=1")
+            page.wait_for_function(f"!!document.querySelector('tr[data-run=\"{old}\"]')", timeout=10_000)
+            assert row(old).is_visible() and page.is_checked("#all")
+    finally:
+        lock.close()

@@ -3,7 +3,8 @@
 Routes (GET and HEAD only; every other method gets 405 with `Allow: GET, HEAD`):
     /                  the page (static/index.html); other paths are files of static/
     /api/runs          every NAME.loss.json under the results folder (once, however many hard links or
-                       symlinks inside reach it), with size, age, state summary, current phase and best step
+                       symlinks inside reach it), with size, age, state summary, current phase and best step,
+                       whether it is current (not a run `andrea runs --prune` would remove) and its samples file
     /results/REL       a .json file under the results folder; `Range: bytes=N-` returns only
                        what was appended since byte N, so a poll of a long run sends kilobytes, not megabytes
 
@@ -31,10 +32,14 @@ from urllib.parse import unquote, urlsplit
 
 from andrea.errors import AndreaError
 from andrea.runfiles import MAX_RECORD_BYTES, loads_record
+from andrea.runs import survey
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOSS_SUFFIX = ".loss.json"
 STATE_SUFFIX = ".state.json"
+SAMPLES_SUFFIX = ".samples.json"
+# Which runs are superseded (andrea.runs.survey: it probes each run's lock) is asked at most this often.
+SURVEY_TTL_S = 5.0
 ALLOWED_METHODS = ("GET", "HEAD")
 # A connection that sends no request (or stops reading a response) for this long is closed: the page
 # polls every two seconds, so only abandoned connections reach it.
@@ -251,13 +256,49 @@ def path_rank(rel: str) -> tuple[int, str]:
     return rel.count("/"), rel
 
 
-def run_summaries(root: str, digests: dict | None = None) -> list[dict]:
+def superseded_files(root: str) -> set[tuple[int, int]]:
+    """(device, inode) of the loss files of the runs `andrea runs --prune` would remove: a run folder that
+    results/ does not link to, that is not running, and that a newer results/NAME.* supersedes."""
+    found = set()
+    try:
+        runs = survey(root, sizes=False)["runs"]
+    except (OSError, AndreaError):  # a folder unreadable or gone meanwhile: every run counts as current
+        return found
+    for run in runs:
+        if run["prune"]:
+            try:
+                st = os.stat(run["files"].loss)
+            except OSError:
+                continue
+            found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def samples_of(root: str, paths: list[str]) -> dict | None:
+    """NAME.samples.json beside the first of `paths` (relative loss files, fewest folders down first) that has
+    one: the workflow hard-links a run's loss history into the results folder, not its samples."""
+    for rel in paths:
+        rel_samples = rel[: -len(LOSS_SUFFIX)] + SAMPLES_SUFFIX
+        real = inside(root, os.path.join(root, rel_samples))
+        try:
+            st = os.stat(real) if real else None
+        except OSError:
+            continue
+        if st is not None and os.path.isfile(real):
+            return {"path": rel_samples, "size": st.st_size, "file_id": f"{st.st_dev}:{st.st_ino}"}
+    return None
+
+
+def run_summaries(root: str, digests: dict | None = None, superseded: set | None = None) -> list[dict]:
     """Every NAME.loss.json under `root` that resolves inside it, with what the page's header needs.
     A file reached by several paths is listed once, under the path fewest folders down: the workflow
     trains in runs/NAME/KEY/ and hard-links the finished files into the results folder. `digests`
-    (file id -> LossDigest) keeps what was read of each file from one listing to the next."""
+    (file id -> LossDigest) keeps what was read of each file from one listing to the next; `superseded`
+    (file ids, superseded_files) says which are not current."""
     digests = {} if digests is None else digests
+    superseded = superseded_files(root) if superseded is None else superseded
     found: dict[tuple[int, int], tuple[str, os.stat_result]] = {}
+    reached: dict[tuple[int, int], list[str]] = {}
     for folder, dirs, files in os.walk(root):
         dirs.sort()
         for name in files:
@@ -272,6 +313,7 @@ def run_summaries(root: str, digests: dict | None = None) -> list[dict]:
             except FileNotFoundError:  # moved aside (a fresh start) since the folder was listed
                 continue
             rel = os.path.relpath(path, root).replace(os.sep, "/")
+            reached.setdefault((st.st_dev, st.st_ino), []).append(rel)
             kept = found.get((st.st_dev, st.st_ino))
             if kept is None or path_rank(rel) < path_rank(kept[0]):
                 found[st.st_dev, st.st_ino] = rel, st
@@ -291,6 +333,8 @@ def run_summaries(root: str, digests: dict | None = None) -> list[dict]:
             "state": read_state(state) if state else None,
             "phase": digest.phase,
             "best": digest.best,
+            "current": key not in superseded,
+            "samples": samples_of(root, sorted(reached[key], key=path_rank)),
         })
     return runs
 
@@ -392,7 +436,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise Refused(HTTPStatus.BAD_REQUEST, "expected a path")
             rel = path[1:]
             if rel == "api/runs":
-                runs = run_summaries(self.server.results, self.server.digests)
+                runs = run_summaries(self.server.results, self.server.digests, self.server.superseded())
                 listing = {"results": self.server.results_label, "runs": runs}
                 body = json.dumps(listing).encode()
                 self._send(HTTPStatus.OK, CONTENT_TYPES[".json"], len(body))
@@ -518,10 +562,20 @@ class DashboardServer(ThreadingHTTPServer):
         self.allow_remote = allow_remote
         self.idle_timeout = idle_timeout
         self.digests: dict[tuple[int, int], LossDigest] = {}
+        self.survey_lock = threading.Lock()
+        self.surveyed: tuple[float, set] | None = None  # (when, superseded_files)
         try:
             super().__init__((host, port), Handler)
         except OSError as err:
             raise AndreaError(f"cannot listen on {host}:{port} ({err.strerror}); pass another --port") from None
+
+    def superseded(self) -> set[tuple[int, int]]:
+        """superseded_files of the results folder, asked again once SURVEY_TTL_S has passed."""
+        with self.survey_lock:
+            now = time.monotonic()
+            if self.surveyed is None or now - self.surveyed[0] >= SURVEY_TTL_S:
+                self.surveyed = now, superseded_files(self.results)
+            return self.surveyed[1]
 
     @property
     def url(self) -> str:

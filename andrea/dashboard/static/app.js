@@ -12,6 +12,10 @@
 // masks, val_loss_assistant. A run that mixes data sources adds, per step, "mix" (each source's
 // probability), "source_loss" and "source_sequences" (of the sources drawn that step) and, at the eval
 // interval, "val_loss_sources": objects keyed by source name, each drawn on a chart of its own.
+// From the server, each run is "current" or superseded (a run folder results/ no longer links to, which
+// `andrea runs --prune` would remove): superseded runs are listed only with the "superseded" toggle
+// (#all=1 or ?all=1). A run's NAME.samples.json (a list of {"step", "samples": [{"prompt", "completion"}]})
+// is shown below the charts for each plotted run: the newest step's samples, as text.
 
 const params = new URLSearchParams(location.search);
 const POLL_MS = Math.max(200, Number(params.get("poll")) || 2000);
@@ -53,6 +57,10 @@ class Run {
     this.state = null;    // NAME.state.json (or the server's summary of it): total_steps
     this.summary = null;  // the server's phase and best step of the file, for a run not read here
     this.ageS = null;     // seconds since the loss file changed (server only)
+    this.current = true;  // false: superseded (server only)
+    this.samplesFile = null;  // the server's {path, size, file_id} of NAME.samples.json
+    this.samplesKey = null;   // which version of it `samples` was read from
+    this.samples = null;      // {step, samples: [{prompt, completion}]}: the newest step's
     this.size = 0;
     this.version = 0;
     this.reset(null);
@@ -210,10 +218,39 @@ async function pollServer() {
     run.ageS = info.age_s;
     run.state = info.state;
     run.summary = {phase: info.phase, best: info.best};
+    run.current = info.current !== false;
+    run.samplesFile = info.samples || null;
+    if (!run.samplesFile) run.samples = run.samplesKey = null;
   }
   for (const [id, run] of runs) if (run.url && !listed.has(id)) runs.delete(id);
   selectDefault();
-  await Promise.all(selectedRuns().filter((r) => r.url && r.size > r.offset).map(readAppended));
+  await Promise.all([...selectedRuns().filter((r) => r.url && r.size > r.offset).map(readAppended),
+    ...selectedRuns().filter((r) => r.samplesFile).map(readSamples)]);
+}
+
+// The newest step's samples of a run, read again only when the file changed (it is rewritten whole).
+async function readSamples(run) {
+  const file = run.samplesFile, key = `${file.file_id}|${file.size}`;
+  if (run.samplesKey === key) return;
+  const res = await fetch("results/" + file.path.split("/").map(encodeURIComponent).join("/"), {cache: "no-store"});
+  if (!res.ok) return;  // replaced or removed since the listing: the next poll tries again
+  const history = await res.json().catch(() => null);
+  if (run.samplesFile !== file) return;
+  run.samples = newestSamples(history);
+  run.samplesKey = key;
+}
+
+function newestSamples(history) {
+  if (!Array.isArray(history)) return null;
+  let newest = null;
+  for (const entry of history) {
+    if (!entry || !Number.isFinite(entry.step) || !Array.isArray(entry.samples)) continue;
+    if (!newest || entry.step >= newest.step) newest = entry;
+  }
+  if (!newest) return null;
+  const text = (v) => (typeof v === "string" ? v : v == null ? "" : JSON.stringify(v));
+  return {step: newest.step, samples: newest.samples.filter((x) => x && typeof x === "object")
+    .map((x) => ({prompt: text(x.prompt), completion: text(x.completion)}))};
 }
 
 // One read per run at a time: two overlapping reads from the same offset would ingest twice.
@@ -284,7 +321,11 @@ function setSourceLine(failed, message) {
   const time = new Date().toLocaleTimeString();
   el.classList.toggle("error", failed);
   if (failed) el.textContent = `${message} · retrying every ${POLL_MS / 1000} s`;
-  else if (source === "server") el.textContent = `${sourceNote} · ${runs.size} run${runs.size === 1 ? "" : "s"} · updated ${time}`;
+  else if (source === "server") {
+    const hidden = [...runs.values()].filter((r) => !visible(r)).length;
+    el.textContent = `${sourceNote} · ${runs.size} run${runs.size === 1 ? "" : "s"}`
+      + `${hidden ? ` (${hidden} superseded hidden)` : ""} · updated ${time}`;
+  }
   else if (source === "static") el.textContent = `static files · updated ${time}`;
   else el.textContent = "files opened from disk";
 }
@@ -295,20 +336,23 @@ function readHash() {
   const h = new URLSearchParams(location.hash.slice(1));
   const x = ["step", "tokens", "time"].includes(h.get("x")) ? h.get("x") : "step";
   const smooth = h.has("smooth") ? Math.min(0.999, Math.max(0, Number(h.get("smooth")) || 0)) : 0.8;
-  return {x, log: h.get("log") === "1", smooth, selected: new Set((h.get("runs") || "").split(",").filter(Boolean))};
+  return {x, log: h.get("log") === "1", smooth, all: h.get("all") === "1" || params.get("all") === "1",
+    selected: new Set((h.get("runs") || "").split(",").filter(Boolean))};
 }
 
 function writeHash() {
   const h = new URLSearchParams({x: view.x, log: view.log ? "1" : "0", smooth: String(view.smooth)});
+  if (view.all) h.set("all", "1");
   if (view.selected.size) h.set("runs", [...view.selected].join(","));
   history.replaceState(null, "", `#${h.toString().replace(/%2C/g, ",")}`);
 }
 
-// With nothing chosen, follow the newest run (server) or show every named one (elsewhere).
+// With nothing chosen (or shown), follow the newest run (server) or show every named one (elsewhere).
 function selectDefault() {
-  if ([...view.selected].some((id) => runs.has(id)) || !runs.size) return;
+  const shown = [...runs.values()].filter(visible);
+  if (shown.some((r) => view.selected.has(r.id)) || !shown.length) return;
   if (source === "server") {
-    const newest = [...runs.values()].reduce((a, b) => (b.ageS < a.ageS ? b : a));
+    const newest = shown.reduce((a, b) => (b.ageS < a.ageS ? b : a));
     view.selected.add(newest.id);
   } else {
     for (const id of runs.keys()) view.selected.add(id);
@@ -316,8 +360,13 @@ function selectDefault() {
   writeHash();
 }
 
+// A superseded run is listed (and plotted) only while the toggle asks for superseded runs.
+function visible(run) {
+  return view.all || run.current;
+}
+
 function selectedRuns() {
-  return [...runs.values()].filter((r) => view.selected.has(r.id));
+  return [...runs.values()].filter((r) => view.selected.has(r.id) && visible(r));
 }
 
 // ---- numbers --------------------------------------------------------------------------------------
@@ -476,6 +525,9 @@ function renderTable() {
   const shown = {phase: false, asst: false, best: false};  // columns only runs with phases, masks or a best step need
   for (const run of runs.values()) {
     const tr = rows.get(run.id) || body.appendChild(newRow(run));
+    tr.hidden = !visible(run);
+    tr.classList.toggle("superseded", !run.current);
+    if (tr.hidden) continue;
     const on = view.selected.has(run.id);
     tr.classList.toggle("off", !on);
     tr.querySelector("input").checked = on;
@@ -509,6 +561,8 @@ function renderTable() {
       ? `NAME.best.ckpt: step ${fmtInt(best.step)}${best.metric ? `, ${best.metric} ${fmtLoss(best.val_loss)}` : ""}` : "";
   }
   for (const [key, on] of Object.entries(shown)) table.classList.toggle(`show-${key}`, on);
+  const superseded = [...runs.values()].filter((r) => !r.current).length;
+  document.getElementById("all-count").textContent = superseded ? `(${superseded})` : "";
 }
 
 function newRow(run) {
@@ -516,11 +570,14 @@ function newRow(run) {
   tr.dataset.run = run.id;
   const cell = (key, cls = "num") => `<td class="${cls}"><span data-cell="${key}"></span></td>`;
   tr.innerHTML = "<td><input type=\"checkbox\"></td>"
-    + `<td class="name"><span class="swatch" style="background:${run.color}"></span><span class="id"></span></td>`
+    + `<td class="name"><span class="swatch" style="background:${run.color}"></span>`
+    + "<span class=\"tag\" title=\"results/ links to a newer run of this name; andrea runs --prune removes it\">superseded</span>"
+    + "<span class=\"id\"></span></td>"
     + cell("status", "") + cell("step") + cell("phase", "opt-phase") + cell("loss", "num big") + cell("val")
     + cell("val_assistant", "num opt-asst") + cell("best", "num opt-best") + cell("lr") + cell("grad")
     + cell("tps") + cell("tokens") + cell("elapsed") + cell("eta");
   tr.querySelector(".id").textContent = run.id;
+  tr.querySelector(".name").title = run.id;  // a long id is cut short with an ellipsis
   tr.querySelector("input").ariaLabel = `show ${run.id}`;
   tr.querySelector("input").addEventListener("change", (e) => {
     if (e.target.checked) view.selected.add(run.id); else view.selected.delete(run.id);
@@ -529,6 +586,37 @@ function newRow(run) {
     if (source === "server") pollServer().then(render, () => {});
   });
   return tr;
+}
+
+// Below the charts: each plotted run's newest samples. Text only (textContent): a model writes anything.
+function renderSamples() {
+  const section = document.getElementById("samples");
+  const shown = selectedRuns().filter((r) => r.samples && r.samples.samples.length);
+  const want = JSON.stringify(shown.map((r) => [r.id, r.samplesKey, r.color]));
+  section.hidden = !shown.length;
+  if (section.dataset.drawn === want) return;
+  section.dataset.drawn = want;
+  section.replaceChildren(...shown.map((run) => {
+    const panel = document.createElement("figure");
+    panel.className = "panel sample-run";
+    panel.dataset.run = run.id;
+    const caption = document.createElement("figcaption");
+    caption.innerHTML = `<span class="swatch" style="background:${run.color}"></span>samples <span class="key"></span>`;
+    caption.querySelector(".key").textContent = `${run.id} · step ${fmtInt(run.samples.step)}`;
+    panel.append(caption);
+    for (const {prompt, completion} of run.samples.samples) {
+      const item = document.createElement("div");
+      item.className = "sample";
+      const p = document.createElement("div"), c = document.createElement("div");
+      p.className = "prompt";
+      c.className = "completion";
+      p.textContent = prompt;
+      c.textContent = completion;
+      item.append(p, c);
+      panel.append(item);
+    }
+    return panel;
+  }));
 }
 
 function renderEmpty() {
@@ -542,7 +630,9 @@ function renderEmpty() {
   } else if (!runs.size) {
     html = "Drop a <code>NAME.loss.json</code> here or use <b>open file…</b>: a page opened from file:// "
       + "cannot read files by itself. <code>andrea dashboard</code> follows runs live.";
-  } else if (!view.selected.size) {
+  } else if (![...runs.values()].some(visible)) {
+    html = "Every run here is superseded (results/ links to newer ones); tick <b>superseded</b> to list them.";
+  } else if (!selectedRuns().length) {
     html = "Tick a run to plot it.";
   }
   el.innerHTML = html;
@@ -812,6 +902,7 @@ function nearest(xs, x) {
 function render() {
   renderTable();
   renderEmpty();
+  renderSamples();
   const cols = selectedRuns().filter((r) => r.records.length).map(columns);
   document.querySelector(".charts").hidden = !cols.length;
   const dark = matchMedia("(prefers-color-scheme: dark)").matches;
@@ -894,6 +985,14 @@ function bindControls() {
   }
   const log = document.getElementById("log");
   log.addEventListener("change", () => { view.log = log.checked; refresh(); });
+  const all = document.getElementById("all");
+  all.addEventListener("change", () => {
+    view.all = all.checked;
+    selectDefault();
+    refresh();
+    // A run shown again may not have been read yet: fetch it now rather than at the next poll.
+    if (source === "server") pollServer().then(render, () => {});
+  });
   const smooth = document.getElementById("smooth");
   smooth.addEventListener("input", () => {
     view.smooth = Number(smooth.value);
@@ -927,6 +1026,8 @@ function bindControls() {
 function syncControls() {
   for (const b of document.querySelectorAll("[data-x]")) b.setAttribute("aria-checked", String(b.dataset.x === view.x));
   document.getElementById("log").checked = view.log;
+  document.getElementById("all").checked = view.all;
+  document.getElementById("all-toggle").hidden = source !== "server";
   document.getElementById("smooth").value = view.smooth;
   document.getElementById("smooth-value").textContent = view.smooth.toFixed(view.smooth >= 0.99 ? 3 : 2);
 }
@@ -938,6 +1039,7 @@ window.andreaDashboard = {runs, view, get charts() { return charts; }};
   bindControls();
   syncControls();
   source = await detectSource();
+  syncControls();
   setSourceLine(false);
   if (source === "files") render();
   else poll();
