@@ -17,6 +17,7 @@ import argparse
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -27,9 +28,9 @@ import numpy as np
 
 from andrea import __version__
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import (check_trainable, checkpoint_digest, read_checkpoint, read_state, untrusted_values,
-                               verify_against_state, write_checkpoint)
-from andrea.config import load_experiment
+from andrea.checkpoint import (check_trainable, checkpoint_digest, read_checkpoint, read_header, read_state,
+                               untrusted_values, verify_against_state, write_checkpoint)
+from andrea.config import continuation_refusal, load_experiment
 from andrea.errors import AndreaError, error_sentence
 from andrea.identity import data_fingerprint, record_mismatches, tokenizer_fingerprint
 from andrea.inspect_ckpt import refuse_other_model
@@ -67,6 +68,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     """Every option of `andrea train`; child_command() re-emits them for the processes it starts."""
     p.add_argument("--experiment", required=True, help="experiment JSON (config/experiments/ANDREA-*-TRAIN.json)")
     p.add_argument("--data", required=True, help="folder with train.bin, val.bin and optionally tokenizer.json")
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="override one field of the experiment (repeatable): KEY a dotted path, phases by name "
+                   "(phases.main.length.steps=2000), other lists by index (optimizer.betas.1=0.99); VALUE JSON when "
+                   "it parses, else a string. The run uses, hashes and records the experiment so changed")
     p.add_argument("--out", required=True, help="checkpoint to write, e.g. results/ANDREA-12M.ckpt")
     p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
                    help="auto (default) uses CUDA when a device is present, else NumPy")
@@ -111,7 +116,10 @@ def child_command(args: argparse.Namespace, omit: tuple[str, ...] = ()) -> list[
         if action.dest in SUPERVISOR_ONLY + omit or value == action.default:
             continue
         flag = action.option_strings[-1]
-        cmd += [flag] if action.nargs == 0 else [flag, str(value)]
+        if action.nargs == 0:
+            cmd += [flag]
+        else:  # an option given several times (action="append", e.g. --set) goes on once per value
+            cmd += [a for v in (value if isinstance(value, list) else [value]) for a in (flag, str(v))]
     return cmd
 
 
@@ -157,7 +165,7 @@ class Trainer:
         from andrea.model import Model
 
         self.args = args
-        self.exp = load_experiment(args.experiment)
+        self.exp = load_experiment(args.experiment, args.set or ())
         self.files = RunFiles(Path(args.out))
         self.files.ckpt.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank_from_env() if args.gpus else None
@@ -177,7 +185,8 @@ class Trainer:
         self.data_dir = data
         self.train_windows = TokenWindows(data / "train.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
         self.val_windows = TokenWindows(data / "val.bin", shape.seq_len, self.exp.seed, shape.vocab_size)
-        self.program = self.exp.program(self.train_windows.tokens.size)
+        self.n_train_tokens = int(self.train_windows.tokens.size)
+        self.program = self.exp.program(self.n_train_tokens)
         self.total_steps = self.program.total_steps
         self.masks = self.train_windows.has_masks and self.val_windows.has_masks
         for phase in self.program.phases:
@@ -335,7 +344,8 @@ class Trainer:
             raise AndreaError(
                 f"{files.ckpt}: missing, but {', '.join(present)} of a run {'are' if len(present) > 1 else 'is'} there "
                 f"(in {files.ckpt.parent}); put its checkpoint back to {'resume' if self.args.resume else 'continue'} it, "
-                "or pass another --out (or move those files away) to start a new run"
+                "or move those files away, or start a new run on another --out: "
+                f"`{self.suggest(*(['--init-from', self.args.init_from] if self.args.init_from else []), label='new')}`"
             )
 
     def start_step(self, stop: int) -> int:
@@ -391,23 +401,54 @@ class Trainer:
                            + (f"sha256 {now['sha256'][:12]}…" if now else "none"))
         return changes
 
+    def suggest(self, *extra: str, out: Path | None = None, label: str = "new") -> str:
+        """A command a refusal suggests, one that runs as given: `andrea train` with this invocation's experiment,
+        data, overrides and options (less --resume, --init-from and --switch-data), then `extra`, and --out `out`,
+        by default a new one beside this run's (NAME-<label>.ckpt) where no run's files are yet."""
+        cmd = ["andrea", "train"] + child_command(self.args, omit=("resume", "init_from", "switch_data", "out"))[4:]
+        n = 1
+        while out is None:
+            candidate = self.files.ckpt.with_name(f"{self.files.ckpt.stem}-{label}{'' if n == 1 else f'-{n}'}.ckpt")
+            f = RunFiles(candidate)
+            if not any(p.exists() for p in (f.ckpt, f.state, f.archive, f.best, f.loss, f.samples)):
+                out = candidate
+            n += 1
+        return shlex.join(cmd + list(extra) + ["--out", str(out)])
+
+    def _init_from_command(self, state: dict | None) -> str:
+        """The command that starts a new run from this run's checkpoint, or from scratch when the model it holds
+        is not this experiment's (--init-from would refuse it)."""
+        model = ((state or {}).get("experiment") or {}).get("model", self.exp.raw["model"])
+        if model != self.exp.raw["model"]:
+            return f"the model changed, so its weights do not fit; start a new run: `{self.suggest(label='new')}`"
+        try:
+            step = read_header(self.files.ckpt)[0]
+        except AndreaError:
+            step = (state or {}).get("step", 0)
+        return (f"to start a new run from its weights: "
+                f"`{self.suggest('--init-from', str(self.files.ckpt), label=f'from-{step}')}`")
+
+    def _cannot_resume(self, why: str, state: dict | None) -> AndreaError:
+        return AndreaError(f"{self.files.ckpt}: cannot resume: {why}; {self._init_from_command(state)}")
+
     def _check_resume(self) -> tuple:
         files = self.files
         if not files.state.is_file():
             raise AndreaError(
                 f"{files.state}: missing, so {files.ckpt} cannot be matched to the experiment; "
-                f"use --init-from {files.ckpt} to start from its weights anyway"
+                f"{self._init_from_command(None)}"
             )
         state = read_state(files.ckpt)
-        if state.get("trajectory_hash") != self.exp.trajectory_hash():
-            theirs = state.get("experiment", {})
-            differing = [k for k in ("model", "optimizer", "schedule", "batch", "train", "seed", "precision", "phases")
-                         if theirs.get(k) != self.exp.raw.get(k)]
-            raise AndreaError(
-                f"{files.ckpt}: cannot resume: the experiment changed since it was written "
-                f"(sections differing: {', '.join(differing) or 'unknown'}); "
-                f"use --init-from {files.ckpt} to start a new run from its weights"
-            )
+        if "experiment" in state:
+            # the sections that decide every step, before the checkpoint is read (another model's is another size);
+            # the steps run are compared once its step is known (_check_phases)
+            refusal = continuation_refusal(state["experiment"], self.exp, 0, self.n_train_tokens)
+        elif state.get("trajectory_hash") != self.exp.trajectory_hash():
+            refusal = "the experiment changed since it was written (its state does not say how)"
+        else:
+            refusal = None
+        if refusal:
+            raise self._cannot_resume(refusal, state)
         step, params, m, v = self._read_verified(files.ckpt)
         self._check_phases(state, step)
         changes = self._data_changes(state)
@@ -416,7 +457,8 @@ class Trainer:
             raise AndreaError(
                 f"{files.ckpt}: cannot resume: it was trained on {recorded_dir} but --data {self.data_dir} differs "
                 f"({'; '.join(changes[:3])}{'; ...' if len(changes) > 3 else ''}); pass the data it was trained on, "
-                "or add --switch-data to continue on this data (recorded in its .state.json)"
+                "or add --switch-data to continue on this data (recorded in its .state.json): "
+                f"`{self.suggest('--resume', '--switch-data', out=files.ckpt)}`"
             )
         self.data_history = list(state.get("data_history", []))
         if changes:
@@ -452,6 +494,10 @@ class Trainer:
             self.event("data_switched", step=step, before=before, now=str(self.data_dir), changes=changes)
             self.log(f"resume: --switch-data: trained on {before} until step {step}, continues on {self.data_dir} "
                      f"({'; '.join(changes)})")
+        if state.get("experiment") != self.exp.raw or state.get("overrides", []) != list(self.args.set or []):
+            # changed where it may (after the steps run): the state says at once what the run now is (a phase
+            # archived before the next checkpoint holds it too)
+            write_json_atomic(files.state, self._state(step, self.elapsed_before))
         return step
 
     def _resumed_mixing(self, entry: dict, step: int) -> MixState:
@@ -461,8 +507,7 @@ class Trainer:
         if "mixing" in entry:
             return MixState.from_json(entry["mixing"], n)
         if self.mixture.active and any(self.mixture.policies[p.name] for p in self.program.phases if p.start < step):
-            raise AndreaError(f"{self.files.ckpt}: cannot resume: its .state.json holds no mixing state for step {step}; "
-                              f"use --init-from {self.files.ckpt} to start a new run from its weights")
+            raise self._cannot_resume(f"its .state.json holds no mixing state for step {step}", None)
         state = MixState.fresh(n)
         skipped = set(self.skipped_steps)
         for s in range(step):
@@ -472,33 +517,30 @@ class Trainer:
         return state
 
     def _check_phases(self, state: dict, step: int) -> None:
-        """A phase that has run (it started before `step`) must be the same phase now; one not yet started may
-        change (the change is recorded)."""
-        if "phases" not in state:
-            return  # written before runs had phases: one phase, which the trajectory hash covers
-        written = {p["name"]: p for p in state["phases"]}
+        """Every step already run must be the same step now (config.continuation_refusal: the phase, learning rate,
+        loss_on and mixing of each); what changes after `step` is recorded: phases not yet started that changed or
+        went (`phases_changed`), and a program made longer (`extended`)."""
+        if "experiment" not in state:
+            return  # written before states held the experiment: one phase, which the trajectory hash covers
+        refusal = continuation_refusal(state["experiment"], self.exp, step, self.n_train_tokens)
+        if refusal:
+            raise self._cannot_resume(refusal, state)
+        written = {p["name"]: p for p in state.get("phases", [])}
         names = {ph.name for ph in self.program.phases}
-        for name, p in written.items():
-            if p["start"] < step and name not in names:
-                raise AndreaError(f"{self.files.ckpt}: cannot resume: phase {name!r} has already run and the experiment "
-                                  f"no longer has it; use --init-from {self.files.ckpt} to start a new run from its weights")
-        changed = []
-        for phase in self.program.phases:
-            before = written.get(phase.name)
-            if before is not None and before["hash"] == phase.hash():
-                continue
-            if phase.start < step or (before is not None and before["start"] < step):
-                ran = f"steps {before['start'] + 1}-{min(before['end'], step)}" if before else f"before step {step}"
-                raise AndreaError(
-                    f"{self.files.ckpt}: cannot resume: phase {phase.name!r} has already run ({ran}) and the experiment "
-                    f"now defines it differently (or not at all); only phases not yet started may change; use "
-                    f"--init-from {self.files.ckpt} to start a new run from its weights"
-                )
-            changed.append(phase.name)
+        changed = [ph.name for ph in self.program.phases
+                   if ph.start >= step and (written.get(ph.name) or {}).get("hash") != ph.hash()]
         dropped = [name for name, p in written.items() if p["start"] >= step and name not in names]
         if changed or dropped:
             self.event("phases_changed", step=step, changed=changed, dropped=dropped)
             self.log(f"resume: phases not yet started changed: {', '.join(changed + dropped)}")
+        before = state.get("total_steps")
+        if before is not None and self.total_steps > before:
+            # the steps run are unchanged: the run goes on as the longer experiment run from scratch would
+            grown = [ph.name for ph in self.program.phases
+                     if ph.start < step and (written.get(ph.name) or {}).get("end") != ph.end]
+            self.event("extended", step=step, total_before=before, total_steps=self.total_steps, phases=grown)
+            self.log(f"resume: extended from {before} to {self.total_steps} steps"
+                     + (f" (phase {', '.join(grown)} made longer)" if grown else ""))
 
     # ---- outputs -----------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
@@ -556,7 +598,8 @@ class Trainer:
             "format": STATE_FORMAT,
             "andrea_version": __version__,
             "experiment_path": self.exp.path,
-            "experiment": self.exp.raw,
+            "experiment": self.exp.raw,  # the effective experiment: the file with the overrides applied
+            "overrides": list(self.args.set or []),  # the --set items, as given
             "trajectory_hash": self.exp.trajectory_hash(),
             "step": step,
             "total_steps": self.total_steps,
@@ -565,6 +608,8 @@ class Trainer:
             "samples_seen": step * self.exp.batch_size,
             "tokens_seen": step * self.exp.tokens_per_step,
             "data": self.data_record,
+            # the train split's tokens: the program's lengths in epochs (config.continuation_refusal) count from it
+            "train_tokens": self.n_train_tokens,
             "tokenizer": self.tokenizer_record,
             **({"data_history": self.data_history} if self.data_history else {}),
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
