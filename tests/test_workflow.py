@@ -297,3 +297,107 @@ def test_train_rule_asks_for_data_parallel_with_several_gpus(tmp_path):
     four = snakemake(workdir, "results/ANDREA-tiny.ckpt", "--dry-run", "--printshellcmds",
                      "--resources", "gpu=4", "--set-resources", "train:gpu=4")
     assert "--gpus 4" in four.stdout
+
+
+# ---- overrides and the run folder --------------------------------------------------------------
+
+PHASED = "ANDREA-tinyphases"
+
+
+def write_phased(workdir: Path, steps: int = 20, cooldown: bool = False) -> dict:
+    """ANDREA-tiny as phases: `main` at a constant rate (a longer one extends a run), optionally a
+    `cool` phase after it."""
+    raw = json.loads((workdir / "config/experiments/ANDREA-tiny-TRAIN.json").read_text())
+    del raw["train"], raw["schedule"]
+    raw["name"] = PHASED
+    raw["phases"] = [{"name": "main", "length": {"steps": steps}, "lr": {"warmup_steps": 5, "decay": "constant"}}]
+    if cooldown:
+        raw["phases"].append({"name": "cool", "length": {"steps": 10}, "lr": {"decay": "linear", "final_ratio": 0.1}})
+    (workdir / f"config/experiments/{PHASED}-TRAIN.json").write_text(json.dumps(raw))
+    return raw
+
+
+def planned_train(workdir: Path, *args: str) -> tuple[str, str]:
+    """The run folder and the whole `andrea train` command a dry run plans for PHASED."""
+    proc = snakemake(workdir, "--dry-run", "--printshellcmds", f"results/{PHASED}.ckpt", *args)  # --config takes the rest
+    command = re.search(r"andrea train .*", proc.stdout).group(0)
+    return re.search(r"--out (results/runs/\S+)/", command).group(1), command
+
+
+def fake_run(workdir: Path, folder: str, raw: dict, step: int) -> None:
+    """A run folder whose state says it ran `raw` to `step` (what the planning reads of a run)."""
+    (workdir / folder).mkdir(parents=True, exist_ok=True)
+    (workdir / folder / f"{PHASED}.state.json").write_text(
+        json.dumps({"experiment": raw, "step": step, "train_tokens": 1_000_000}))
+
+
+def test_run_folder_follows_the_trajectory(built):
+    """A run is reused when it can continue as the edited or overridden experiment (a longer constant
+    phase, a new phase), else a new folder is named by the experiment's hash; the same files plan the
+    same folder."""
+    try:
+        raw = write_phased(built)
+        first, command = planned_train(built)
+        assert re.fullmatch(rf"results/runs/{PHASED}/[0-9a-f]{{12}}-[0-9a-f]{{12}}", first)
+        assert "--set" not in command and "--cpu-max-steps 100 " in command
+        assert planned_train(built)[0] == first, "the same config and files, the same folder"
+        family = first.rsplit("/", 1)[1].split("-")[0]
+        fake_run(built, first, raw, 20)
+        write_phased(built, cooldown=True)  # a new phase after the finished one: extended
+        assert planned_train(built)[0] == first
+        write_phased(built)
+        longer = ["--config", f'overrides={{"{PHASED}": ["phases.main.length.steps=30"]}}']
+        folder, command = planned_train(built, *longer)  # the constant last phase made longer
+        assert folder == first and "--set phases.main.length.steps=30 " in command
+        # steps already run would change: a new folder of the same family (same trajectory_hash)
+        other, command = planned_train(built, "--config", f'overrides={{"{PHASED}": ["phases.main.lr.warmup_steps=3"]}}')
+        assert other != first and other.rsplit("/", 1)[1].startswith(family + "-")
+        # another optimizer: another family
+        other = planned_train(built, "--config", f'overrides={{"{PHASED}": ["optimizer.lr=0.002"]}}')[0]
+        assert not other.rsplit("/", 1)[1].startswith(family + "-")
+        # the first folder now holds the 30-step run: the 20-step experiment cannot continue it, and
+        # the folder its hash names is taken, so it gets the next name
+        fake_run(built, first, {**raw, "phases": [{**raw["phases"][0], "length": {"steps": 30}}]}, 30)
+        assert planned_train(built)[0] == f"{first}-2"
+        assert planned_train(built, *longer)[0] == first
+    finally:
+        shutil.rmtree(built / "results" / "runs" / PHASED, ignore_errors=True)
+        (built / f"config/experiments/{PHASED}-TRAIN.json").unlink(missing_ok=True)
+
+
+def set_overrides(workdir: Path, overrides: dict) -> None:
+    path = workdir / "config" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["overrides"] = overrides  # whole: edit_config merges dicts
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_an_override_reruns_training_and_what_follows(built):
+    set_overrides(built, {"ANDREA-tiny": ["optimizer.lr=0.002"]})
+    try:
+        assert planned(built) == {"train", "eval"} | REPORT_RULES
+        command = re.search(r"andrea train .*", snakemake(built, "-n", "-p", "results/ANDREA-tiny.ckpt").stdout).group(0)
+        assert "--set optimizer.lr=0.002 " in command
+    finally:
+        set_overrides(built, {})
+    assert planned(built) == set()
+    # the same through --config
+    proc = snakemake(built, "-n", "-p", "--config", 'overrides={"ANDREA-tiny": ["optimizer.lr=0.002"]}')
+    assert "--set optimizer.lr=0.002 " in proc.stdout and set(job_counts(proc.stdout)) == {"train", "eval"} | REPORT_RULES
+    # the eval job reads the experiment from the checkpoint's state (the overridden one)
+    assert re.search(r"andrea eval --ckpt results/ANDREA-tiny.ckpt ", proc.stdout)
+
+
+def test_a_bad_override_fails_the_planning_in_one_sentence(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    for overrides, says in (({"ANDREA-tiny": ["optimizer.nope=1"]}, "--set optimizer.nope=1"),
+                            ({"ANDREA-tiny": ["model.n_head=5"]}, "--set model.n_head=5"),
+                            ({"ANDREA-nope": ["optimizer.lr=1"]}, "ANDREA-nope-TRAIN.json: no such experiment file")):
+        set_overrides(workdir, overrides)
+        proc = snakemake(workdir, "--dry-run", check=False)
+        output = proc.stdout + proc.stderr
+        lines = [line for line in output.splitlines() if says in line]
+        assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in output, output
+    set_overrides(workdir, {"ANDREA-tiny": "optimizer.lr=1"})  # not a list
+    proc = snakemake(workdir, "--dry-run", check=False)
+    assert proc.returncode != 0 and "['overrides']" in proc.stdout + proc.stderr

@@ -5,22 +5,43 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from andrea.data import HERMES3_DATASET
 from andrea.data.chatml import MAX_TOKEN_LENGTH, UNSPACED_CHUNK
 
 
+def _dropped(reasons: dict) -> str:
+    """`3 (bad_role 2, empty 1)`: a drop count with its reasons, most first."""
+    total = sum(reasons.values())
+    detail = ", ".join(f"{why} {n:,}" for why, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{total:,}" + (f" ({detail})" if detail else "")
+
+
+def summary(line: str) -> None:
+    """What a stage did, in one line on stdout (its progress goes to stderr): the workflow shows it."""
+    print(line, file=sys.stdout, flush=True)
+
+
 def _pull(args) -> int:
     from andrea.data.pull_hermes3 import pull_hermes3
 
-    pull_hermes3(args.source, args.out, revision=args.revision, hub_id=args.hub_id)
+    manifest = pull_hermes3(args.source, args.out, revision=args.revision, hub_id=args.hub_id)
+    counts = manifest["counts"]
+    summary(f"pull-hermes3 {args.source}: {counts['rows_out']:,} conversations kept of {counts['rows_in']:,}, "
+            f"dropped {_dropped(manifest.get('dropped', {}))}")
     return 0
 
 
 def _prep(args) -> int:
     from andrea.data.prep_megachat import prep_megachat
 
-    prep_megachat(args.input, args.out_dir, val_fraction=args.val_fraction)
+    manifests = prep_megachat(args.input, args.out_dir, val_fraction=args.val_fraction)
+    manifest = manifests["train"]  # both splits' manifests hold the stage's counts
+    counts = manifest["counts"]
+    summary(f"prep-megachat {args.out_dir}: {counts['train_rows']:,} train and {counts['val_rows']:,} val rows of "
+            f"{counts['rows_in']:,}, dropped {_dropped(manifest.get('dropped', {}))} rows and "
+            f"{_dropped(manifest.get('dropped_turns', {}))} turns")
     return 0
 
 
@@ -28,8 +49,12 @@ def _train_tokenizer(args) -> int:
     from andrea.data.train_tokenizer import train_tokenizer
 
     args.input = args.input or ["results/data/megachat/train.parquet"]
-    train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency,
-                    max_token_length=args.max_token_length, unspaced_chunk=args.unspaced_chunk, threads=args.threads)
+    manifest = train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency,
+                               max_token_length=args.max_token_length, unspaced_chunk=args.unspaced_chunk,
+                               threads=args.threads)
+    counts = manifest["counts"]
+    summary(f"train-tokenizer {args.out}: {counts['vocab_size']:,} tokens from {counts['rows']:,} conversations "
+            f"({counts['content_bytes'] / 1e6:,.1f} MB of text)")
     return 0
 
 
@@ -48,7 +73,10 @@ def _tokenize(args) -> int:
                 raise AndreaError(f"--source {name} is given twice; each source needs a name of its own")
             sources[name] = folder
     in_dir = args.in_dir if args.in_dir or sources else "results/data/megachat"
-    tokenize(args.tokenizer, in_dir, args.out_dir, threads=args.threads, sources=sources)
+    manifests = tokenize(args.tokenizer, in_dir, args.out_dir, threads=args.threads, sources=sources)
+    summary(f"tokenize {args.out_dir}: " + ", ".join(
+        f"{split} {m['counts']['tokens']:,} tokens ({m['counts']['target_tokens']:,} assistant targets)"
+        for split, m in manifests.items()) + (f", from {len(sources)} sources" if sources else ""))
     return 0
 
 

@@ -7,7 +7,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from andrea.config import continuation_refusal
 from andrea.config import load_experiment as load_experiment_file
+from andrea.engines import cuda_available
 from andrea.errors import AndreaError
 from andrea.hashing import code_hash, config_hash, sha256_file
 from snakemake.utils import min_version, validate
@@ -47,9 +49,15 @@ def experiment_path(name):
     return EXPERIMENT_DIR / f"{name}-TRAIN.json"
 
 
+def experiment_overrides(name):
+    """The `--set KEY=VALUE` items `overrides:` in config/config.yaml gives the experiment."""
+    return list(config.get("overrides", {}).get(name, []))
+
+
 @functools.cache
-def load_experiment(name):
-    """The experiment JSON, checked by the package (andrea.config: its schema and rules)."""
+def effective_experiment(name):
+    """The experiment the train job runs: the JSON with the config's overrides applied, checked by
+    the package (andrea.config: its schema and rules)."""
     path = experiment_path(name)
     if not path.is_file():
         known = sorted(
@@ -59,20 +67,27 @@ def load_experiment(name):
             f"{path}: no such experiment file (experiments: {', '.join(known) or 'none'}); "
             "add it, or fix the name in config/config.yaml or in the target."
         )
+    overrides = experiment_overrides(name)
     try:
-        experiment = load_experiment_file(path).raw
+        experiment = load_experiment_file(path, overrides)
     except AndreaError as err:
-        raise WorkflowError(str(err))
-    if experiment["name"] != name:
+        where = f"config/config.yaml: overrides of {name}: " if overrides else ""
+        raise WorkflowError(f"{where}{err}")
+    if experiment.raw["name"] != name:
         raise WorkflowError(
-            f"{path}: `name` is {experiment['name']!r} but the file is named for {name!r}; "
+            f"{path}: `name` is {experiment.raw['name']!r} but the file is named for {name!r}; "
             "outputs are named after the file, so make them agree."
         )
     return experiment
 
 
-# Fail on a bad experiment before planning anything.
-for _name in config["experiments"]:
+def load_experiment(name):
+    """The effective experiment's JSON."""
+    return effective_experiment(name).raw
+
+
+# Fail on a bad experiment, or a bad override, before planning anything.
+for _name in [*config["experiments"], *config.get("overrides", {})]:
     load_experiment(_name)
 
 
@@ -331,15 +346,48 @@ STAGE_CODE = {
 }
 
 
-def run_dir(wildcards, input):
-    """Where a training run keeps its checkpoint while it runs: one folder per (code, experiment,
-    data). Snakemake deletes a failed job's outputs, so the resumable run lives outside them; a
-    retry of the same job finds its folder and resumes, while any change starts a fresh one. The
-    data count by their token folder (its name carries the data identity) and by the train shard's
-    manifest (its sha256: code changes rewrite the shards in place).
+def set_flags(wildcards):
+    """The train job's `--set` flags: the config's overrides of the experiment."""
+    return shlex.join(
+        arg
+        for item in experiment_overrides(wildcards.experiment)
+        for arg in ("--set", item)
+    )
+
+
+def planned_device(wildcards):
+    """`cuda` when this machine has a CUDA device, else `cpu`. A param: the same command on a GPU
+    machine reruns a run that stopped at train.cpu_max_steps, which resumes it and finishes it.
     """
+    return "cuda" if cuda_available() else "cpu"
+
+
+def read_run_state(folder, name):
+    """The .state.json of the run in `folder`, or None (none yet, or unreadable)."""
+    try:
+        state = json.loads((folder / f"{name}.state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def run_dir(wildcards, input):
+    """Where a training run keeps its checkpoint while it runs. Snakemake deletes a failed job's
+    outputs, so the resumable run lives outside them, in results/runs/{experiment}/FAMILY-HASH/.
+
+    FAMILY is a short hash of what every step depends on: the train code, the data (the token
+    folder's name carries the data identity; the train shard's manifest covers code changes that
+    rewrite the shards in place), the engine setting and the experiment's trajectory_hash (model,
+    optimizer, batch, seed, precision). Among the folders of its family, the run that can continue
+    as the effective experiment (andrea.config.continuation_refusal) is reused, so an edit that
+    only adds steps (a longer constant last phase, a new phase) resumes and extends it: first the
+    run of this very experiment, else the one furthest on, else the first by name. Otherwise a new
+    folder is named by the effective experiment's hash. The same config and files give the same
+    folder.
+    """
+    name = wildcards.experiment
+    experiment = effective_experiment(name)
     digest = hashlib.sha256(code_version("train").encode())
-    digest.update(Path(input.experiment).read_bytes())
     digest.update(Path(input.train).parent.name.encode())
     manifest = Path(f"{input.train}.manifest.json")
     digest.update(
@@ -348,7 +396,35 @@ def run_dir(wildcards, input):
         else str(Path(input.train).stat().st_size).encode()
     )
     digest.update(config["engine"].encode())
-    return f"results/runs/{wildcards.experiment}/{digest.hexdigest()[:12]}"
+    digest.update(experiment.trajectory_hash().encode())
+    family = digest.hexdigest()[:IDENTITY_LENGTH]
+    own = f"{family}-{short_hash(experiment.raw)}"
+    runs = Path("results/runs") / name
+    candidates = []
+    for folder in sorted(runs.glob(f"{family}-*")):
+        state = read_run_state(folder, name)
+        if state is None:
+            # this experiment's folder with no checkpoint yet: it starts over there
+            if folder.name == own:
+                candidates.append((2, 0, folder.name))
+            continue
+        old, step, tokens = (
+            state.get(k) for k in ("experiment", "step", "train_tokens")
+        )
+        if not (
+            isinstance(old, dict) and isinstance(step, int) and isinstance(tokens, int)
+        ):
+            continue  # a run from before runs recorded these: not continued
+        if continuation_refusal(old, experiment, step, tokens) is None:
+            candidates.append((0 if old == experiment.raw else 1, -step, folder.name))
+    if candidates:
+        return str(runs / min(candidates)[2])
+    # a folder of this name holds a run that cannot continue as this experiment: the next free name
+    n, folder = 1, own
+    while (runs / folder).exists():
+        n += 1
+        folder = f"{own}-{n}"
+    return str(runs / folder)
 
 
 def code_version(stage):

@@ -1,7 +1,9 @@
 # Data stages: pull -> prep per source, one tokenizer over every source's train split, tokenize
 # per source (and their union). Each artifact has a <file>.manifest.json, declared as an output so
 # a rerun replaces it together with the artifact. Every folder is named by the hash of what
-# defines it (common.smk, data identity): another config writes other folders.
+# defines it (common.smk, data identity): another config writes other folders. Each stage's
+# progress goes to its log; its one-line summary (rows kept, dropped by reason) to the log and the
+# terminal.
 
 SOURCE_DIR = "results/data/sources/{source}-{pull}"
 PREP_DIR = f"{SOURCE_DIR}/megachat-{{prep}}"
@@ -36,7 +38,7 @@ rule pull_hermes3:
         source=pull_args,
         code=code_version("pull_hermes3"),
     shell:
-        "andrea pull-hermes3 {params.source} --out {output.parquet} > {log} 2>&1"
+        "andrea pull-hermes3 {params.source} --out {output.parquet} 2>> {log} | tee -a {log} >&2"
 
 
 rule prep_megachat:
@@ -56,7 +58,7 @@ rule prep_megachat:
         code=code_version("prep_megachat"),
     shell:
         "andrea prep-megachat --in {input.parquet} --out-dir {params.out_dir}"
-        " --val-fraction {params.val_fraction} > {log} 2>&1"
+        " --val-fraction {params.val_fraction} 2>> {log} | tee -a {log} >&2"
 
 
 # What the token folder's hash covers, written into it for people to read.
@@ -99,7 +101,7 @@ rule train_tokenizer:
         "andrea train-tokenizer {params.inputs} --vocab-size {wildcards.vocab}"
         " --min-frequency {params.min_frequency} --max-token-length {params.max_token_length}"
         " --unspaced-chunk {params.unspaced_chunk} --threads {threads}"
-        " --out {output.tokenizer} > {log} 2>&1"
+        " --out {output.tokenizer} 2>> {log} | tee -a {log} >&2"
 
 
 # Each source's shards and loss masks go to TOKENS_DIR/<source>/, their union to TOKENS_DIR, next
@@ -127,4 +129,4 @@ rule tokenize:
         code=code_version("tokenize"),
     shell:
         "andrea tokenize --tokenizer {input.tokenizer} {params.sources}"
-        " --out-dir {params.out_dir} --threads {threads} > {log} 2>&1"
+        " --out-dir {params.out_dir} --threads {threads} 2>> {log} | tee -a {log} >&2"

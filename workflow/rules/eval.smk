@@ -1,9 +1,9 @@
 # Evaluation: val loss, perplexity and bits per byte of each checkpoint, and their table.
 
 
+# The experiment is the checkpoint's own (its .state.json's: the JSON with the config's overrides).
 rule eval:
     input:
-        experiment=experiment_file,
         ckpt=rules.train.output.ckpt,
         state=rules.train.output.state,
         val=tokens_file("val.bin"),
@@ -26,7 +26,7 @@ rule eval:
         engine=config["engine"],
         code=code_version("eval"),
     shell:
-        "andrea eval --experiment {input.experiment} --ckpt {input.ckpt} --data {params.data}"
+        "andrea eval --ckpt {input.ckpt} --data {params.data}"
         " --engine {params.engine} --out {output.metrics} > {log} 2>&1"
 
 
@@ -38,6 +38,8 @@ localrules:
 rule eval_table:
     input:
         metrics=expand(rules.eval.output.metrics, experiment=config["experiments"]),
+        # whether each checkpoint finished its program (train.cpu_max_steps stops it early)
+        states=expand(rules.train.output.state, experiment=config["experiments"]),
     output:
         html=report(
             "results/report/evaluation.html",

@@ -26,33 +26,57 @@ th { background: #f4f4f4; }
 """
 
 
+def unfinished(state: dict) -> str | None:
+    """What the table says of a checkpoint short of its program's end (its .state.json), else None."""
+    why, step, total = state.get("unfinished"), state.get("step"), state.get("total_steps")
+    if not why or not isinstance(step, int) or not isinstance(total, int):
+        return None
+    if why == "cpu-max-steps":
+        return f"step {step:,} of {total:,}: the first steps only (no GPU); rerun on a GPU to finish"
+    return f"step {step:,} of {total:,}: unfinished (stopped by --{why})"
+
+
 def cell(report: dict, read, fmt: str) -> str:
     value = read(report)
     return "n/a" if value is None else escape(fmt.format(value))
 
 
-def render(reports: list[dict]) -> str:
-    head = "".join(f"<th>{escape(name)}</th>" for name, _, _ in COLUMNS)
+def render(reports: list[dict], states: list[dict] | None = None) -> str:
+    head = "".join(f"<th>{escape(name)}</th>" for name, _, _ in COLUMNS) + "<th>checkpoint</th>"
+    states = states or [{} for _ in reports]
     rows = "\n".join(
-        "<tr>" + "".join(f"<td>{cell(r, read, fmt)}</td>" for _, read, fmt in COLUMNS) + "</tr>" for r in reports
+        "<tr>" + "".join(f"<td>{cell(r, read, fmt)}</td>" for _, read, fmt in COLUMNS)
+        + f"<td>{escape(unfinished(s) or 'finished')}</td></tr>" for r, s in zip(reports, states)
     )
+    notes = [f"{r['experiment']['name']}: {unfinished(s)}" for r, s in zip(reports, states) if unfinished(s)]
     return (
         f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>ANDREA evaluation</title>'
         f"<style>{STYLE}</style></head><body>\n<h2>Evaluation on the validation split</h2>\n"
-        f"<table>\n<tr>{head}</tr>\n{rows}\n</table>\n</body></html>\n"
+        + "".join(f"<p><b>Unfinished:</b> {escape(n)}</p>\n" for n in notes)
+        + f"<table>\n<tr>{head}</tr>\n{rows}\n</table>\n</body></html>\n"
     )
 
 
-def main(paths: list[str], out: str) -> None:
+def read_state(path: str) -> dict:
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def main(paths: list[str], out: str, state_paths: list[str] = ()) -> None:
     reports = []
     for path in paths:
         with open(path) as f:
             reports.append(json.load(f))
+    states = [read_state(p) for p in state_paths] or None
     with open(out, "w") as f:
-        f.write(render(reports))
+        f.write(render(reports, states))
     print(f"{out}: {len(reports)} experiments", file=sys.stderr)
 
 
 if __name__ == "__main__":
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821 (set by Snakemake's script directive)
-    main(list(snakemake.input.metrics), snakemake.output.html)  # noqa: F821
+    main(list(snakemake.input.metrics), snakemake.output.html, list(snakemake.input.states))  # noqa: F821
