@@ -865,7 +865,8 @@ class Trainer:
 
 
 class Progress:
-    """A live bar with loss, tokens/s and ETA on a terminal; a few plain lines in logs."""
+    """A live bar with loss, tokens/s and ETA on a terminal; else about 20 plain lines on stdout, apart from the
+    log lines and memory plan on stderr (the workflow shows stdout and keeps stderr in its log)."""
 
     def __init__(self, console, start: int, stop: int, enabled: bool = True):
         self.console, self.start, self.stop = console, start, stop
@@ -889,15 +890,28 @@ class Progress:
             self.bar.__exit__(*exc)
 
     def update(self, step: int, rec: dict) -> None:
-        info = f"loss {rec['loss']:.4f}" + (f"  {rec['tokens_per_s']:,.0f} tok/s" if rec["tokens_per_s"] else "")
+        info = f"loss {rec['loss']:.4f}"
         if "val_loss" in rec:
             info += f"  val {rec['val_loss']:.4f}"
+        info += f"  {rec['tokens_per_s']:,.0f} tok/s" if rec["tokens_per_s"] else ""
         if self.live:
-            self.bar.update(self.task, completed=step, info=info)
+            self.bar.update(self.task, completed=step, info=f"{rec.get('phase', '')}  {info}")
         elif self.enabled and ((step - self.start) % self.every == 0 or step == self.stop):
             done = step - self.start
             eta = (time.monotonic() - self.t0) / max(done, 1) * (self.stop - step)
-            self.console.print(f"step {step}/{self.stop}  {info}  eta {eta:,.0f}s", highlight=False, soft_wrap=True)
+            self.line(f"step {step}/{self.stop}  phase {rec.get('phase')}  {info}  eta {eta:,.0f}s")
+
+    def line(self, text: str) -> None:
+        """One progress line on stdout. A reader that went away (a closed pipe) ends the lines, not the run: stdout
+        then goes to /dev/null, so neither a later line nor the flush at exit fails."""
+        try:
+            print(text, flush=True)
+        except OSError:
+            self.enabled = False
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
 
 
 def main(args) -> int:
