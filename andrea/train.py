@@ -643,11 +643,13 @@ class Trainer:
         return self.engine.products.describe()
 
     def write_samples(self, step: int) -> None:
-        from andrea.sample import training_samples
+        from andrea.sample import sample_line, training_samples
 
         if not self.sampler.shares_weights:
             self.sampler.load_params(self.engine.to_host(self.model.buf["params"]))
         entry = {"step": step, "samples": training_samples(self.sampler, self.prompts, seed=self.exp.seed, step=step)}
+        for sample in entry["samples"]:
+            self.log(sample_line(step, sample))  # one line each: the log shows what the model says as it learns
         history = json.loads(self.files.samples.read_text()) if self.files.samples.exists() else []
         history = [h for h in history if h["step"] < step] + [entry]
         write_json_atomic(self.files.samples, history)
