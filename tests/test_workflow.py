@@ -352,9 +352,6 @@ def test_run_folder_follows_the_trajectory(built):
         # steps already run would change: a new folder of the same family (same trajectory_hash)
         other, command = planned_train(built, "--config", f'overrides={{"{PHASED}": ["phases.main.lr.warmup_steps=3"]}}')
         assert other != first and other.rsplit("/", 1)[1].startswith(family + "-")
-        # another optimizer: another family
-        other = planned_train(built, "--config", f'overrides={{"{PHASED}": ["optimizer.lr=0.002"]}}')[0]
-        assert not other.rsplit("/", 1)[1].startswith(family + "-")
         # the first folder now holds the 30-step run: the 20-step experiment cannot continue it, and
         # the folder its hash names is taken, so it gets the next name
         fake_run(built, first, {**raw, "phases": [{**raw["phases"][0], "length": {"steps": 30}}]}, 30)
@@ -375,9 +372,9 @@ def set_overrides(workdir: Path, overrides: dict) -> None:
 def test_an_override_reruns_training_and_what_follows(built):
     set_overrides(built, {"ANDREA-tiny": ["optimizer.lr=0.002"]})
     try:
-        assert planned(built) == {"train", "eval"} | REPORT_RULES
-        command = re.search(r"andrea train .*", snakemake(built, "-n", "-p", "results/ANDREA-tiny.ckpt").stdout).group(0)
-        assert "--set optimizer.lr=0.002 " in command
+        proc = snakemake(built, "-n", "-p")
+        assert set(job_counts(proc.stdout)) == {"train", "eval"} | REPORT_RULES
+        assert "--set optimizer.lr=0.002 " in re.search(r"andrea train .*", proc.stdout).group(0)
     finally:
         set_overrides(built, {})
     assert planned(built) == set()

@@ -48,7 +48,7 @@ rule train:
         " if [ $rc -ne 75 ] || [ ${{step:-0}} -le $last ]; then exit $rc; fi;"
         " echo '{wildcards.experiment}: preempted at step '$step'; resuming' | tee -a {log} >&2;"
         " last=$step; done"
-        " && awk '/^done: /{{line=$0}} END{{if (line) print \"{wildcards.experiment}: \" line}}' {log} >&2"
+        " && sed -n 's/^done: /{wildcards.experiment}: done: /p' {log} | tail -n 1 >&2"
         " && for f in ckpt state.json loss.json log; do"
         " ln -f {params.run}/{wildcards.experiment}.$f results/{wildcards.experiment}.$f; done"
         " && for f in best.ckpt samples.json; do"
