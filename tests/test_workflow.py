@@ -339,7 +339,8 @@ def test_run_folder_follows_the_trajectory(built):
         raw = write_phased(built)
         first, command = planned_train(built)
         assert re.fullmatch(rf"results/runs/{PHASED}/[0-9a-f]{{12}}-[0-9a-f]{{12}}", first)
-        assert "--set" not in command and "--cpu-max-steps 100 " in command
+        cpu_max_steps = yaml.safe_load((built / "config" / "config.yaml").read_text())["train"]["cpu_max_steps"]
+        assert "--set" not in command and f"--cpu-max-steps {cpu_max_steps} " in command
         assert planned_train(built)[0] == first, "the same config and files, the same folder"
         family = first.rsplit("/", 1)[1].split("-")[0]
         fake_run(built, first, raw, 20)
