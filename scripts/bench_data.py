@@ -30,6 +30,9 @@ from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SAMPLE_S = 0.5  # a scan of /proc costs CPU the stages need (every 50 ms it took half a core)
+# ... except in a stage's first seconds: a stage shorter than SAMPLE_S would go unobserved, and its RSS
+# climbs to its peak there (the imports, the first batch)
+FIRST_SAMPLE_S, FIRST_SECONDS = 0.02, 2.0
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer briefly.", "You are a careful programmer. Explain your code.",
                   "Réponds en français si possible.", ""]
 CODE = ["def f(x):\n    return x * 2\n", "for i in range(10):\n    print(i)\n",
@@ -128,7 +131,7 @@ def run_stage(argv: list[str], log: Path) -> dict:
 
         def sample() -> None:
             nonlocal peak
-            while not done.wait(SAMPLE_S):
+            while not done.wait(FIRST_SAMPLE_S if time.perf_counter() - start < FIRST_SECONDS else SAMPLE_S):
                 peak = max(peak, tree_rss(proc.pid))
 
         sampler = threading.Thread(target=sample, daemon=True)
