@@ -11,18 +11,15 @@ Builds:
   --source PATH   a kernel file with the three kernels of kernels/attn_bf16.cu (same names and arguments);
                   repeatable; default the repository's kernels/attn_bf16.cu (through kernel_source(), so
                   ANDREA_KERNELS applies). A file outside the kernels folder gets that folder's common.cuh.
-                  A file that keeps dS (dev/cuda/attn_bf16_ds.cu: kernels k_attn_bwd_delta and
-                  k_attn_bwd_dq_ds_*) runs its three-kernel backward instead, with a scratch of dS pairs. A file
-                  whose kernels take a launch order (`heads_first`, as kernels/attn_bf16.cu's do) gets the
-                  engine's (andrea/ops/attn.py heads_first: each head's tiles together, the grids' dimensions
+                  A file whose kernels take a launch order (`heads_first`, as kernels/attn_bf16.cu's do) gets
+                  the engine's (andrea/ops/attn.py heads_first: each head's tiles together, the grids' dimensions
                   swapped, where every head's K and V pass L2), or as --heads-first 0/1 says; an older file's
                   kernels run their grid's own order.
   --hopper        also builds each of those for sm_90a (as the engine does on Hopper) and checks its warpgroup
                   kernels k_attn_fwd_wg, k_attn_bwd_dq_wg, k_attn_bwd_kv_wg in place of the mma ones.
   --hopper-only   the sm_90a builds alone (a variant that changes only the warpgroup kernels).
-  --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro (as
-                  dev/cuda/attn_bf16_variants.cu does) is built once per k with -DATTN_BF16_VARIANT=k; a source
-                  that does not is built once.
+  --variants LIST comma-separated values k of ATTN_BF16_VARIANT: a source that reads that macro is built once
+                  per k with -DATTN_BF16_VARIANT=k; a source that does not is built once.
 Every build goes through every section; the inputs and the float64 references are made once and shared. With
 more than one build a comparison table closes the run: one row per (source, variant), its verdict, times and
 TFLOP/s at each timed shape, registers and spills; "*" marks the fastest build (fwd + bwd at the first timed
@@ -76,11 +73,6 @@ FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
 KERNELS = ("k_attn_fwd_bf16", "k_attn_bwd_dq_bf16", "k_attn_bwd_bf16")  # fwd, dq, kv
 HOPPER_KERNELS = ("k_attn_fwd_wg", "k_attn_bwd_dq_wg", "k_attn_bwd_kv_wg")  # the same in the sm_90a build
 ROLES = ("fwd", "dq", "kv")
-# A file whose backward keeps dS (dev/cuda/attn_bf16_ds.cu): D by its own kernel, then dK, dV and the dS pairs (the kv
-# kernel's last argument), then dQ from the pairs. Its "dq" is that kernel, timed with D's.
-DS_PATH_KERNEL = "k_attn_bwd_delta"
-DS_DQ_KERNELS = {False: "k_attn_bwd_dq_ds_bf16", True: "k_attn_bwd_dq_ds_wg"}  # by hopper
-DS_PAIR_BYTES = 64 * 64 * 2  # a (query tile, key tile) pair of dS
 ADD = np.int32(1)  # the backward kernels' `add`: dQ, dK, dV added into dqkv (R here), as the check expects
 # The kernels' trailing amax word (precision fp8): none here. Kernels of a file without the argument (older
 # variants) ignore a parameter past their own.
@@ -360,12 +352,8 @@ class Attn:
         else:
             self.mod = cp.RawModule(code=source, options=("-std=c++17", *options), backend="nvrtc")
         self.names = dict(zip(ROLES, HOPPER_KERNELS if hopper else KERNELS))
-        self.ds_path = DS_PATH_KERNEL in source
         self.ordered = "heads_first" in source  # an older file's kernels run the grid's own order only
-        if self.ds_path:
-            self.names.update(dq=DS_DQ_KERNELS[hopper], delta=DS_PATH_KERNEL)
         self.k = {role: self.mod.get_function(name) for role, name in self.names.items()}
-        self._ds: dict = {}  # the dS pairs' scratch by shape
         self.cfg = launch_config(source, self.mod, cp)
         # Hopper's dK / dV kernel takes dynamic shared memory, as much as the module's constant says (a file
         # without the constant: none)
@@ -394,55 +382,28 @@ class Attn:
         self.k["fwd"](grid(cfg["rows"]), (cfg["threads"],), (out, lse, qkv, i32(B), i32(T), i32(C), i32(H),
                                                              np.float32(1 / math.sqrt(HD)), NO_AMAX, first))
 
-    def ds(self, B, T, H):
-        """The dS pairs' scratch of a shape (a file that keeps dS), 0xFF bytes (bf16 NaN) when first made."""
-        if (B, T, H) not in self._ds:
-            n = -(-T // 64)
-            self._ds[B, T, H] = self.cp.full(B * H * n * (n + 1) // 2 * DS_PAIR_BYTES, 0xFF, dtype=self.cp.uint8)
-        return self._ds[B, T, H]
-
     def bwd_dq(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
-        """The dQ kernel (a file that keeps dS: D's kernel, then dQ from the pairs the kv kernel left)."""
+        """The dQ kernel."""
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
-        if self.ds_path:
-            self._delta(delta, dout, y, B, T, H)
-            self._dq_from_ds(dqkv, qkv, B, T, H)
-            return
         grid, first = self.order(B, T, H)
         self.k["dq"](grid(cfg["rows"]), (cfg["threads"],),
                      (dqkv, delta, dout, y, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX,
                       *planes(B, T, C), first))
 
-    def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H, pairs: bool = True):
-        """The dK/dV kernel; a file that keeps dS writes its pairs, or with `pairs` False gets a null pointer (none)."""
+    def bwd_kv(self, dqkv, delta, dout, qkv, lse, B, T, H):
+        """The dK/dV kernel."""
         cfg, i32 = self.cfg, np.int32
         C, scale = H * HD, np.float32(1 / math.sqrt(HD))
         grid, first = self.order(B, T, H)
         self.k["kv"](grid(cfg["kv_rows"]), (cfg["kv_threads"],),
-                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX, *planes(B, T, C),
-                      (self.ds(B, T, H) if pairs else np.uint64(0)) if self.ds_path else first),
+                     (dqkv, delta, dout, qkv, lse, i32(B), i32(T), i32(C), i32(H), scale, ADD, NO_AMAX,
+                      *planes(B, T, C), first),
                      shared_mem=self.kv_smem)
 
     def bwd(self, dqkv, delta, dout, y, qkv, lse, B, T, H):
-        if self.ds_path:  # D, then dK, dV and the dS pairs, then dQ
-            self._delta(delta, dout, y, B, T, H)
-            self.bwd_kv(dqkv, delta, dout, qkv, lse, B, T, H)
-            self._dq_from_ds(dqkv, qkv, B, T, H)
-            return
         self.bwd_dq(dqkv, delta, dout, y, qkv, lse, B, T, H)
         self.bwd_kv(dqkv, delta, dout, qkv, lse, B, T, H)
-
-    def _delta(self, delta, dout, y, B, T, H):
-        cfg, i32 = self.cfg, np.int32
-        self.k["delta"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
-                        (delta, dout, y, i32(B), i32(T), i32(H * HD), i32(H)))
-
-    def _dq_from_ds(self, dqkv, qkv, B, T, H):
-        cfg, i32, C = self.cfg, np.int32, H * HD
-        self.k["dq"]((B * H, -(-T // cfg["rows"])), (cfg["threads"],),
-                     (dqkv, self.ds(B, T, H), qkv, i32(B), i32(T), i32(C), i32(H), np.float32(1 / math.sqrt(HD)),
-                      ADD, NO_AMAX, *planes(B, T, C)))
 
 
 def run_once(attn: Attn, dev: dict, B: int, T: int, H: int) -> dict:
@@ -528,10 +489,6 @@ def bench(attn: Attn) -> dict:
             fwd_run()
             fwd, bwd = median_ms(fwd_run, REPEAT, WARMUP), median_ms(bwd_run, REPEAT, WARMUP)
             dq, kv = median_ms(dq_run, REPEAT, WARMUP), median_ms(kv_run, REPEAT, WARMUP)
-            if attn.ds_path:  # D's kernel alone (dq holds it)
-                d_ms = median_ms(lambda d=dev, s=(B, T, H): attn._delta(d["delta"], d["dout"], d["out"], *s), REPEAT,
-                                 WARMUP)
-                log(f"{name:>16}: D alone {d_ms:.4f} ms")
             product = B * H * T * T * HD  # 2 B H T^2 hd / 2: one causal product
             r = {"fwd_ms": fwd, "bwd_ms": bwd, "bwd_dq_ms": dq, "bwd_kv_ms": kv,
                  "fwd_tflops": FWD_PRODUCTS * product / (fwd * 1e-3) / 1e12,
