@@ -420,7 +420,7 @@ k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, i
 // registers as stored; the block's LN_E4M3_ROWS x C bytes gather in shared memory for X^T. C a multiple of ACT_VEC
 // and at most LN_E4M3_MAX_C; every row 16-byte aligned. A warp takes LN_E4M3_ROWS / LN_E4M3_WARPS rows in turn: two
 // blocks an SM (a block's registers are half an SM's), one's X^T writes beside the other's rows (a block of a warp a
-// row held one block an SM: 24.3 us against 20.7 at 120M on an H100). Block 0 writes the descale 1 / s. qt null: X
+// row held one block an SM, and ran slower). Block 0 writes the descale 1 / s. qt null: X
 // alone (a forward with no backward after it).
 #define LN_E4M3_ROWS 32   // rows a block
 #define LN_E4M3_WARPS 16  // warps a block (its launcher reads this), two rows each

@@ -32,10 +32,9 @@ MAX_GRID_Y = 65535  # a grid's second dimension at most: heads_first puts the he
 
 def heads_first(heads: int, T: int, l2_bytes: int) -> bool:
     """The launch order of kernels/attn_bf16.cu for `heads` (B H) heads of T rows: each head's tiles together where
-    every head's K and V (bf16) pass L2, so that a head's stay there while its blocks run (at B 16, T 1024, 32 heads
-    on an H100 the forward and backward take 1.9x and 1.6x less time so); else a tile rank across every head, the
-    longest first, which balances the SMs better where everything fits (docs/PERFORMANCE.md, "The attention
-    kernels' launch order"). Either order gives the same bits."""
+    every head's K and V (bf16) pass L2, so that a head's stay there while its blocks run (past L2 this is the
+    faster order); else a tile rank across every head, the longest first, which balances the SMs better where
+    everything fits (docs/PERFORMANCE.md, "Settings that change speed"). Either order gives the same bits."""
     return heads * 2 * T * ATTN_BF16_HEAD * 2 > l2_bytes and heads <= MAX_GRID_Y
 
 

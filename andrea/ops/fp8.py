@@ -1,7 +1,7 @@
 """FP8 operands for the matrix products of attn_qkv and mlp under precision fp8 (kernels/fp8.cu). attn_out's
 products stay bf16: at d_model 384 and 768 its casts (the attention output forward; d_branch in both layouts and
-the attention output transposed backward) cost more than its FP8 products save (docs/PERFORMANCE.md: the 120M
-fp8 step 14.59-14.68 ms with them on FP8, 14.40 without; 12M 5.45 against 5.30).
+the attention output transposed backward) cost more than its FP8 products save (docs/PERFORMANCE.md, "Tried and not
+taken").
 
 Per-tensor current scaling: each operand is cast right before its product with the scale of its own
 amax, the largest power of two s with amax * s <= the format's largest value (E4M3 448 for activations
@@ -54,10 +54,9 @@ evaluation) writes no X^T and no E5M2 d_logits of the classifier (ops/loss.py), 
 
 Accumulation: Hopper's FP8 tensor cores sum in fewer bits than FP32; cuBLASLt by default promotes the partial
 sums to FP32 as K goes, and with fast accumulation does not (5-15% faster a product at 120M). The forward products
-(K = C or 4C: X W, the MLP's up product, the logits) take fast accumulation; every gradient product promotes. With
-the input gradients' products fast too, 120M's held-out loss after 200 steps of text moved from bf16's by 0.93%,
-against 0.43-0.60% so and 0.18% with none fast (docs/PERFORMANCE.md). The bits stay a function of the inputs
-either way.
+(K = C or 4C: X W, the MLP's up product, the logits) take fast accumulation; every gradient product promotes:
+fast input gradients too would move fp8's loss from bf16's about twice as far as the forward's alone do. The bits
+stay a function of the inputs either way.
 
 Hopper's FP8 products take both operands K-major, so each product gets the layout it needs from the
 cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
@@ -71,9 +70,9 @@ The tied classifier (andrea/ops/loss.py) runs two of its three products on FP8 o
 forward's softmax writes the E5M2 copy as it writes the probabilities, with no amax pass and no read of its
 own (`fp8_dlogits`, a training plan's). wte's gradient d_logits^T x stays in bf16: on FP8 it needs d_logits
 transposed (Hopper's FP8 products take K-major operands only), a copy of [V, N] by a pass of its own, which
-costs what the faster product saves (docs/PERFORMANCE.md). That copy is unweighted (loss weights scale
-d_logits' rows after the forward): with weights the FP8 product goes to fp32 scratch, and a pass scales each of
-its rows by the row's weight into the input gradient (d_logits wte is linear in each row of d_logits).
+costs what the faster product saves (docs/PERFORMANCE.md, "Tried and not taken"). That copy is unweighted (loss
+weights scale d_logits' rows after the forward): with weights the FP8 product goes to fp32 scratch, and a pass
+scales each of its rows by the row's weight into the input gradient (d_logits wte is linear in each row of d_logits).
 
 `quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
 even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).
@@ -417,8 +416,8 @@ class CudaOps:
     # engine's fp8_amax. The rule that keeps it true: every op that writes a tensor either keeps its amax
     # (_fp8_produced: the LayerNorms, the GELU passes, the bf16 attention) or drops it (_fp8_wrote); a cast's amax
     # pass keeps it. Each write kept takes the pass's next slot, never one used before in the pass, so that one
-    # memset of the whole table as the pass opens zeroes every amax word its producers max into (a memset a
-    # write cost about 4 us of an idle device inside a recorded step, 100 of them at 120M).
+    # memset of the whole table as the pass opens zeroes every amax word its producers max into (a memset for each
+    # write would leave the recorded step idle around each of them).
     @contextlib.contextmanager
     def fp8_pass(self, backward: bool = True):
         """One pass of a model over its own buffers (a micro-batch's forward and backward, or with `backward`

@@ -191,7 +191,7 @@ class CudaOps:
             raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
                                "of a forward that did not write it)")
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
-        # cuBLASLt's DGELU epilogue on FP8 operands took 0.207 ms at 120M against 0.041 + 0.037 (PERFORMANCE.md, fp8)
+        # (cuBLASLt's DGELU epilogue on FP8 operands is slower than the two: docs/PERFORMANCE.md, "Tried and not taken")
         beta_w = 0.0 if overwrite_weights else 1.0
         done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, beta_w=beta_w)
                                       if self._fp8_ok(N, C) else (False, False, None, None))
