@@ -1,9 +1,9 @@
 """A recorded graph's small memset nodes as kernel nodes.
 
 cuBLASLt records a memset of a few bytes of its workspace before some of its products (the batched QKV product,
-the GELU epilogues, the FP8 products with an output scale), and a memset node costs a recorded step about 4 us of
-an idle device with the gaps on either side of it, where one kernel follows another with none (docs/PERFORMANCE.md,
-"Where a recorded step idles"). `without_small_memsets` rewrites a captured graph through CUDA's driver API: each
+the GELU epilogues, the FP8 products with an output scale), and a memset node leaves the device idle in the gaps
+on either side of it, where one kernel follows another with none (docs/PERFORMANCE.md, "Settings that change
+speed", ANDREA_GRAPH_MEMSETS). `without_small_memsets` rewrites a captured graph through CUDA's driver API: each
 memset node of at most SMALL_MEMSET_BYTES becomes a k_memset node (kernels/memset.cu) with the same arguments,
 dependencies and dependents, and the graph is instantiated again. A larger memset stays a node. The bytes written
 are the same, so a step's results are too. ANDREA_GRAPH_MEMSETS=1 keeps every graph as recorded.
