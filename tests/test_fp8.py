@@ -779,6 +779,7 @@ def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
     assert prepared.digest == per_call.digest
 
 
+@pytest.mark.slow  # 2 x 200 training steps
 def test_fp8_rounding_alone_keeps_tiny_training_with_fp32():
     """The FP8 rounding of the products (engines/fp8_emulation.py, the CUDA fp8 path's casts on the CPU) leaves
     200 steps of a tiny model within 1.5% of fp32 from the same init, and it does round (the losses differ)."""

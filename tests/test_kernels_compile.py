@@ -39,6 +39,7 @@ def build_of(compiled, op, arch, precision):
     return result
 
 
+@pytest.mark.slow  # with the Hopper builds below: the `compiled` fixture, every build (~50-90 s on 2 cores)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("op", KERNEL_FILES)
@@ -67,6 +68,7 @@ def test_header_is_spliced_into_the_source():
     assert "block_sum" in source
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
 def test_hopper_build_compiles(compiled, op, precision):
@@ -76,6 +78,7 @@ def test_hopper_build_compiles(compiled, op, precision):
         assert name.encode() in built.cubin, f"{name} missing from the {HOPPER_ARCH} build of kernels/{op}.cu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", sorted(hopper_kernel_files()))
 def test_hopper_kernels_are_only_in_the_hopper_build(compiled, op):
     """The warpgroup products need sm_90a: a plain sm_90 build (what runs on other GPUs' code paths) has none."""
@@ -92,6 +95,7 @@ def test_hopper_build_is_wanted_on_compute_capability_90_only(monkeypatch):
     assert not hopper_build_wanted("90")
 
 
+@pytest.mark.slow  # three NVRTC builds; the test below keeps one build in the inner loop
 def test_cached_cubin_compiles_once_per_source(tmp_path, monkeypatch):
     import shutil
 

@@ -61,6 +61,7 @@ def assert_intact(out: Path):
     return step
 
 
+@pytest.mark.slow  # ~35-55 s of signals on 2 cores
 def test_random_sigterms_and_sigkills_lose_nothing(tmp_path, setup):
     experiment, data, ref, ref_history = setup
     out = tmp_path / "tiny.ckpt"
