@@ -291,7 +291,7 @@ def quantize(x: np.ndarray, fmt: str, amax: float | None = None) -> tuple[np.nda
 def fake_quantize(xp, x, fmt: str, amax: float | None = None):
     """dequantize(*quantize(x)) as float32 in array arithmetic of the array module xp (NumPy or CuPy): the
     cast's values without FP8 types, so that they can feed products of other precisions on any device (the
-    CPU emulation, engines/fp8_emulation.py; dev/cuda/fp8_check.py's cuda-fq8). The values have at most 4
+    CPU emulation, engines/fp8_emulation.py; an FP8 product emulated on the GPU). The values have at most 4
     significant bits: exact in bf16. `amax`: the scale of that amax instead of x's own (a bound of |x|)."""
     mantissa, min_exp = GRID[fmt]
     x = xp.asarray(x, dtype=xp.float32)
