@@ -17,8 +17,7 @@ from typing import Callable
 import numpy as np
 
 from andrea.errors import AndreaError
-from andrea.options import at_least, non_negative_float
-from andrea.sample import TEMPERATURE, TOP_K
+from andrea.sample import TEMPERATURE, TOP_K, add_generation_options
 
 REPLY_ROOM_FRACTION = 4  # old turns go once the prompt leaves less than seq_len / 4 (or --max-new-tokens) to reply
 USER_PREFIX = "user> "
@@ -159,17 +158,8 @@ def register(subparsers) -> None:
     )
     p.add_argument("--ckpt", required=True, help="checkpoint, e.g. results/ANDREA-12M.ckpt or its .best.ckpt")
     p.add_argument("--system", help="an optional system message at the start of the conversation")
-    p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: DATA/tokenizer.json of the training data)")
-    p.add_argument("--temperature", type=non_negative_float, default=TEMPERATURE,
-                   help=f"0 is greedy (default {TEMPERATURE})")
-    p.add_argument("--top-k", type=at_least(0), default=TOP_K,
-                   help=f"sample from the k likeliest tokens; 0: all (default {TOP_K})")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of the whole conversation (default 0)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=256,
-                   help="most tokens of one reply (default 256)")
-    p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
-                   help="auto (default) uses CUDA when a device is present, else NumPy")
+    add_generation_options(p, seed_help="sampling seed of the whole conversation (default 0)",
+                           max_new_help="most tokens of one reply (default 256)")
     p.add_argument("--json", action="store_true",
                    help="print each turn as one JSON object (turn, prompt, reply, prompt_tokens, new_tokens, "
                    "stopped_by, dropped_turns) instead of streaming the reply")

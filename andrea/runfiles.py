@@ -128,3 +128,13 @@ def read_loss_history(path) -> list[dict]:
             by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
+
+def unfinished_phrase(state: dict) -> str | None:
+    """What a report says of a run short of its program's end (its .state.json `unfinished`, `step`,
+    `total_steps`), else None."""
+    why, step, total = state.get("unfinished"), state.get("step"), state.get("total_steps")
+    if not why or not isinstance(step, int) or not isinstance(total, int):
+        return None
+    if why == "cpu-max-steps":
+        return f"step {step:,} of {total:,}: the first steps only (no GPU); rerun on a GPU to finish"
+    return f"step {step:,} of {total:,}: unfinished (stopped by --{why})"

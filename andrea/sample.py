@@ -177,6 +177,20 @@ def sample(ckpt, prompt: str, *, system: str | None = None, experiment=None, tok
     }
 
 
+def add_generation_options(p, *, seed_help: str, max_new_help: str) -> None:
+    """The options `andrea sample` and `andrea chat` share: where the model comes from and how it samples."""
+    p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: DATA/tokenizer.json of the training data)")
+    p.add_argument("--temperature", type=non_negative_float, default=TEMPERATURE,
+                   help=f"0 is greedy (default {TEMPERATURE})")
+    p.add_argument("--top-k", type=at_least(0), default=TOP_K,
+                   help=f"sample from the k likeliest tokens; 0: all (default {TOP_K})")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256, help=max_new_help)
+    p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
+                   help="auto (default) uses CUDA when a device is present, else NumPy")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "sample",
@@ -185,19 +199,11 @@ def register(subparsers) -> None:
         "--max-new-tokens. The experiment comes from the checkpoint's .state.json (or --experiment), the "
         "tokenizer from the data folder recorded there (or --tokenizer). Same seed, same text.",
     )
-    p.add_argument("--ckpt", required=True, help="checkpoint, e.g. results/ANDREA-12M.ckpt")
+    p.add_argument("--ckpt", required=True, help="checkpoint, e.g. results/ANDREA-12M.ckpt or its .best.ckpt")
     p.add_argument("--prompt", required=True, help="the user's message")
     p.add_argument("--system", help="an optional system message before it")
-    p.add_argument("--experiment", help="experiment JSON (default: the one in the checkpoint's .state.json)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: DATA/tokenizer.json of the training data)")
-    p.add_argument("--temperature", type=non_negative_float, default=TEMPERATURE,
-                   help=f"0 is greedy (default {TEMPERATURE})")
-    p.add_argument("--top-k", type=at_least(0), default=TOP_K,
-                   help=f"sample from the k likeliest tokens; 0: all (default {TOP_K})")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="most tokens to generate (default 256)")
-    p.add_argument("--engine", default="auto", choices=("auto", "numpy", "cuda"),
-                   help="auto (default) uses CUDA when a device is present, else NumPy")
+    add_generation_options(p, seed_help="sampling seed (default 0)",
+                           max_new_help="most tokens to generate (default 256)")
     p.add_argument("--json", action="store_true", help="print prompt, completion and settings as JSON")
     p.set_defaults(func=main)
 

@@ -4,6 +4,8 @@ import json
 import sys
 from html import escape
 
+from andrea.runfiles import unfinished_phrase
+
 # (header, how to read it from an eval report, format)
 COLUMNS = [
     ("experiment", lambda r: r["experiment"]["name"], "{}"),
@@ -26,16 +28,6 @@ th { background: #f4f4f4; }
 """
 
 
-def unfinished(state: dict) -> str | None:
-    """What the table says of a checkpoint short of its program's end (its .state.json), else None."""
-    why, step, total = state.get("unfinished"), state.get("step"), state.get("total_steps")
-    if not why or not isinstance(step, int) or not isinstance(total, int):
-        return None
-    if why == "cpu-max-steps":
-        return f"step {step:,} of {total:,}: the first steps only (no GPU); rerun on a GPU to finish"
-    return f"step {step:,} of {total:,}: unfinished (stopped by --{why})"
-
-
 def cell(report: dict, read, fmt: str) -> str:
     value = read(report)
     return "n/a" if value is None else escape(fmt.format(value))
@@ -46,9 +38,10 @@ def render(reports: list[dict], states: list[dict] | None = None) -> str:
     states = states or [{} for _ in reports]
     rows = "\n".join(
         "<tr>" + "".join(f"<td>{cell(r, read, fmt)}</td>" for _, read, fmt in COLUMNS)
-        + f"<td>{escape(unfinished(s) or 'finished')}</td></tr>" for r, s in zip(reports, states)
+        + f"<td>{escape(unfinished_phrase(s) or 'finished')}</td></tr>" for r, s in zip(reports, states)
     )
-    notes = [f"{r['experiment']['name']}: {unfinished(s)}" for r, s in zip(reports, states) if unfinished(s)]
+    notes = [f"{r['experiment']['name']}: {phrase}"
+             for r, s in zip(reports, states) if (phrase := unfinished_phrase(s))]
     return (
         f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>ANDREA evaluation</title>'
         f"<style>{STYLE}</style></head><body>\n<h2>Evaluation on the validation split</h2>\n"

@@ -7,7 +7,7 @@ import math
 import sys
 from html import escape
 
-from andrea.runfiles import iter_records, read_loss_history
+from andrea.runfiles import iter_records, read_loss_history, unfinished_phrase
 
 WIDTH, HEIGHT = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 44, 52
@@ -115,16 +115,6 @@ def render(title: str, records: list[dict], pivots: list[dict] = ()) -> str:
     return "\n".join(out) + "\n"
 
 
-def unfinished(state: dict) -> str | None:
-    """What the report says of a checkpoint short of its program's end (its .state.json), else None."""
-    why, step, total = state.get("unfinished"), state.get("step"), state.get("total_steps")
-    if not why or not isinstance(step, int) or not isinstance(total, int):
-        return None
-    if why == "cpu-max-steps":
-        return f"step {step:,} of {total:,}: the first steps only (no GPU); rerun on a GPU to finish"
-    return f"step {step:,} of {total:,}: unfinished (stopped by --{why})"
-
-
 def read_state(path) -> dict:
     import json
 
@@ -148,6 +138,6 @@ def main(loss_path: str, svg_path: str, title: str) -> None:
 
 if __name__ == "__main__":
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821 (set by Snakemake's script directive)
-    note = unfinished(read_state(snakemake.input.state))  # noqa: F821
+    note = unfinished_phrase(read_state(snakemake.input.state))  # noqa: F821
     main(snakemake.input.loss, snakemake.output.svg,  # noqa: F821
          f"{snakemake.wildcards.experiment}: loss" + (f" ({note})" if note else ""))  # noqa: F821
