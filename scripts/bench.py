@@ -1,6 +1,6 @@
 """The benchmark: tokens/s of the CUDA engine's training step against the PyTorch peer, in one call.
 
-    PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline PATH/torch_baseline.py]
+    PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline PATH (default bench/peer_pytorch.py)]
         [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,fp8,bf16-eager] [--peers ...]
         [--rounds 1] [--peer-runs 3]
 
@@ -13,7 +13,7 @@ Correctness (every op against float64 NumPy, training, determinism, memory, resu
             (recorded by andrea.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
             (andrea/ops); with --rounds N the variants of a shape take turns N times, their medians counting;
             the PyTorch peer's variants in the same call, each in --peer-runs processes, the fastest counting
-The peer is the PyTorch baseline script given by --baseline (default: $ANDREA_PEER_BASELINE); without one
+The peer is bench/peer_pytorch.py, or the script given by --baseline or $ANDREA_PEER_BASELINE; with 'none'
 the bench section times the engine alone and says so. Writes bench.json and bench.txt under --out (default: $OUT, else results/bench); scripts/gpu_report.py
 turns bench.json into docs/PERFORMANCE.md's tables. Exits non-zero if any section fails.
 """
@@ -58,6 +58,8 @@ def variant_parts(variant: str) -> tuple[str, bool, bool]:
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
 ROUNDS = "median of {n} rounds"  # how an engine variant's --rounds count
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
+# The PyTorch peer: the same model in plain PyTorch, at the same shapes and micro-batches (tests/test_peer_pytorch.py)
+PEER = REPO / "bench" / "peer_pytorch.py"
 
 report: dict = {}
 failed: list[str] = []
@@ -320,9 +322,9 @@ def table() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
-    parser.add_argument("--baseline", default=os.environ.get("ANDREA_PEER_BASELINE"),
-                        help="the PyTorch peer baseline script (default: $ANDREA_PEER_BASELINE; 'none' or unset: "
-                             "no peers)")
+    parser.add_argument("--baseline", default=os.environ.get("ANDREA_PEER_BASELINE", str(PEER)),
+                        help=f"the PyTorch peer script (default: $ANDREA_PEER_BASELINE, else {PEER.relative_to(REPO)}; "
+                             "'none': no peers)")
     parser.add_argument("--sections", default="device,ceilings,memory,bench")
     parser.add_argument("--bench", default=",".join((*PRECISIONS, "bf16-eager")),
                         help=f"engine variants the bench section times, of {', '.join(BENCH_VARIANTS)}")
