@@ -150,14 +150,22 @@ def recorded_sha256s(state: dict | None, ckpt=None) -> set[str]:
     return {c["sha256"] for c in (state or {}).get("checkpoints", [])}
 
 
+def vouches(ckpt, state: dict | None, digest: str) -> bool | None:
+    """Whether the state that speaks for `ckpt` vouches for the file of sha256 `digest`; None when no state speaks
+    for it, or one that records no checkpoint (written by hand, or by another tool) and so vouches for none."""
+    recorded = recorded_sha256s(state, ckpt)
+    if state is None or not (recorded or is_best(ckpt, state)):
+        return None
+    return digest in recorded
+
+
 def verify_against_state(path) -> None:
-    """If a .state.json speaks for the checkpoint, its sha256 must be one of those it recorded."""
+    """If a .state.json speaks for the checkpoint, it must vouch for it (vouches)."""
     state = read_state(path)
-    recorded = recorded_sha256s(state, path)
-    if not recorded and not (state is not None and is_best(path, state)):
-        return  # a state that records no checkpoint (written by hand, or by another tool) vouches for none
+    if state is None or not (recorded_sha256s(state, path) or is_best(path, state)):
+        return
     digest = sha256_file(path)
-    if digest not in recorded:
+    if not vouches(path, state, digest):
         what = "the best checkpoint it records" if is_best(path, state) else "any checkpoint it records"
         raise AndreaError(
             f"{path}: sha256 {digest[:16]}… is not {what} ({state_path(path)}); "

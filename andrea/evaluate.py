@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.atomic import write_json_atomic
-from andrea.checkpoint import is_best, read_finite_weights, read_header, read_state, recorded_sha256s, state_path
+from andrea.checkpoint import read_finite_weights, read_header, read_state, state_path, vouches
 from andrea.errors import AndreaError
 from andrea.identity import check_tokenizer, data_fingerprint, record_mismatches
 from andrea.hashing import sha256_file
@@ -98,15 +98,6 @@ def _file_record(path: Path) -> dict:
     return record
 
 
-def _vouched(ckpt: Path, state: dict | None, sha256: str) -> bool | None:
-    """Whether the run's state vouches for the checkpoint; None when no state speaks for it, or one that records
-    no checkpoint (written by hand or another tool)."""
-    recorded = recorded_sha256s(state, ckpt)
-    if state is None or not (recorded or is_best(ckpt, state)):
-        return None
-    return sha256 in recorded
-
-
 def evaluate_checkpoint(experiment, ckpt, data_dir=None, *, tokenizer=None, engine: str = "auto",
                         n_batches: int | str | None = None, other_data: bool = False, unvouched: bool = False) -> dict:
     """Everything `andrea eval` writes, as one JSON-ready dict. All but `throughput` is deterministic. The data
@@ -116,7 +107,7 @@ def evaluate_checkpoint(experiment, ckpt, data_dir=None, *, tokenizer=None, engi
     read_header(ckpt)  # a checkpoint at all, before anything else is read
     state = read_state(ckpt)
     ckpt_record = _file_record(ckpt)
-    vouched = _vouched(ckpt, state, ckpt_record["sha256"])
+    vouched = vouches(ckpt, state, ckpt_record["sha256"])
     if vouched is False and not unvouched:
         raise AndreaError(f"{ckpt}: sha256 {ckpt_record['sha256'][:16]}… is not a checkpoint {state_path(ckpt)} vouches "
                           "for (modified, damaged or of another run); pass --unvouched to evaluate it anyway")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import is_best, map_checkpoint, read_header, read_state, recorded_sha256s, state_path
+from andrea.checkpoint import is_best, map_checkpoint, read_header, read_state, state_path, vouches
 from andrea.config import Experiment, load_experiment, validate
 from andrea.errors import AndreaError
 from andrea.hashing import sha256_file
@@ -118,7 +118,7 @@ def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_
                            "step": state.get("step"), "total_steps": state.get("total_steps"),
                            "unfinished": state.get("unfinished"),
                            "role": "best" if is_best(ckpt, state) else "checkpoint",
-                           "vouches_for_this_file": report["sha256"] in recorded_sha256s(state, ckpt)}
+                           "vouches_for_this_file": bool(vouches(ckpt, state, report["sha256"]))}
     exp = _layout_experiment(ckpt, explicit, state, matches, notes)
     if exp is None:
         notes.append(f"no experiment fixes the tensor layout of {n_params:,} parameters; "

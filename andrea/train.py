@@ -604,7 +604,7 @@ class Trainer:
             "step": step,
             "total_steps": self.total_steps,
             # why a checkpoint before the program's end is the last of this invocation (None: the run goes on)
-            "unfinished": None if step >= self.total_steps or step < self.stop_step() else self.stopped_by,
+            "unfinished": None if step >= self.total_steps or step < self.stop else self.stopped_by,
             "samples_seen": step * self.exp.batch_size,
             "tokens_seen": step * self.exp.tokens_per_step,
             "data": self.data_record,
@@ -666,14 +666,13 @@ class Trainer:
                      "the run stops")
             return EXIT_NONFINITE
 
-    def stop_step(self) -> int:
-        """Where this invocation stops: the program's end, or earlier by --max-steps / --cpu-max-steps (which of
-        them in self.stopped_by: the state says a run is unfinished, and why)."""
+    def _stop(self) -> tuple[int, str]:
+        """Where this invocation stops and why: the program's end, or earlier by --max-steps / --cpu-max-steps (the
+        state says a run is unfinished, and why)."""
         limits = [(self.total_steps, "end"), (self.args.max_steps, "max-steps")]
         if self.engine.name == "numpy":
             limits.append((self.args.cpu_max_steps, "cpu-max-steps"))
-        stop, self.stopped_by = min((n, why) for n, why in limits if n is not None)
-        return stop
+        return min((n, why) for n, why in limits if n is not None)
 
     def _last_checkpoint(self) -> int | None:
         return self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
@@ -682,7 +681,8 @@ class Trainer:
         from andrea.model import LossScaleOverflow, NonFiniteStep
 
         exp, model = self.exp, self.model
-        stop = self.stop_step()
+        self.stop, self.stopped_by = self._stop()  # the state's `unfinished` reads them at each checkpoint
+        stop = self.stop
         signals = STOP_SIGNALS.install()  # already installed by the command line, unless called from Python
         step = self.start_step(stop)
         if stop < self.total_steps and self.stopped_by == "cpu-max-steps":
