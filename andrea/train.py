@@ -218,7 +218,9 @@ class Trainer:
             import cupy
 
             cupy.cuda.Device(self.rank.local).use()
+        t_engine = time.perf_counter()
         self.engine = make_engine("cuda" if self.rank is not None else args.engine, precision=self.exp.precision)
+        t_engine = time.perf_counter() - t_engine
         if self.rank is not None:
             from andrea.parallel import DataParallel, forget_unique_id, unique_id
 
@@ -228,7 +230,10 @@ class Trainer:
         if self.engine.name == "numpy" and args.engine == "auto" and not cuda_available():
             self.log("engine: numpy (no CUDA device found; the NumPy reference engine runs on the CPU)")
         else:
-            self.log(f"engine: {self.engine.name}")
+            built = getattr(self.engine, "kernels_built", 0)
+            self.log(f"engine: {self.engine.name}" + (
+                f" ({built} kernel files compiled for {self.exp.precision} in {t_engine:.1f} s; later runs on this "
+                "machine read them from the cache)" if built else ""))
         self.world = world
         micro = self.exp.batch_size // (world * self.exp.micro_batches)
         self.model = Model(self.engine, shape, micro, data_parallel=self.data_parallel,

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from andrea.engines import cuda_available
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SNAKEMAKE = BIN / "snakemake"
@@ -304,12 +306,13 @@ def test_train_rule_asks_for_data_parallel_with_several_gpus(tmp_path):
 PHASED = "ANDREA-tinyphases"
 
 
-def write_phased(workdir: Path, steps: int = 20, cooldown: bool = False) -> dict:
+def write_phased(workdir: Path, steps: int = 20, cooldown: bool = False, precision: str = "fp32") -> dict:
     """ANDREA-tiny as phases: `main` at a constant rate (a longer one extends a run), optionally a
     `cool` phase after it."""
     raw = json.loads((workdir / "config/experiments/ANDREA-tiny-TRAIN.json").read_text())
     del raw["train"], raw["schedule"]
     raw["name"] = PHASED
+    raw["precision"] = precision
     raw["phases"] = [{"name": "main", "length": {"steps": steps}, "lr": {"warmup_steps": 5, "decay": "constant"}}]
     if cooldown:
         raw["phases"].append({"name": "cool", "length": {"steps": 10}, "lr": {"decay": "linear", "final_ratio": 0.1}})
@@ -358,6 +361,25 @@ def test_run_folder_follows_the_trajectory(built):
         fake_run(built, first, {**raw, "phases": [{**raw["phases"][0], "length": {"steps": 30}}]}, 30)
         assert planned_train(built)[0] == f"{first}-2"
         assert planned_train(built, *longer)[0] == first
+    finally:
+        shutil.rmtree(built / "results" / "runs" / PHASED, ignore_errors=True)
+        (built / f"config/experiments/{PHASED}-TRAIN.json").unlink(missing_ok=True)
+
+
+def test_without_a_gpu_a_16_bit_experiment_trains_in_fp32_as_a_run_of_its_own(built):
+    """The NumPy engine runs fp32 only: where it trains (engine numpy, or auto on a machine without a
+    device) a bf16 experiment's job gets `--set precision=fp32`, part of its run's identity; a GPU's
+    plan (engine cuda) trains the experiment as written, in a folder of its own; fp32 gets nothing."""
+    try:
+        write_phased(built, precision="bf16")
+        cpu, command = planned_train(built, "--config", "engine=numpy")
+        assert "--set precision=fp32 " in command
+        if not cuda_available():
+            assert "--set precision=fp32 " in planned_train(built)[1]
+        gpu, command = planned_train(built, "--config", "engine=cuda")
+        assert "--set" not in command and gpu.rsplit("/", 1)[1].split("-")[0] != cpu.rsplit("/", 1)[1].split("-")[0]
+        write_phased(built)
+        assert "--set" not in planned_train(built, "--config", "engine=numpy")[1]
     finally:
         shutil.rmtree(built / "results" / "runs" / PHASED, ignore_errors=True)
         (built / f"config/experiments/{PHASED}-TRAIN.json").unlink(missing_ok=True)

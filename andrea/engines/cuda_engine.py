@@ -29,7 +29,8 @@ from andrea.engines.cublas import Cublas, CublasLt
 from andrea.engines.graphs import without_small_memsets
 from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
-from andrea.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
+from andrea.kernels_build import (HOPPER_ARCH, build_options, cached_cubins, hopper_build_wanted, kernel_dir, kernel_source,
+                                  nvrtc_arch)
 from andrea.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, mlp, residual_add
 from andrea.ops.base import ELEMENTWISE_THREADS, blocks, ptr
@@ -47,24 +48,29 @@ def _module_ints(module: cupy.RawModule, symbol: str, n: int) -> tuple[int, ...]
     return tuple(int(x) for x in cupy.ndarray((n,), np.int32, memptr=module.get_global(symbol)).get())
 
 
-def _load_kernels(precision: str) -> dict:
-    """Every kernel of one precision's build, compiled once per process (and cached on disk by CuPy,
-    keyed by source and options; on Hopper, the files with a build of its own from kernels_build.cached_cubin)."""
+def _load_kernels(precision: str) -> tuple[dict, int]:
+    """Every kernel of one precision's build, loaded once per process: (kernels by name, how many files were
+    compiled here). The files are compiled side by side into cubins cached on disk by source and options
+    (kernels_build.cached_cubins); on Hopper the files with a build of their own for HOPPER_ARCH; on a
+    device this NVRTC does not know, by CuPy (PTX for the driver)."""
     folder = kernel_dir()
     options = build_options(precision)
-    hopper = ops.hopper_kernel_files() if hopper_build_wanted(cupy.cuda.Device().compute_capability) else {}
+    cc = cupy.cuda.Device().compute_capability
+    hopper = ops.hopper_kernel_files() if hopper_build_wanted(cc) else {}
+    device_arch = nvrtc_arch(cc)
+    files = {op: names for op, names in ops.kernel_files().items()
+             if op != attn.MMA16_KERNEL_FILE or PRECISIONS[precision].low}
+    arch = {op: HOPPER_ARCH if op in hopper else device_arch for op in files}
+    missing = [op for op in files if (str(folder), op, options, op in hopper) not in _modules]
+    cubins, built = cached_cubins([(op, arch[op], precision) for op in missing if arch[op]], folder)
+    for op in missing:
+        _modules[(str(folder), op, options, op in hopper)] = (
+            cupy.RawModule(path=str(cubins[(op, arch[op], precision)])) if arch[op]
+            else cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc"))
     functions = {}
-    for op, names in ops.kernel_files().items():
-        if op == attn.MMA16_KERNEL_FILE and not PRECISIONS[precision].low:
-            continue
+    for op, names in files.items():
         own_build = op in hopper  # its kernels, and Hopper's own ones beside them
         key = (str(folder), op, options, own_build)
-        if key not in _modules:
-            if own_build:
-                cubin = cached_cubin(op, HOPPER_ARCH, precision, folder=folder)
-                _modules[key] = cupy.RawModule(path=str(cubin))
-            else:
-                _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc")
         if own_build:
             names = (*names, *hopper[op])
         functions.update({name: _modules[key].get_function(name) for name in names})
@@ -82,7 +88,7 @@ def _load_kernels(precision: str) -> dict:
     for name in (*attn.KERNELS[attn.MMA16_KERNEL_FILE], *attn.HOPPER_KERNELS[attn.MMA16_KERNEL_FILE]):
         if name in functions:
             functions[name].preferred_shared_memory_carveout = 100
-    return functions
+    return functions, built
 
 
 class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOps, attn_out.CudaOps,
@@ -105,7 +111,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.act_vec = 16 // np.dtype(p.act_dtype).itemsize  # ACT_VEC: activations per 16-byte access
-        self.k = _load_kernels(precision)
+        self.k, self.kernels_built = _load_kernels(precision)  # kernels_built: files compiled here, not cached
         # The engine's own device memory, allocated here, once (the engine runs ops before any plan
         # exists): cuBLAS's workspace and its ops' buffers; a model's plan lists them by name.
         own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())

@@ -54,10 +54,23 @@ def experiment_overrides(name):
     return list(config.get("overrides", {}).get(name, []))
 
 
+# What a machine that trains on the NumPy engine adds to an experiment in a precision that needs
+# CUDA: the NumPy engine's one precision. A run of its own (the override is part of its identity
+# and its .state.json), never continued by a GPU run of the experiment as written.
+CPU_PRECISION = "precision=fp32"
+
+
+def trains_on_numpy():
+    return config["engine"] == "numpy" or (
+        config["engine"] == "auto" and not cuda_available()
+    )
+
+
 @functools.cache
 def effective_experiment(name):
-    """The experiment the train job runs: the JSON with the config's overrides applied, checked by
-    the package (andrea.config: its schema and rules)."""
+    """The experiment the train job runs and the `--set` items that make it: the JSON with the
+    config's overrides applied (and CPU_PRECISION where it applies), checked by the package
+    (andrea.config: its schema and rules)."""
     path = experiment_path(name)
     if not path.is_file():
         known = sorted(
@@ -70,6 +83,9 @@ def effective_experiment(name):
     overrides = experiment_overrides(name)
     try:
         experiment = load_experiment_file(path, overrides)
+        if trains_on_numpy() and experiment.precision != "fp32":
+            overrides.append(CPU_PRECISION)
+            experiment = load_experiment_file(path, overrides)
     except AndreaError as err:
         where = f"config/config.yaml: overrides of {name}: " if overrides else ""
         raise WorkflowError(f"{where}{err}")
@@ -78,12 +94,12 @@ def effective_experiment(name):
             f"{path}: `name` is {experiment.raw['name']!r} but the file is named for {name!r}; "
             "outputs are named after the file, so make them agree."
         )
-    return experiment
+    return experiment, tuple(overrides)
 
 
 def load_experiment(name):
     """The effective experiment's JSON."""
-    return effective_experiment(name).raw
+    return effective_experiment(name)[0].raw
 
 
 # Fail on a bad experiment, or a bad override, before planning anything.
@@ -347,17 +363,15 @@ STAGE_CODE = {
 
 
 def set_flags(wildcards):
-    """The train job's `--set` flags: the config's overrides of the experiment."""
-    return shlex.join(
-        arg
-        for item in experiment_overrides(wildcards.experiment)
-        for arg in ("--set", item)
-    )
+    """The train job's `--set` flags (effective_experiment's items)."""
+    _, items = effective_experiment(wildcards.experiment)
+    return shlex.join(arg for item in items for arg in ("--set", item))
 
 
 def planned_device(wildcards):
     """`cuda` when this machine has a CUDA device, else `cpu`. A param: the same command on a GPU
-    machine reruns a run that stopped at train.cpu_max_steps, which resumes it and finishes it.
+    machine reruns a run that stopped at train.cpu_max_steps; an fp32 experiment's run resumes
+    there and finishes, one in another precision trains from the start (CPU_PRECISION).
     """
     return "cuda" if cuda_available() else "cpu"
 
@@ -386,7 +400,7 @@ def run_dir(wildcards, input):
     folder.
     """
     name = wildcards.experiment
-    experiment = effective_experiment(name)
+    experiment, _ = effective_experiment(name)
     digest = hashlib.sha256(code_version("train").encode())
     digest.update(Path(input.train).parent.name.encode())
     manifest = Path(f"{input.train}.manifest.json")
