@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,18 +112,13 @@ def cubin_cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
 
 
-def cubin_path(op: str, arch: str, precision: str, cache_dir: Path | None = None, folder: Path | None = None) -> Path:
-    """Where cached_cubin keeps this build: named by a hash of the source and the options."""
-    options = (f"-arch={arch}", *build_options(precision))
-    key = hashlib.sha256("\0".join((kernel_source(op, folder), *options)).encode()).hexdigest()[:24]
-    return Path(cache_dir or cubin_cache_dir()) / f"andrea-{op}-{arch}-{precision}-{key}.cubin"
-
-
 def cached_cubin(op: str, arch: str, precision: str, cache_dir: Path | None = None, folder: Path | None = None) -> Path:
     """kernels/<op>.cu compiled for `arch` as a cubin file in cache_dir (default cubin_cache_dir()), named by
     a hash of the source and options; compiled on first use. (CuPy's own cache picks the target itself, so
     it cannot hold these.) Where cache_dir cannot be written, the cubin goes to a temporary file of its own."""
-    path = cubin_path(op, arch, precision, cache_dir, folder)
+    options = (f"-arch={arch}", *build_options(precision))
+    key = hashlib.sha256("\0".join((kernel_source(op, folder), *options)).encode()).hexdigest()[:24]
+    path = Path(cache_dir or cubin_cache_dir()) / f"andrea-{op}-{arch}-{precision}-{key}.cubin"
     if not path.is_file():
         cubin = compile_kernel(op, arch, folder, precision).cubin
         try:
@@ -136,20 +130,3 @@ def cached_cubin(op: str, arch: str, precision: str, cache_dir: Path | None = No
                 f.write(cubin)
             return Path(name)
     return path
-
-
-def nvrtc_arch(compute_capability: str) -> str | None:
-    """The cubin target for a device of this compute capability ("90" -> "sm_90"), or None where this NVRTC
-    does not know it (CuPy's own build then emits PTX the driver compiles)."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    return f"sm_{compute_capability}" if int(compute_capability) in nvrtc.getSupportedArchs() else None
-
-
-def cached_cubins(builds: list[tuple[str, str, str]], folder: Path | None = None) -> tuple[dict[tuple[str, str, str], Path], int]:
-    """cached_cubin for each (op, arch, precision), the missing ones compiled side by side (NVRTC releases
-    the GIL; a fresh machine would otherwise build the files one after another): (paths, how many were built)."""
-    built = sum(not cubin_path(*b, folder=folder).is_file() for b in builds)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(builds), os.cpu_count() or 1))) as pool:
-        paths = list(pool.map(lambda b: cached_cubin(*b, folder=folder), builds))
-    return dict(zip(builds, paths)), built

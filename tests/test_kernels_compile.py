@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from andrea.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, cached_cubins, compile_kernel,
-                                  hopper_build_wanted, kernel_dir, kernel_source, nvrtc_arch)
+from andrea.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, hopper_build_wanted,
+                                  kernel_dir, kernel_source)
 from andrea.ops import hopper_kernel_files, kernel_files
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -117,25 +117,6 @@ def test_cached_cubin_compiles_once_per_source(tmp_path, monkeypatch):
     edited = cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", tmp_path, folder)
     assert edited != first and edited.is_file()
     assert cached_cubin("attn_bf16", HOPPER_ARCH, "fp16", tmp_path) not in (first, edited)
-
-
-def test_cached_cubins_builds_the_missing_files_side_by_side_into_the_cache(tmp_path, monkeypatch):
-    """The engine's start: the files not cached yet are compiled (in threads) to the same bytes as one build
-    alone, and counted; a second start compiles nothing."""
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    builds = [("residual_add", "sm_80", "fp32"), ("memset", "sm_90", "bf16"), ("grad_norm", "sm_89", "fp32")]
-    paths, built = cached_cubins(builds)
-    assert built == 3 and sorted(paths) == sorted(builds)
-    for (op, arch, precision), path in paths.items():
-        assert path.parent == tmp_path and path.read_bytes() == compile_kernel(op, arch, precision=precision).cubin
-    paths[builds[0]].unlink()
-    again, built = cached_cubins(builds)
-    assert built == 1 and again == paths
-
-
-def test_nvrtc_arch_is_the_device_target_only_where_nvrtc_knows_it():
-    assert nvrtc_arch("90") == "sm_90" and nvrtc_arch("80") == "sm_80"
-    assert nvrtc_arch("999") is None
 
 
 def test_cached_cubin_works_without_a_writable_cache(tmp_path):
