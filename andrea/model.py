@@ -98,7 +98,7 @@ class Model:
         # engine can record one: the same kernels in the same order, without the host's per-launch cost.
         self.graphs = graphs and engine.traits.graphs
         self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted, first) -> recorded micro-batch
-        self._prepare_graph = None  # the weight copies' launches, recorded (_weights_changed)
+        self._prepare_graph = None  # the weight copies' launches, recorded (weights_changed)
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
         self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
         self.source_loss_sums: np.ndarray | None = None  # the last train_step's per-source losses (its `sources`)
@@ -164,7 +164,7 @@ class Model:
         e.upload(self.buf["params"], params)
         if "params_lp" in self.buf:
             e.cast(self.buf["params_lp"], self.buf["params"])
-        self._weights_changed()
+        self.weights_changed()
         if self.training:
             e.upload(self.buf["m"], m if m is not None else np.zeros_like(params))
             e.upload(self.buf["v"], v if v is not None else np.zeros_like(params))
@@ -348,6 +348,11 @@ class Model:
         return self.engine.fp8_pass(backward) if self.engine.traits.fp8_products else contextlib.nullcontext()
 
     @property
+    def step_graphs(self) -> tuple:
+        """The micro-batch recordings the model replays (_forward_backward): one a kind of micro-batch."""
+        return tuple(self._step_graphs.values())
+
+    @property
     def _scale(self) -> float:
         """The loss scale the backward runs at (1 without one)."""
         return self.loss_scale.scale if self.loss_scale else 1.0
@@ -465,7 +470,7 @@ class Model:
                          eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], step=step + 1,
                          decay_ranges=self.layout.decay_ranges(), params_lp=b.get("params_lp"),
                          grad_scales=(unscale, scale), gate=gate)
-            self._weights_changed()
+            self.weights_changed()
 
         # The step's gradient is unscale x grads: the norm and AdamW read it so, and grads are never rewritten.
         if deferred:
@@ -499,7 +504,7 @@ class Model:
             update(clip_scale(norm, clip))
         return loss, norm
 
-    def _weights_changed(self) -> None:
+    def weights_changed(self) -> None:
         """After W is written (its load, every AdamW step): the engine's copies of the layer matrices follow it
         before any op reads them (the FP8 copies of the layer matrices and wte under precision fp8; else the
         training model's [C, 3C] W_QKV), as a recorded graph where the engine records them."""

@@ -46,10 +46,10 @@ class EngineCalls:
     NAMES: frozenset | tuple = RECORDED
 
     def __init__(self, engine):
-        self._engine = engine
+        self.engine = engine  # the engine called
 
     def __getattr__(self, name):
-        target = getattr(self._engine, name)
+        target = getattr(self.engine, name)
         if name not in self.NAMES:
             return target
         return lambda *args, **kwargs: self._call(name, target, args, kwargs)

@@ -118,7 +118,7 @@ def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
     act = engine.traits.act_dtype
     x = {name: cupy.asarray(rng.standard_normal(s, dtype=np.float32).astype(act))
          for name, s in (("inp", (N, C)), ("W_1", (C, F)), ("W_2", (F, C)), ("pre", (N, F)), ("out", (N, F)))}
-    blocks = engine._vec_blocks(N * F)
+    blocks = engine.vec_blocks(N * F)
     kernel = {"gelu_aux": "k_mlp_fwd", "dgelu": "k_mlp_bwd"}
     cases = {"gelu_aux": ("inp", "W_1", False), "dgelu": ("inp", "W_2", True)}  # dgelu: dout [N, C] @ W_2^T
     rows = []
@@ -129,8 +129,8 @@ def gelu_epilogues(engine, shape: ModelShape, B: int, rng) -> list[dict]:
         algos = [round(timed_ms(engine, lambda i=i: engine.blas_lt.gemm(x["out"], x[a], x[b], N, F, C, algo=i, **kw)), 4)
                  for i in range(engine.blas_lt.algorithms(x["out"], x[a], x[b], N, F, C, **kw))]
         plain = timed_ms(engine, lambda: engine.blas.gemm(x["out"], x[a], x[b], N, F, C, trans_b=tb))
-        pass_ms = timed_ms(engine, lambda: engine._launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F),
-                                                             amax_arg(None)))
+        pass_ms = timed_ms(engine, lambda: engine.launch(kernel[epi], blocks, 256, x["out"], x["pre"], np.int64(N * F),
+                                                         amax_arg(None)))
         rows.append({"epilogue": epi, "lt_ms": round(lt, 4), "lt_algos_ms": algos, "plain_ms": round(plain, 4),
                      "kernel_ms": round(pass_ms, 4)})
         print(f"mlp {epi:9} cuBLASLt epilogue {lt:.4f} ms (its algorithms {' '.join(f'{t:.4f}' for t in algos)}); "

@@ -70,7 +70,7 @@ class OpTimer(EngineCalls):
     def per_op(self) -> dict[str, dict]:
         import cupy
 
-        self._engine.synchronize()
+        self.engine.synchronize()
         total, calls = defaultdict(float), defaultdict(int)
         for name, start, end in self.events:
             total[name] += cupy.cuda.get_elapsed_time(start, end)

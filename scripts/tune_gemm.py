@@ -60,11 +60,11 @@ def step_products(name: str, precision: str) -> tuple:
     run_lt, run_plain = lt.gemm, blas.gemm
 
     def record_lt(*args, **kwargs):
-        calls.setdefault(product_name(lt._key(*args, **planned(kwargs))), ("lt", args, kwargs))
+        calls.setdefault(product_name(lt.plan_key(*args, **planned(kwargs))), ("lt", args, kwargs))
         return run_lt(*args, **kwargs)
 
     def record_plain(*args, **kwargs):
-        calls.setdefault(product_name(lt._key(*args, **planned(kwargs))), ("plain", args, kwargs))
+        calls.setdefault(product_name(lt.plan_key(*args, **planned(kwargs))), ("plain", args, kwargs))
         return blas.gemm_ex(*args, **kwargs)  # not through the table being remade
 
     lt.gemm, blas.gemm = record_lt, record_plain
@@ -88,14 +88,14 @@ def tune(engine, calls: dict[str, tuple], margin: float) -> tuple[dict, dict, di
         partner = None
         if kwargs.get("epilogue") == "gelu_aux":
             gelu = {**kwargs, "epilogue": "gelu"}
-            partner = gelu if product_name(lt._key(*args, **planned(gelu))) in calls else None
+            partner = gelu if product_name(lt.plan_key(*args, **planned(gelu))) in calls else None
 
         def ms(i) -> float:  # i None: cublasGemmEx (a plain product's baseline)
             if i is None:
                 return graph_ms(engine, lambda: engine.blas.gemm_ex(*args, **kwargs))
             t = graph_ms(engine, lambda: lt.gemm(*args, **{**kwargs, "algo": i}))
             if partner is not None:  # where "gelu" has no plan on this algorithm, the forward runs gelu_aux again
-                ran = lt._plan_for(*args, **planned(partner), algo=i)[1] is not None
+                ran = lt.plan_for(*args, **planned(partner), algo=i)[1] is not None
                 t += graph_ms(engine, lambda: lt.gemm(*args, **{**partner, "algo": i})) if ran else t
             return t
 

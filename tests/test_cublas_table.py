@@ -11,7 +11,7 @@ import pytest
 from andrea.engines.cublas import (ALGORITHMS_FILE, Cublas, CublasLt, algorithm_table, baseline_ms, chosen_key,
                                    merged_tables, product_name)
 
-# a plan key as CublasLt._plan_for makes it: types, m, n, k, transposes, epilogue, FP8 accumulation (None: not
+# a plan key as CublasLt.plan_for makes it: types, m, n, k, transposes, epilogue, FP8 accumulation (None: not
 # FP8), algorithm, batch and strides, then the four alignments
 GELU_AUX = ("bfloat16", "bfloat16", "bfloat16", 16384, 1536, 384, False, False, "gelu_aux", None, None, (1, 0, 0, 0),
             256, 256, 256, 256)
@@ -88,7 +88,7 @@ def test_a_plain_product_is_tabled_under_the_name_the_tuner_gives_it():
     lt = object.__new__(CublasLt)  # no library: the table lookup alone
     lt._tabled = {}
     c, a, b = _array(BF16, 1 << 20), _array(BF16, 2 << 20), _array(BF16, 3 << 20)
-    key = CublasLt._key(c, a, b, 8192, 768, 768, trans_b=True)
+    key = CublasLt.plan_key(c, a, b, 8192, 768, 768, trans_b=True)
     lt.choices = {product_name(key): 1}
     assert product_name(key) == repr(("bfloat16", "bfloat16", "bfloat16", 8192, 768, 768, False, True, "none", None,
                                       (1, 0, 0, 0), 256, 256, 256, 256))
@@ -105,10 +105,11 @@ def test_a_product_s_own_leading_dimensions_name_it_and_reach_its_plan():
     name carries the leading dimensions, a packed product's does not, and the plan's layouts take them."""
     c, a, b = _array(np.float32, 1 << 20), _array(BF16, 2 << 20), _array(BF16, 3 << 20)
     kw = dict(trans_a=True, batch=3, stride_b=768, stride_c=768 * 768)
-    packed, own = CublasLt._key(c, a, b, 768, 768, 8192, **kw), CublasLt._key(c, a, b, 768, 768, 8192, ldb=2304, **kw)
+    packed = CublasLt.plan_key(c, a, b, 768, 768, 8192, **kw)
+    own = CublasLt.plan_key(c, a, b, 768, 768, 8192, ldb=2304, **kw)
     assert packed[11] == (3, 0, 768, 589824) and own[11] == (3, 0, 768, 589824, 0, 2304, 0)
     assert product_name(packed) != product_name(own)
-    assert CublasLt._key(c, a, b, 768, 768, 8192, lda=None, ldb=None, ldc=None, **kw) == packed
+    assert CublasLt.plan_key(c, a, b, 768, 768, 8192, lda=None, ldb=None, ldc=None, **kw) == packed
     lt = object.__new__(CublasLt)  # no library: record the layouts _plan asks for, stop before the heuristic
     lt._plans, layouts = {}, []
     lt._set = lambda desc, attr, value: None

@@ -76,8 +76,8 @@ def test_softmax_rows_against_float64(engines, precision, V):
     logits = e.to_host(probs).astype(np.float64)
     targets = rng.integers(0, V, N).astype(np.int32)
     losses = cupy.full(N, np.nan, dtype=np.float32)
-    e._launch("k_loss_fwd", N, softmax_threads(V, e.act_vec), losses, probs, cupy.asarray(targets), np.uint64(0),
-              np.uint64(0), np.int64(N), np.int32(V))
+    e.launch("k_loss_fwd", N, softmax_threads(V, e.act_vec), losses, probs, cupy.asarray(targets), np.uint64(0),
+             np.uint64(0), np.int64(N), np.int32(V))
     top = logits.max(axis=1, keepdims=True)
     lse = top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
     want = np.exp(logits - lse)
@@ -183,8 +183,8 @@ def test_the_embedding_backward_s_sort_gives_the_scan_s_bits(engines, B, T, C):
         if way == "sort":
             e.embed_bwd(g["dwte"], g["dwpe"], dev["dout"], dev["tokens"])
         else:
-            e._launch("k_embed_bwd16", B * T + T, 256, g["dwte"], g["dwpe"], dev["dout"], dev["tokens"],
-                      np.int64(B * T), np.int32(T), np.int32(C), np.int32(1))  # add_wpe: += as embed_bwd
+            e.launch("k_embed_bwd16", B * T + T, 256, g["dwte"], g["dwpe"], dev["dout"], dev["tokens"],
+                     np.int64(B * T), np.int32(T), np.int32(C), np.int32(1))  # add_wpe: += as embed_bwd
         got[way] = {k: e.to_host(v) for k, v in g.items()}
     for k in start:
         assert np.array_equal(got["sort"][k].view(np.uint32), got["scan"][k].view(np.uint32)), k

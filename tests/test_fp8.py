@@ -109,127 +109,130 @@ class _Held(_Array):
         return (s.start, s.stop)
 
 
-class _Book(fp8.CudaOps):
-    """fp8.CudaOps's amax book on the host: the slot table a NumPy array, zero() a fill."""
+class _Engine:
+    """What an Fp8Book reads of its engine, on the host: the pass's slot table a NumPy array, zero() a fill."""
 
     def __init__(self, slots: int):
         self.own = {"fp8_amax": np.full(fp8.SLOT_FLOATS * slots, 7.0, dtype=np.float32)}
-        self._fp8_book = None
 
     def zero(self, buf):  # only the book's own amax words here
         buf[...] = 0
 
 
+def _book(slots: int) -> fp8.Fp8Book:
+    return fp8.Fp8Book(_Engine(slots))
+
+
 def _kept(book):
-    return sorted(book._fp8_book["kept"])
+    return sorted(book._pass["kept"])
 
 
 def test_the_amax_book_keeps_a_tensor_until_something_writes_over_it():
     """In a pass a produced tensor is kept (in a slot zeroed as the pass opened); a write overlapping it, from any
     side, drops it; writes beside it do not; outside a pass nothing is kept and producers get no slot."""
-    book = _Book(slots=8)
+    book = _book(slots=8)
     a, b = _Array(0, 256), _Array(256, 256)
-    assert book._fp8_produced(a) is None and book._fp8_book is None
-    with book.fp8_pass():
-        amax_a = book._fp8_produced(a)
+    assert book.produced(a) is None and book._pass is None
+    with book.open_pass():
+        amax_a = book.produced(a)
         assert amax_a is not None and amax_a.dtype == np.uint32 and int(amax_a[0]) == 0
-        book._fp8_produced(b)
+        book.produced(b)
         assert _kept(book) == [(0, 256), (256, 256)]
-        book._fp8_wrote(_Array(512, 64))  # beside both
+        book.wrote(_Array(512, 64))  # beside both
         assert len(_kept(book)) == 2
-        book._fp8_wrote(_Array(255, 2))  # one byte into each
+        book.wrote(_Array(255, 2))  # one byte into each
         assert _kept(book) == []
-        book._fp8_produced(a)
-        book._fp8_wrote(_Array(100, 8))  # inside a
+        book.produced(a)
+        book.wrote(_Array(100, 8))  # inside a
         assert _kept(book) == []
         # a write takes the pass's next slot, never one used before in it: zero since the pass opened
-        before = book.own["fp8_amax"].copy()
-        amax_a = book._fp8_produced(a)
-        assert book._fp8_book["kept"][(0, 256)] == 3 and int(amax_a[0]) == 0
-        np.testing.assert_array_equal(book.own["fp8_amax"], before)  # no word written: no memset a write
+        before = book.engine.own["fp8_amax"].copy()
+        amax_a = book.produced(a)
+        assert book._pass["kept"][(0, 256)] == 3 and int(amax_a[0]) == 0
+        np.testing.assert_array_equal(book.engine.own["fp8_amax"], before)  # no word written: no memset a write
         with pytest.raises(RuntimeError):
-            with book.fp8_pass():
+            with book.open_pass():
                 pass
-    assert book._fp8_book is None
+    assert book._pass is None
 
 
 def test_the_amax_book_falls_back_when_its_slots_run_out():
     """A pass with more tensors than slots keeps what fits; the rest get no slot (their casts run their own
     amax passes) and a new tensor over an old one still drops the old."""
-    book = _Book(slots=2)
-    with book.fp8_pass():
-        assert book._fp8_produced(_Array(0, 16)) is not None
-        assert book._fp8_produced(_Array(16, 16)) is not None
-        assert book._fp8_produced(_Array(32, 16)) is None
-        assert book._fp8_produced(_Array(8, 16)) is None  # over both kept ones
+    book = _book(slots=2)
+    with book.open_pass():
+        assert book.produced(_Array(0, 16)) is not None
+        assert book.produced(_Array(16, 16)) is not None
+        assert book.produced(_Array(32, 16)) is None
+        assert book.produced(_Array(8, 16)) is None  # over both kept ones
         assert _kept(book) == []
-    with book.fp8_pass():  # a new pass starts with every slot free
-        assert book._fp8_produced(_Array(32, 16)) is not None
+    with book.open_pass():  # a new pass starts with every slot free
+        assert book.produced(_Array(32, 16)) is not None
 
 
 def test_a_cast_in_a_pass_zeroes_no_amax_word_of_its_own():
     """In a pass a cast whose tensor has no kept amax runs its amax pass into the pass's next slot (zero since the
     pass opened), kept (`keep`) or not; outside a pass, or with a slot of the caller's own (a weight copy's, which
     keeps its descale there), into that slot, zeroed first."""
-    book = _Book(slots=4)
-    book.own["fp8_scales"] = np.full(fp8.SLOT_FLOATS * fp8.SCALE_SLOTS, 7.0, dtype=np.float32)
+    book = _book(slots=4)
+    book.engine.own["fp8_scales"] = np.full(fp8.SLOT_FLOATS * fp8.SCALE_SLOTS, 7.0, dtype=np.float32)
     launched = []
-    book._launch = lambda name, grid, threads, amax, *a: launched.append((name, amax))
-    book.k = {"k_fp8_cast": lambda grid, block, args: launched.append(("k_fp8_cast", args[6]))}
+    book.engine.launch = lambda name, grid, threads, amax, *a: launched.append((name, amax))
+    book.engine.k = {"k_fp8_cast": lambda grid, block, args: launched.append(("k_fp8_cast", args[6]))}
     zeroed = []
-    book.zero = lambda buf: (zeroed.append(buf.size), buf.fill(0))
+    book.engine.zero = lambda buf: (zeroed.append(buf.size), buf.fill(0))
     own_slot = np.full(fp8.SLOT_FLOATS, 7.0, dtype=np.float32)
-    with book.fp8_pass():
+    with book.open_pass():
         zeroed.clear()  # the table, as the pass opened
         for keep in (True, False):
-            book._fp8_cast(_Array(1024 * keep, 512), 16, 16, "e4m3", 0, keep=keep)
-        assert zeroed == [] and book._fp8_book["slots"] == 2
-        assert [k for k in book._fp8_book["kept"]] == [(1024, 512)]  # only the kept cast's tensor
+            book.cast(_Array(1024 * keep, 512), 16, 16, "e4m3", 0, keep=keep)
+        assert zeroed == [] and book._pass["slots"] == 2
+        assert [k for k in book._pass["kept"]] == [(1024, 512)]  # only the kept cast's tensor
         # its amax word and descale: slot 1 of the pass's table (not the engine's scale slot 0)
-        assert launched[2][1].base is book.own["fp8_amax"] or np.shares_memory(launched[2][1], book.own["fp8_amax"])
-        book._fp8_cast(_Array(4096, 512), 16, 16, "e4m3", own_slot, keep=False)
+        assert launched[2][1].base is book.engine.own["fp8_amax"] or np.shares_memory(launched[2][1], book.engine.own["fp8_amax"])
+        book.cast(_Array(4096, 512), 16, 16, "e4m3", own_slot, keep=False)
         assert zeroed == [1] and np.shares_memory(launched[-1][1], own_slot)
     zeroed.clear()
-    book._fp8_cast(_Array(0, 512), 16, 16, "e4m3", 0, keep=False)
-    assert zeroed == [1] and np.shares_memory(launched[-2][1], book.own["fp8_scales"])
+    book.cast(_Array(0, 512), 16, 16, "e4m3", 0, keep=False)
+    assert zeroed == [1] and np.shares_memory(launched[-2][1], book.engine.own["fp8_scales"])
 
 
 def test_a_layernorm_s_e4m3_bytes_serve_the_products_until_its_output_is_written_or_read_as_bf16():
-    """In a pass the bytes a LayerNorm wrote as E4M3 (_fp8_bytes_written) are what the products take, X and X^T with
+    """In a pass the bytes a LayerNorm wrote as E4M3 (bytes_written) are what the products take, X and X^T with
     the LayerNorm's descale, in place of casts; a write over the output drops them; a read of it as bf16
-    (_fp8_readable, and any cast of it) has the LayerNorm run again, once, and drops them. A forward alone has no
+    (readable, and any cast of it) has the LayerNorm run again, once, and drops them. A forward alone has no
     X^T; outside a pass nothing is kept."""
-    book = _Book(slots=4)
-    book.own["fp8_scales"] = np.zeros(fp8.SLOT_FLOATS * fp8.SCALE_SLOTS, dtype=np.float32)
-    book._launch = lambda *a: None
-    book.k = {"k_fp8_cast": lambda grid, block, args: None}
+    book = _book(slots=4)
+    book.engine.own["fp8_scales"] = np.zeros(fp8.SLOT_FLOATS * fp8.SCALE_SLOTS, dtype=np.float32)
+    book.engine.launch = lambda *a: None
+    book.engine.k = {"k_fp8_cast": lambda grid, block, args: None}
     out, reruns = _Array(0, 512), []
 
     def written(qt="XT"):
-        book._fp8_bytes_written(out, "X", qt, "descale", lambda: reruns.append(len(reruns)), "e4m3")
+        book.bytes_written(out, "X", qt, "descale", lambda: reruns.append(len(reruns)), "e4m3")
 
-    with book.fp8_pass():
+    with book.open_pass():
         written()
-        assert book._fp8_cast_saving(out, 16, 16, "scratch", True) == ("X", "descale")
-        assert book._fp8_transpose(out, 16, 16, "scratch") == ("XT", "descale")
-        book._fp8_readable(_Array(512, 512))  # another tensor: nothing to run
+        assert book.cast_saving(out, 16, 16, "scratch", True) == ("X", "descale")
+        assert book.transpose(out, 16, 16, "scratch") == ("XT", "descale")
+        book.readable(_Array(512, 512))  # another tensor: nothing to run
         assert reruns == []
-        book._fp8_readable(out)
-        book._fp8_readable(out)
-        assert reruns == [0] and book._fp8_saved_transpose(out) is None
+        book.readable(out)
+        book.readable(out)
+        assert reruns == [0] and book.saved_transpose(out) is None
         written()
-        book._fp8_wrote(_Array(500, 64))  # over its end
-        book._fp8_readable(out)
-        assert reruns == [0] and book._fp8_saved_transpose(out) is None
+        book.wrote(_Array(500, 64))  # over its end
+        book.readable(out)
+        assert reruns == [0] and book.saved_transpose(out) is None
         written()
-        assert book._fp8_cast_saving(out, 16, 16, "scratch", False) == ("X", "descale")
-        book._fp8_cast(out, 16, 16, "e4m3", 0)  # a cast reads out as bf16
-        assert reruns == [0, 1] and book._fp8_saved_transpose(out) is None
-    with book.fp8_pass(backward=False):
+        assert book.cast_saving(out, 16, 16, "scratch", False) == ("X", "descale")
+        book.cast(out, 16, 16, "e4m3", 0)  # a cast reads out as bf16
+        assert reruns == [0, 1] and book.saved_transpose(out) is None
+    with book.open_pass(backward=False):
         written(qt=None)
-        assert book._fp8_saved_transpose(out) is None
-        assert book._fp8_cast_saving(out, 16, 16, "scratch", False) == ("X", "descale")
-    book._fp8_readable(out)  # outside a pass
+        assert book.saved_transpose(out) is None
+        assert book.cast_saving(out, 16, 16, "scratch", False) == ("X", "descale")
+    book.readable(out)  # outside a pass
     assert reruns == [0, 1]
 
 
@@ -237,23 +240,22 @@ def test_each_kept_act_gets_a_place_of_its_own_in_fp8_act_t():
     """Inside a pass each act gets a 256-byte aligned place of one byte an element, the same one each time,
     beside the others'; none outside a pass or once the buffer is full; a new buffer starts its places again.
     A saved transpose is dropped by any write over its tensor."""
-    book = _Book(slots=8)
-    book._fp8_act_t_places = {}
-    book.own["fp8_act_t"] = _Held(10_000, 3 * 512)
+    book = _book(slots=8)
+    book.engine.own["fp8_act_t"] = _Held(10_000, 3 * 512)
     a, b, c = _Array(0, 1000), _Array(1024, 1000), _Array(4096, 1000)  # 500 elements each
-    assert book._fp8_transpose_place(a) is None
-    with book.fp8_pass():
-        assert [book._fp8_transpose_place(x) for x in (a, b, c)] == [(0, 500), (512, 1012), (1024, 1524)]
-        assert book._fp8_transpose_place(b) == (512, 1012)
-        assert book._fp8_transpose_place(_Array(8192, 1000)) is None  # 1536 + 500 > 1536
-        book._fp8_book["transposed"][(0, 1000)] = ("a^T", "descale")
-        assert book._fp8_saved_transpose(a) == ("a^T", "descale") and book._fp8_saved_transpose(b) is None
-        book._fp8_wrote(_Array(998, 4))  # its last byte
-        assert book._fp8_saved_transpose(a) is None
-    assert book._fp8_saved_transpose(a) is None
-    book.own["fp8_act_t"] = _Held(20_000, 4 * 512)
-    with book.fp8_pass():
-        assert book._fp8_transpose_place(c) == (0, 500)
+    assert book._transpose_place(a) is None
+    with book.open_pass():
+        assert [book._transpose_place(x) for x in (a, b, c)] == [(0, 500), (512, 1012), (1024, 1524)]
+        assert book._transpose_place(b) == (512, 1012)
+        assert book._transpose_place(_Array(8192, 1000)) is None  # 1536 + 500 > 1536
+        book._pass["transposed"][(0, 1000)] = ("a^T", "descale")
+        assert book.saved_transpose(a) == ("a^T", "descale") and book.saved_transpose(b) is None
+        book.wrote(_Array(998, 4))  # its last byte
+        assert book.saved_transpose(a) is None
+    assert book.saved_transpose(a) is None
+    book.engine.own["fp8_act_t"] = _Held(20_000, 4 * 512)
+    with book.open_pass():
+        assert book._transpose_place(c) == (0, 500)
 
 
 def test_a_plan_gives_each_layer_s_kept_tensors_a_slot():
@@ -459,7 +461,7 @@ def test_the_cast_writes_the_reference_bytes_in_every_layout(engine, fmt, batch,
     q = cupy.full(rows * ldq, 0xA5, dtype=np.uint8)
     qt = cupy.full(batch * cols * ldqt, 0xA5, dtype=np.uint8)
     engine_x = cupy.asarray(x.astype("bfloat16"))
-    d = engine._fp8_cast(engine_x, rows, cols, fmt, 0, q=q, ldq=ldq, q_batch=cols, qt=qt, ldqt=ldqt,
+    d = engine.fp8_book.cast(engine_x, rows, cols, fmt, 0, q=q, ldq=ldq, q_batch=cols, qt=qt, ldqt=ldqt,
                          qt_batch=cols * ldqt, batch=batch)
     got_q = cupy.asnumpy(q).reshape(rows, ldq)
     got_qt = cupy.asnumpy(qt).reshape(batch, cols, ldqt)
@@ -540,8 +542,8 @@ def test_leaving_dpre_unwritten_changes_no_other_bit(engine, monkeypatch, plain_
             "W_2": rng.standard_normal((F, C)) * F**-0.5, "dout": rng.standard_normal((N, C)) * 1e-3}
     dev = {k: cupy.asarray(v.astype("bfloat16")) for k, v in host.items()}
     if plain_dW_1:
-        gemm = type(engine)._fp8_gemm
-        monkeypatch.setattr(type(engine), "_fp8_gemm", lambda self, c, *a, **k: (
+        gemm = fp8.Fp8Book.gemm
+        monkeypatch.setattr(fp8.Fp8Book, "gemm", lambda self, c, *a, **k: (
             False if c.shape == (C, F) else gemm(self, c, *a, **k)))
 
     def run(keep_dpre):
@@ -564,7 +566,7 @@ def test_leaving_dpre_unwritten_changes_no_other_bit(engine, monkeypatch, plain_
 
 @pytest.mark.gpu
 def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
-    """The FP8 linear products (the MLP's, `_linear_fwd` / `_linear_bwd`) and attn_qkv forward and backward in fp8
+    """The FP8 linear products (the MLP's, `linear_fwd` / `linear_bwd`) and attn_qkv forward and backward in fp8
     against float64 products of the reference's FP8 operands (what the engine multiplies), to bf16's rounding of
     the outputs; the same products against the exact float64 ones are a few per cent off (the FP8 rounding
     itself). attn_out's products stay bf16 under fp8: the bits of precision bf16's."""
@@ -585,10 +587,10 @@ def test_fp8_products_equal_float64_on_the_same_fp8_operands(engine):
     dW0 = rng.standard_normal((C, C)).astype(np.float32)
     dev = {k: cupy.asarray(v.astype("bfloat16")) for k, v in (("x", x), ("W", W), ("dout", dout))}
     out = cupy.full((N, C), np.nan, dtype="bfloat16")
-    engine._linear_fwd(out, dev["x"], dev["W"], N, C, C)
+    engine.linear_fwd(out, dev["x"], dev["W"], N, C, C)
     dW = cupy.asarray(dW0)
     dinp = cupy.full((N, C), np.nan, dtype=np.float32)
-    engine._linear_bwd(dinp, dW, dev["dout"], dev["x"], dev["W"], N, C, C, 0.0)
+    engine.linear_bwd(dinp, dW, dev["dout"], dev["x"], dev["W"], N, C, C, 0.0)
     ref = {"out": deq(x, "e4m3") @ deq(W, "e4m3"),
            "dW": dW0 + deq(x, "e4m3").T @ deq(dout, "e5m2"),
            "dinp": deq(dout, "e5m2") @ deq(W, "e4m3").T}
@@ -712,7 +714,7 @@ def test_the_weight_copies_in_two_launches_are_the_casts_one_at_a_time(engine):
     b["params_fp8"][:copies_end].fill(0)  # as allocated (the pads between copies are never written)
     slots.fill(0)
     for M, rows, cols, cast in casts:
-        engine._fp8_cast(M, rows, cols, "e4m3", **cast, keep=False)
+        engine.fp8_book.cast(M, rows, cols, "e4m3", **cast, keep=False)
     one_by_one = cupy.asnumpy(b["params_fp8"])
     assert np.array_equal(many[:copies_end], one_by_one[:copies_end])
     tail = ptr(slots) - ptr(b["params_fp8"])
@@ -751,12 +753,12 @@ def test_adamw_takes_the_weight_copies_amax_for_their_casts(engine):
         words = cupy.asnumpy(slots).reshape(-1, fp8.SLOT_FLOATS)
         for j, (M, *_) in enumerate(casts):
             assert words[j, 1] == np.abs(cupy.asnumpy(M).astype(np.float32)).max() and words[j, 2] == 1.0, j
-        model._weights_changed()
+        model.weights_changed()
         prepared = cupy.asnumpy(b["params_fp8"])
         b["params_fp8"][:copies_end].fill(0)
         slots.fill(0)
         for M, rows, cols, cast in casts:
-            engine._fp8_cast(M, rows, cols, "e4m3", **cast, keep=False)
+            engine.fp8_book.cast(M, rows, cols, "e4m3", **cast, keep=False)
         one_by_one = cupy.asnumpy(b["params_fp8"])
         assert np.array_equal(prepared[:copies_end], one_by_one[:copies_end])
         mine, own = (x[tail:].view(np.float32).reshape(-1, fp8.SLOT_FLOATS) for x in (prepared, one_by_one))
@@ -773,8 +775,8 @@ def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
 
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     prepared = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
-    assert engine._fp8_weights  # the copies were in use
-    monkeypatch.setattr(type(engine), "prepare_fp8_weights", lambda self, *a: setattr(self, "_fp8_weights", {}))
+    assert engine.fp8_book._weights  # the copies were in use
+    monkeypatch.setattr(type(engine), "prepare_fp8_weights", lambda self, *a: setattr(self.fp8_book, "_weights", {}))
     per_call = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
     assert prepared.digest == per_call.digest
 
@@ -814,7 +816,7 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
 
     shape = ModelShape(n_layer=2, d_model=d_model, n_head=n_head, vocab_size=512, seq_len=64)
     launches, preparing = [], []
-    launch, prepare = type(engine)._launch, type(engine).prepare_fp8_weights
+    launch, prepare = type(engine).launch, type(engine).prepare_fp8_weights
 
     def counted(self, name, *a):  # the amax passes of the micro-batches, not of the weight copies'
         if not preparing:
@@ -835,7 +837,7 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
         finally:
             preparing.clear()
 
-    monkeypatch.setattr(type(engine), "_launch", counted)
+    monkeypatch.setattr(type(engine), "launch", counted)
     monkeypatch.setattr(type(engine), "zero", zero_counted)
     monkeypatch.setattr(type(engine), "prepare_fp8_weights", prepare_weights)
 
@@ -893,24 +895,24 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
     kept_acts = 0 if history else L - (r if "gelu" in recompute else 0)
     # layers that keep their two LayerNorm outputs' X^T in fp8_act_t
     kept_lns = 0 if e4m3_lns else L - (r if "layernorm" in recompute else 0)
-    calls = {"_fp8_cast": 0, "mlp_bwd": 0}
-    for name in calls:
-        def counted(self, *a, _name=name, _method=getattr(type(engine), name), **k):
+    calls = {"cast": 0, "mlp_bwd": 0}
+    for name, owner in (("cast", fp8.Fp8Book), ("mlp_bwd", type(engine))):
+        def counted(self, *a, _name=name, _method=getattr(owner, name), **k):
             calls[_name] += 1
             return _method(self, *a, **k)
-        monkeypatch.setattr(type(engine), name, counted)
+        monkeypatch.setattr(owner, name, counted)
 
     def run():
         for name in calls:
             calls[name] = 0
-        engine._fp8_act_t_places.clear()  # a fresh model's buffers
+        engine.fp8_book._act_t_places.clear()  # a fresh model's buffers
         r = train_run(engine, shape, micro_batch=4, n_micro=2, steps=3, recompute=recompute,
                       recompute_layers=recompute_layers)
         return r, dict(calls)
 
     saved, saved_calls = run()
     shared_ln = not e4m3_lns and kept_lns < L  # the one LayerNorm buffer of the layers that rebuild theirs
-    assert len(engine._fp8_act_t_places) == kept_acts + 2 * kept_lns + shared_ln
+    assert len(engine.fp8_book._act_t_places) == kept_acts + 2 * kept_lns + shared_ln
     from andrea.model import Model
 
     plan = Model(engine, shape, 4, recompute=recompute, recompute_layers=recompute_layers).plan
@@ -918,12 +920,12 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
     want = kept_acts * fp8._padded(N * 4 * C) + (2 * kept_lns + shared_ln) * fp8._padded(N * C)
     held = {b.name: b for b in plan.buffers}.get("fp8_act_t")
     assert (0 if held is None else held.shape[0]) == want
-    monkeypatch.setattr(type(engine), "_fp8_transpose_place", lambda self, x: None)
+    monkeypatch.setattr(fp8.Fp8Book, "_transpose_place", lambda self, x: None)
     again, again_calls = run()
     assert saved.digest == again.digest, (saved.losses, again.losses)
     assert saved_calls["mlp_bwd"] == again_calls["mlp_bwd"] > 0
     backwards = saved_calls["mlp_bwd"] // L  # host runs of a whole backward
-    fewer = again_calls["_fp8_cast"] - saved_calls["_fp8_cast"]
+    fewer = again_calls["cast"] - saved_calls["cast"]
     assert fewer == backwards * (kept_acts + 2 * kept_lns), (again_calls, saved_calls)
 
 
@@ -1075,8 +1077,8 @@ def _mlp_operands(rng, N, C):
 
 def _no_fp8_algorithm_for(engine, monkeypatch, out) -> None:
     """engine's FP8 products find no algorithm for the product that writes `out` (as cuBLASLt may for a shape)."""
-    fp8_gemm = engine._fp8_gemm
-    monkeypatch.setattr(engine, "_fp8_gemm", lambda c, *a, **k: c.data.ptr != out.data.ptr and fp8_gemm(c, *a, **k))
+    fp8_gemm = engine.fp8_book.gemm
+    monkeypatch.setattr(engine.fp8_book, "gemm", lambda c, *a, **k: c.data.ptr != out.data.ptr and fp8_gemm(c, *a, **k))
 
 
 @pytest.mark.gpu
@@ -1104,7 +1106,7 @@ def test_a_backward_with_fp8_turned_off_reads_act_in_bf16_after_an_e4m3_forward(
     drow = cupy.asarray(_history_row([1.0]))
     with engine.fp8_pass():
         engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=recompute, act_history=drow)
-        assert engine._fp8_only(act, "e4m3") is not None  # the forward took the E4M3 path
+        assert engine.fp8_book.bytes_of(act, "e4m3") is not None  # the forward took the E4M3 path
         kept_pre = pre.copy()
         monkeypatch.setattr(engine, "fp8", False)
         got = backward(pre, act, drow)
@@ -1133,7 +1135,7 @@ def test_a_dw2_with_no_fp8_algorithm_reads_the_e4m3_act_in_bf16(engine, monkeypa
     drow = cupy.asarray(_history_row([1.0]))
     with engine.fp8_pass():
         engine.mlp_fwd(out, pre, act, dev["inp"], dev["W_1"], dev["W_2"], recompute=recompute, act_history=drow)
-        assert engine._fp8_only(act, "e4m3") is not None  # the forward took the E4M3 path
+        assert engine.fp8_book.bytes_of(act, "e4m3") is not None  # the forward took the E4M3 path
         _no_fp8_algorithm_for(engine, monkeypatch, dW_2)
         engine.mlp_bwd(dinp, dW_1, dW_2, dpre, dev["dout"], dev["inp"], pre, act, dev["W_1"], dev["W_2"],
                        recompute=recompute, overwrite=True, overwrite_weights=True, act_history=drow)
@@ -1199,7 +1201,7 @@ def test_an_mlp_forward_with_fp8_turned_off_reads_a_layernorm_s_e4m3_output_in_b
         out, pre, act = (cupy.full(sh, np.nan, dtype="bfloat16") for sh in ((N, C), (N, F), (N, F)))
         engine.layernorm_fwd(ln, mean, rstd, dev["x"], dev["gamma"], dev["beta"], e4m3=e4m3)
         if e4m3:
-            assert engine._fp8_only(ln, "e4m3") is not None  # the LayerNorm took the E4M3 path
+            assert engine.fp8_book.bytes_of(ln, "e4m3") is not None  # the LayerNorm took the E4M3 path
             monkeypatch.setattr(engine, "fp8", False)
         engine.mlp_fwd(out, pre, act, ln, dev["W_1"], dev["W_2"], recompute=recompute)
         monkeypatch.setattr(engine, "fp8", True)
@@ -1221,7 +1223,7 @@ def test_the_attention_backward_writes_dqkv_in_e5m2_at_the_history_s_scale(engin
     [N, 3C] the bytes of the plain backward's bf16 dqkv cast at the row's scale (quantize; values past it saturate),
     X^T [3C, N] beside them; the pass is folded into the row as the reference folds dqkv's amax; attn_qkv_bwd's
     products take those bytes at this pass's descale (against float64 products of them), and a read of dqkv as
-    bf16 (_fp8_readable) runs the backward again: the plain bits."""
+    bf16 (Fp8Book.readable) runs the backward again: the plain bits."""
     import cupy
 
     rng = np.random.default_rng()
@@ -1248,12 +1250,12 @@ def test_the_attention_backward_writes_dqkv_in_e5m2_at_the_history_s_scale(engin
     dinp, dW = cupy.full((N, C), np.nan, dtype=np.float32), cupy.full((3, C, C), np.nan, dtype=np.float32)
     with engine.fp8_pass():
         rows, view = backward(drow)
-        assert engine._fp8_only(view, "e5m2") is not None
+        assert engine.fp8_book.bytes_of(view, "e5m2") is not None
         got = cupy.asnumpy(rows).reshape(-1).view(np.uint8).copy()
         engine.attn_qkv_bwd(dinp, dW, view, cupy.asarray(inp.reshape(B, T, C).astype("bfloat16")),
                             cupy.asarray(W.astype("bfloat16")), overwrite=True, overwrite_weights=True,
                             dqkv_history=drow)
-        engine._fp8_readable(view)
+        engine.fp8_book.readable(view)
         reread = cupy.asnumpy(rows).astype(np.float32).reshape(N, 3 * C)
     q, qt = got[:N * 3 * C].reshape(N, 3 * C), got[N * 3 * C:].reshape(3 * C, N)
     want_q, _ = fp8.quantize(plain, "e5m2", fp8.FORMATS["e5m2"][1] / s)
@@ -1278,7 +1280,7 @@ def test_the_attention_backward_writes_dqkv_in_e5m2_at_the_history_s_scale(engin
 def test_the_layernorm_writes_its_output_as_e4m3_at_the_bound_s_scale(engine, monkeypatch, N, C, fused):
     """Inside a pass a LayerNorm given `e4m3` writes X and X^T as the bytes of its bf16 output cast at e4m3_bound's
     scale (quantize), the residual sum, mean and rstd as without the flag; the products take those bytes
-    (_fp8_cast_saving, _fp8_saved_transpose), and a read as bf16 (_fp8_readable) gets the plain LayerNorm's bits.
+    (Fp8Book.cast_saving, saved_transpose), and a read as bf16 (readable) gets the plain LayerNorm's bits.
     A forward alone leaves X^T's half of the bytes unwritten; outside a pass the flag changes nothing."""
     import cupy
 
@@ -1306,12 +1308,12 @@ def test_the_layernorm_writes_its_output_as_e4m3_at_the_bound_s_scale(engine, mo
                 engine.layernorm_fwd(out, mean, rstd, res, dev["gamma"], dev["beta"], e4m3=e4m3)
             got["bytes"] = cupy.asnumpy(out).reshape(-1).view(np.uint8).copy()
             if e4m3 and in_pass:
-                q, descale = engine._fp8_cast_saving(out, N, C, None, False)
+                q, descale = engine.fp8_book.cast_saving(out, N, C, None, False)
                 got["q"], got["descale"] = cupy.asnumpy(q).reshape(N, C), float(cupy.asnumpy(descale)[0])
-                saved = engine._fp8_saved_transpose(out)
+                saved = engine.fp8_book.saved_transpose(out)
                 got["qt"] = None if saved is None else cupy.asnumpy(saved[0]).reshape(C, N)
-                engine._fp8_readable(out)
-                assert engine._fp8_saved_transpose(out) is None  # the bytes are gone with the rerun
+                engine.fp8_book.readable(out)
+                assert engine.fp8_book.saved_transpose(out) is None  # the bytes are gone with the rerun
         got.update(res=cupy.asnumpy(res), mean=cupy.asnumpy(mean), rstd=cupy.asnumpy(rstd), out=cupy.asnumpy(out))
         return got
 

@@ -313,12 +313,13 @@ class CublasLt:
     def algorithms(self, c, a, b, m, n, k, **kw) -> int:
         """How many algorithms the heuristic offers for this product (up to HEURISTICS): `algo` below
         takes 0 .. that - 1."""
-        return sum(self._plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
+        return sum(self.plan_for(c, a, b, m, n, k, algo=i, **kw)[1] is not None for i in range(self.HEURISTICS))
 
     @staticmethod
-    def _key(c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None, a_type=None, b_type=None,
-             a_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0, stride_b=0, stride_c=0, d_type=None,
-             lda=None, ldb=None, ldc=None, **_) -> tuple:
+    def plan_key(c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None, a_type=None,
+                 b_type=None, a_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0, stride_b=0, stride_c=0,
+                 d_type=None, lda=None, ldb=None, ldc=None, **_) -> tuple:
+        """The key of a product's plan (and its name in the algorithm table, product_name)."""
         # a plan per shape and alignment class: the heuristic picks for the pointers' alignment (aux's included)
         aligns = map(_alignment, (b, a, c, c if aux is None else aux))
         accumulation = None if a_scale is None else ("fast" if fast_accum else "split")  # FP8 products only
@@ -331,18 +332,19 @@ class CublasLt:
     def tabled(self, c, a, b, m, n, k, **kw) -> bool:
         """Whether the algorithm table names this product (Cublas.gemm then runs it here): looked up once a
         shape, as the plans are, since every plain product of an eager pass asks."""
-        key = self._key(c, a, b, m, n, k, **kw)
+        key = self.plan_key(c, a, b, m, n, k, **kw)
         if key not in self._tabled:
             self._tabled[key] = product_name(key) in self.choices
         return self._tabled[key]
 
-    def _plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
-                  a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
-                  stride_b=0, stride_c=0, d_type=None, lda=None, ldb=None, ldc=None):
-        key = self._key(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux, a_type=a_type,
-                        b_type=b_type, a_scale=a_scale, fast_accum=fast_accum, algo=algo, batch=batch,
-                        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c, d_type=d_type, lda=lda, ldb=ldb,
-                        ldc=ldc)
+    def plan_for(self, c, a, b, m, n, k, *, trans_a=False, trans_b=False, epilogue="none", aux=None,
+                 a_type=None, b_type=None, a_scale=None, b_scale=None, fast_accum=False, algo=None, batch=1, stride_a=0,
+                 stride_b=0, stride_c=0, d_type=None, lda=None, ldb=None, ldc=None):
+        """(the product's plan key, its plan: None where the heuristic has no algorithm `algo` for it)."""
+        key = self.plan_key(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
+                            a_type=a_type, b_type=b_type, a_scale=a_scale, fast_accum=fast_accum, algo=algo, batch=batch,
+                            stride_a=stride_a, stride_b=stride_b, stride_c=stride_c, d_type=d_type, lda=lda, ldb=ldb,
+                            ldc=ldc)
         if key not in self._plans:  # algo None: the table's choice, looked up once a shape
             chosen = chosen_key(key, algo, self.choices)
             if chosen not in self._plans:
@@ -368,10 +370,10 @@ class CublasLt:
         where there is one. False (nothing run) where cuBLASLt has no algorithm for it."""
         if d_type is not None and beta != 0.0:
             raise ValueError("CublasLt.gemm: an FP8 output (d_type) takes beta 0")
-        key, plan = self._plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
-                                   a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, fast_accum=fast_accum,
-                                   algo=algo, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c,
-                                   d_type=d_type, lda=lda, ldb=ldb, ldc=ldc)
+        key, plan = self.plan_for(c, a, b, m, n, k, trans_a=trans_a, trans_b=trans_b, epilogue=epilogue, aux=aux,
+                                  a_type=a_type, b_type=b_type, a_scale=a_scale, b_scale=b_scale, fast_accum=fast_accum,
+                                  algo=algo, batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=stride_c,
+                                  d_type=d_type, lda=lda, ldb=ldb, ldc=ldc)
         if plan is None:
             return False
         desc, lay_b, lay_a, lay_c, result, lay_d = plan

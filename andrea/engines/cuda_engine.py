@@ -29,8 +29,7 @@ from andrea.engines.cublas import Cublas, CublasLt
 from andrea.engines.graphs import without_small_memsets
 from andrea.engines.protocol import EngineTraits
 from andrea.errors import AndreaError
-from andrea.kernels_build import (HOPPER_ARCH, build_options, cached_cubins, hopper_build_wanted, kernel_dir, kernel_source,
-                                  nvrtc_arch)
+from andrea.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
 from andrea.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, mlp, residual_add
 from andrea.ops.base import ELEMENTWISE_THREADS, blocks, ptr
@@ -48,29 +47,24 @@ def _module_ints(module: cupy.RawModule, symbol: str, n: int) -> tuple[int, ...]
     return tuple(int(x) for x in cupy.ndarray((n,), np.int32, memptr=module.get_global(symbol)).get())
 
 
-def _load_kernels(precision: str) -> tuple[dict, int]:
-    """Every kernel of one precision's build, loaded once per process: (kernels by name, how many files were
-    compiled here). The files are compiled side by side into cubins cached on disk by source and options
-    (kernels_build.cached_cubins); on Hopper the files with a build of their own for HOPPER_ARCH; on a
-    device this NVRTC does not know, by CuPy (PTX for the driver)."""
+def _load_kernels(precision: str) -> dict:
+    """Every kernel of one precision's build, compiled once per process (and cached on disk by CuPy,
+    keyed by source and options; on Hopper, the files with a build of its own from kernels_build.cached_cubin)."""
     folder = kernel_dir()
     options = build_options(precision)
-    cc = cupy.cuda.Device().compute_capability
-    hopper = ops.hopper_kernel_files() if hopper_build_wanted(cc) else {}
-    device_arch = nvrtc_arch(cc)
-    files = {op: names for op, names in ops.kernel_files().items()
-             if op != attn.MMA16_KERNEL_FILE or PRECISIONS[precision].low}
-    arch = {op: HOPPER_ARCH if op in hopper else device_arch for op in files}
-    missing = [op for op in files if (str(folder), op, options, op in hopper) not in _modules]
-    cubins, built = cached_cubins([(op, arch[op], precision) for op in missing if arch[op]], folder)
-    for op in missing:
-        _modules[(str(folder), op, options, op in hopper)] = (
-            cupy.RawModule(path=str(cubins[(op, arch[op], precision)])) if arch[op]
-            else cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc"))
+    hopper = ops.hopper_kernel_files() if hopper_build_wanted(cupy.cuda.Device().compute_capability) else {}
     functions = {}
-    for op, names in files.items():
+    for op, names in ops.kernel_files().items():
+        if op == attn.MMA16_KERNEL_FILE and not PRECISIONS[precision].low:
+            continue
         own_build = op in hopper  # its kernels, and Hopper's own ones beside them
         key = (str(folder), op, options, own_build)
+        if key not in _modules:
+            if own_build:
+                cubin = cached_cubin(op, HOPPER_ARCH, precision, folder=folder)
+                _modules[key] = cupy.RawModule(path=str(cubin))
+            else:
+                _modules[key] = cupy.RawModule(code=kernel_source(op, folder), options=options, backend="nvrtc")
         if own_build:
             names = (*names, *hopper[op])
         functions.update({name: _modules[key].get_function(name) for name in names})
@@ -88,7 +82,7 @@ def _load_kernels(precision: str) -> tuple[dict, int]:
     for name in (*attn.KERNELS[attn.MMA16_KERNEL_FILE], *attn.HOPPER_KERNELS[attn.MMA16_KERNEL_FILE]):
         if name in functions:
             functions[name].preferred_shared_memory_carveout = 100
-    return functions, built
+    return functions
 
 
 class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOps, attn_out.CudaOps,
@@ -111,7 +105,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.act_vec = 16 // np.dtype(p.act_dtype).itemsize  # ACT_VEC: activations per 16-byte access
-        self.k, self.kernels_built = _load_kernels(precision)  # kernels_built: files compiled here, not cached
+        self.k = _load_kernels(precision)
         # The engine's own device memory, allocated here, once (the engine runs ops before any plan
         # exists): cuBLAS's workspace and its ops' buffers; a model's plan lists them by name.
         own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())
@@ -127,26 +121,22 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self._capture_streams: list = []
         self._staging: dict = {}  # (dst pointer, bytes) -> (pinned memory, its array, copy's event): upload(staged)
         self._retired: list = []  # engine buffers replaced by larger ones (_hold_plan_buffers)
-        self._fp8_weights: dict = {}  # weight pointer -> its FP8 copies (ops/fp8.py, prepare_fp8_weights)
-        self._fp8_dlogits = None  # the probs whose E5M2 d_logits fp8_dlogits holds (ops/loss.py)
-        # (the weights' key, (amax chunks, cast tiles)) of the cast table last written in params_fp8 (ops/fp8.py)
-        self._fp8_table = None
-        # (rows, count, lo, hi) of that table's amax ranges, for adamw_step (ops/fp8.py, _weight_amax_rows)
-        self._fp8_amax_rows = None
         self._qkv_rows: dict = {}  # W_QKV's pointer -> its [C, 3C] copy (ops/attn_qkv.py, prepare_qkv_rows)
-        self._fp8_book: dict | None = None  # inside fp8_pass: the tensors whose amax is current (ops/fp8.py)
-        self._fp8_act_t_places: dict = {}  # (fp8_act_t, tensor) -> the tensor's place there (ops/fp8.py: _fp8_transpose_place)
+        # the weights' FP8 copies, a pass's amax book, the casts and FP8 products (ops/fp8.py), in every precision:
+        # the ops tell it what they write, and outside precision fp8 it keeps nothing
+        self.fp8_book = fp8.Fp8Book(self)
 
     @property
     def own_bytes(self) -> int:
         """Device bytes of the engine's own buffers."""
         return sum(a.nbytes for a in self.own.values())
 
-    def _vec_blocks(self, n: int) -> int:
+    def vec_blocks(self, n: int) -> int:
         """Blocks of an elementwise kernel over n activations: a thread per ACT_VEC of them."""
         return blocks(-(-n // self.act_vec), ELEMENTWISE_THREADS)
 
-    def _launch(self, name: str, grid: int, threads: int, *args) -> None:
+    def launch(self, name: str, grid: int, threads: int, *args) -> None:
+        """Kernel `name` on a 1-D grid of 1-D blocks, on the current stream."""
         self.k[name]((grid,), (threads,), args)
 
     # ---- buffers -------------------------------------------------------------------------
@@ -159,7 +149,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         which this model may use between that one's steps; nothing is allocated (ValueError if it does
         not fit)."""
         self._hold_plan_buffers(plan)
-        self._fp8_table = None  # a new params_fp8 (zero-filled) holds no table until prepare_fp8_weights writes one
+        self.fp8_book.drop_weight_table()  # a new params_fp8 (zero-filled) holds no table until one is written
         own = {b.name: self.own[b.name] for b in plan.buffers if b.name in self.own}
         if share is not None:
             other_bufs, other_plan = share
@@ -227,7 +217,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         while the host goes on: a pageable copy waits for the device to finish all work before it, so the step's
         launches (and its next micro-batch's) would wait for it with the device idle. A staging buffer is written
         again only after its last copy ran (its event)."""
-        self._fp8_wrote(dst)
+        self.fp8_book.wrote(dst)
         if not staged:
             dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape))
             return
@@ -252,7 +242,7 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         cupy.cuda.get_current_stream().synchronize()
 
     def zero(self, buf) -> None:
-        self._fp8_wrote(buf)
+        self.fp8_book.wrote(buf)
         cupy.cuda.runtime.memsetAsync(ptr(buf), 0, buf.nbytes, cupy.cuda.get_current_stream().ptr)
 
     zero_grads = zero

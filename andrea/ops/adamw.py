@@ -57,8 +57,8 @@ class NumpyOps:
 class CudaOps:
     def cast(self, dst, src) -> None:
         """dst = src in dst's dtype: the low-precision weight copy, built from the FP32 weights."""
-        self._launch("k_cast_params", blocks(dst.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
-                     dst, src, np.int64(dst.size))
+        self.launch("k_cast_params", blocks(dst.size, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                    dst, src, np.int64(dst.size))
 
     def adamw_step(self, params, grads, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_ranges,
                    params_lp=None, grad_scales=(1.0, 1.0), gate=None):
@@ -76,13 +76,13 @@ class CudaOps:
                 table[:2 * len(ranges)].set(np.array(ranges, dtype=np.int64).reshape(-1))
             self._decay_ranges = ranges
         f32 = np.float32
-        self._launch("k_adamw", blocks(-(-params.size // 4), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
-                     params, grads, m, v, np.int64(params.size), table, np.int32(len(ranges)),
-                     f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
-                     f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),
-                     params if params_lp is None else params_lp, np.int32(params_lp is not None),
-                     *(f32(x) for x in grad_scales), np.uint64(0) if gate is None else gate,
-                     *self._weight_amax_rows(params_lp))
+        self.launch("k_adamw", blocks(-(-params.size // 4), ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                    params, grads, m, v, np.int64(params.size), table, np.int32(len(ranges)),
+                    f32(lr), f32(beta1), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
+                    f32(weight_decay), f32(1 - beta1**step), f32(1 - beta2**step),
+                    params if params_lp is None else params_lp, np.int32(params_lp is not None),
+                    *(f32(x) for x in grad_scales), np.uint64(0) if gate is None else gate,
+                    *self.fp8_book.weight_amax_rows(params_lp))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

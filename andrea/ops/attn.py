@@ -151,7 +151,7 @@ class CudaOps:
         return (*KERNELS[MMA16_KERNEL_FILE], 0)
 
     def attn_fwd(self, out, att, qkv, n_head):
-        self._fp8_wrote(out, att)
+        self.fp8_book.wrote(out, att)
         bf16 = self._bf16_attention(qkv, n_head)
         if bf16:
             heads, T, dims = bf16
@@ -167,7 +167,7 @@ class CudaOps:
     def attn_bwd(self, dqkv, datt, dout, qkv, out, att, n_head, overwrite=False, dqkv_history=None):
         """`dqkv_history` (a training pass under fp8): where the model's rows of dqkv go to FP8 products, dqkv is
         written as E5M2 bytes only, at the history's scale (_dqkv_e5m2)."""
-        self._fp8_wrote(dqkv, datt)
+        self.fp8_book.wrote(dqkv, datt)
         add = np.int32(not overwrite)
         ld, plane = (np.int32(n) for n in grad_rows(dqkv))
         bf16 = self._bf16_attention(qkv, n_head)
@@ -179,7 +179,7 @@ class CudaOps:
             if e5m2 is not None:  # the bytes, the scale, the amax word (the history's)
                 q8, scale, amax = e5m2[0], history_slot(dqkv_history, "SCALE"), history_slot(dqkv_history, "AMAX")
             else:  # both kernels' stores' amax, one word; null outside an fp8 pass
-                q8, scale, amax = np.uint64(0), np.uint64(0), amax_arg(self._fp8_produced(dqkv))
+                q8, scale, amax = np.uint64(0), np.uint64(0), amax_arg(self.fp8_book.produced(dqkv))
             grid, order = launch_order(heads, T)
             self.k[dq](grid(rows), (threads,),
                        (dqkv, datt, dout, out, qkv, att, *dims, add, amax, ld, plane, q8, scale, order))
@@ -203,21 +203,21 @@ class CudaOps:
         attention backward writes as E5M2, at the dqkv history's scale, where it takes that path: a row given (a
         training pass whose backward follows, under fp8), dqkv written over (not added into), laid out as rows, and
         FP8 products for attn_qkv_bwd's shapes; else None (dqkv in bf16)."""
-        if row is None or not overwrite or self.blas_lt is None or self._fp8_book is None:
+        if row is None or not overwrite or self.blas_lt is None or not self.fp8_book.in_pass:
             return None
         C = dqkv.shape[-1]
         N = dqkv[0].size // C
-        if grad_rows(dqkv) != (3 * C, C) or not self._fp8_ok(N, C):
+        if grad_rows(dqkv) != (3 * C, C) or not self.fp8_book.ok(N, C):
             return None
         return fp8_halves(self.xp.moveaxis(dqkv, 0, -2).reshape(N, 3 * C))
 
     def _dqkv_e5m2_done(self, dqkv, row, q, qt, rerun) -> None:
         """After the kernels wrote dqkv's E5M2 bytes q: its transpose qt [3C, N] (dW_QKV's operand), the pass folded
         into the row, and the bytes kept for attn_qkv_bwd at this pass's descale; `rerun()` writes dqkv in bf16
-        instead, for a product that reads it so (_fp8_readable)."""
+        instead, for a product that reads it so (Fp8Book.readable)."""
         C = dqkv.shape[-1]
-        self._fp8_history_transpose(q, qt, dqkv[0].size // C, 3 * C, row, "e5m2")
-        self._fp8_bytes_written(dqkv, q, qt, history_slot(row, "DESCALE_NOW"), rerun, "e5m2")
+        self.fp8_book.history_transpose(q, qt, dqkv[0].size // C, 3 * C, row, "e5m2")
+        self.fp8_book.bytes_written(dqkv, q, qt, history_slot(row, "DESCALE_NOW"), rerun, "e5m2")
 
 
 def grad_rows(dqkv) -> tuple[int, int]:

@@ -28,15 +28,15 @@ class CudaOps:
     def attn_out_fwd(self, out, inp, W_O):
         C = inp.shape[-1]
         N = inp.size // C
-        self._fp8_wrote(out)
-        self._linear_fwd(out, inp, W_O, N, C, C, fp8=False)
+        self.fp8_book.wrote(out)
+        self.linear_fwd(out, inp, W_O, N, C, C, fp8=False)
 
     def attn_out_bwd(self, dinp, dW_O, dout, inp, W_O, overwrite=False, overwrite_weights=False):
         C = inp.shape[-1]
         N = inp.size // C
-        self._fp8_wrote(dinp)
-        self._linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0, fp8=False,
-                         beta_w=0.0 if overwrite_weights else 1.0)
+        self.fp8_book.wrote(dinp)
+        self.linear_bwd(dinp, dW_O, dout, inp, W_O, N, C, C, 0.0 if overwrite else 1.0, fp8=False,
+                        beta_w=0.0 if overwrite_weights else 1.0)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -49,19 +49,21 @@ class CudaOps:
     def attn_qkv_fwd(self, qkv, inp, W_QKV):
         C = inp.shape[-1]
         N = inp.size // C
-        self._fp8_wrote(qkv)
-        if not (self._fp8_ok(N, C) and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
-            self._fp8_readable(inp)
+        book = self.fp8_book
+        book.wrote(qkv)
+        if not (book.ok(N, C) and self._attn_qkv_fwd_fp8(qkv, inp, W_QKV, N, C)):
+            book.readable(inp)
             self.blas.gemm(qkv, inp, W_QKV, N, C, C, batch=3, stride_b=C * C, stride_c=N * C)
 
     def _attn_qkv_fwd_fp8(self, qkv, inp, W_QKV, N, C) -> bool:
         """qkv[i] = X @ W_i on FP8 operands: X [N, C] and each W_i^T [C, C], one batched product (False: not run);
-        X^T kept for the backward's dW_QKV (_fp8_cast_saving)."""
-        xq, wt = self._fp8_operands(N * C, 3 * C * C)
-        xq, sx = self._fp8_cast_saving(inp, N, C, xq, True)
-        wt, sw = self._fp8_weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
-        return self._fp8_gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C,
-                              fast=True)
+        X^T kept for the backward's dW_QKV (Fp8Book.cast_saving)."""
+        book = self.fp8_book
+        xq, wt = book.operands(N * C, 3 * C * C)
+        xq, sx = book.cast_saving(inp, N, C, xq, True)
+        wt, sw = book.weight(W_QKV, "forward", C, C, 1, into=wt, qt_batch=C * C, batch=3)
+        return book.gemm(qkv, xq, sx, "e4m3", wt, sw, "e4m3", N, C, C, batch=3, stride_b=C * C, stride_c=N * C,
+                         fast=True)
 
     def prepare_qkv_rows(self, w_qkv_rows, layers) -> None:
         """Copy each layer's W_QKV of `layers` (the model's weight views) into w_qkv_rows [L, C, 3C] as W_Q, W_K, W_V
@@ -71,29 +73,30 @@ class CudaOps:
         Ws = [w["W_QKV"] for w in layers]
         L, C = len(Ws), Ws[0].shape[-1]
         layer = (Ws[1].data.ptr - Ws[0].data.ptr) // Ws[0].itemsize if L > 1 else 0
-        self._launch("k_qkv_rows", blocks(3 * L * C, QKV_ROWS_THREADS // 32), QKV_ROWS_THREADS, w_qkv_rows, Ws[0],
-                     np.int64(layer), np.int32(L), np.int32(C))
+        self.launch("k_qkv_rows", blocks(3 * L * C, QKV_ROWS_THREADS // 32), QKV_ROWS_THREADS, w_qkv_rows, Ws[0],
+                    np.int64(layer), np.int32(L), np.int32(C))
         self._qkv_rows = {W.data.ptr: (W, w_qkv_rows[l]) for l, W in enumerate(Ws)}
 
     def attn_qkv_bwd(self, dinp, dW_QKV, dqkv, inp, W_QKV, overwrite=False, overwrite_weights=False,
                      dqkv_history=None):
         """`dqkv_history`: unread here; where attn_bwd wrote dqkv as E5M2 bytes at its scale, the products take those
-        bytes (or, any product reading it in bf16, attn_bwd runs again: _fp8_readable)."""
+        bytes (or, any product reading it in bf16, attn_bwd runs again: Fp8Book.readable)."""
         C = inp.shape[-1]
         N = inp.size // C
-        self._fp8_wrote(dinp)
+        book = self.fp8_book
+        book.wrote(dinp)
         ld, plane = grad_rows(dqkv)
         rows = self.xp.moveaxis(dqkv, 0, -2).reshape(N, 3 * C) if plane == C else None  # [dQ dK dV] a row
         beta_w = 0.0 if overwrite_weights else 1.0
         done_dW, done_dinp = (self._attn_qkv_bwd_fp8(dinp, dW_QKV, dqkv, rows, inp, W_QKV, overwrite, beta_w, N, C)
-                              if self._fp8_ok(N, C) else (False, False))
+                              if book.ok(N, C) else (False, False))
         if not done_dW:  # the three C x C weight gradients as one batched product
-            self._fp8_readable(inp, dqkv)
+            book.readable(inp, dqkv)
             self.blas.gemm(dW_QKV, inp, dqkv, C, C, N, trans_a=True, ldb=ld, beta=beta_w, batch=3, stride_b=plane,
                            stride_c=C * C)
         if done_dinp:
             return
-        self._fp8_readable(dqkv)
+        book.readable(dqkv)
         copy = self._qkv_rows.get(W_QKV.data.ptr) if rows is not None else None
         if copy is not None and copy[0].shape == W_QKV.shape:  # dinp = [dQ dK dV] @ [W_Q W_K W_V]^T, over 3C
             self.blas.gemm(dinp, rows, copy[1], N, C, 3 * C, trans_b=True, beta=0.0 if overwrite else 1.0)
@@ -107,19 +110,20 @@ class CudaOps:
         [dq_0 dq_1 dq_2] @ [W_0; W_1; W_2]^T as one product over 3C (dqkv cast as [N, 3C], W_QKV as [C, 3C]).
         `rows`: dqkv as that [N, 3C] matrix where it is laid out so (else its planes are cast side by side). Which
         of the two ran."""
-        xt, dqt, dq, w = self._fp8_operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
-        xt, sx = self._fp8_transpose(inp, N, C, xt)
-        written = self._fp8_only(dqkv, "e5m2")
+        book = self.fp8_book
+        xt, dqt, dq, w = book.operands(N * C, 3 * N * C, 3 * N * C, 3 * C * C)
+        xt, sx = book.transpose(inp, N, C, xt)
+        written = book.bytes_of(dqkv, "e5m2")
         if written is not None:  # attn_bwd's bytes: [N, 3C] and its transpose (ops/attn.py)
-            (dq, sd), (dqt, _) = written, self._fp8_saved_transpose(dqkv)
+            (dq, sd), (dqt, _) = written, book.saved_transpose(dqkv)
         elif rows is not None:  # its transpose [3C, N] is dq_i^T [C, N] after one another
-            sd = self._fp8_cast(rows, N, 3 * C, "e5m2", 1, q=dq, qt=dqt)
+            sd = book.cast(rows, N, 3 * C, "e5m2", 1, q=dq, qt=dqt)
         else:
-            sd = self._fp8_cast(dqkv, N, C, "e5m2", 1, q=dq, ldq=3 * C, q_batch=C, qt=dqt, qt_batch=C * N, batch=3)
-        w, sw = self._fp8_weight(W_QKV, "input_grad", C, C, 2, into=w, ldq=3 * C, q_batch=C, batch=3)
-        return (self._fp8_gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=beta_w, batch=3, stride_b=C * N,
-                               stride_c=C * C),
-                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))
+            sd = book.cast(dqkv, N, C, "e5m2", 1, q=dq, ldq=3 * C, q_batch=C, qt=dqt, qt_batch=C * N, batch=3)
+        w, sw = book.weight(W_QKV, "input_grad", C, C, 2, into=w, ldq=3 * C, q_batch=C, batch=3)
+        return (book.gemm(dW_QKV, xt, sx, "e4m3", dqt, sd, "e5m2", C, C, N, beta=beta_w, batch=3, stride_b=C * N,
+                          stride_c=C * C),
+                book.gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, C, 3 * C, beta=0.0 if overwrite else 1.0))
 
 
 def plan_buffers(C: int, L: int, dtype: str) -> tuple:

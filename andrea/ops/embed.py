@@ -44,9 +44,9 @@ class CudaOps:
         B, T = tokens.shape
         C = wte.shape[1]
         n_pos = B * T
-        self._fp8_wrote(out)
-        self._launch("k_embed_fwd", n_pos, EMBED_FWD_THREADS, out, tokens, wte, wpe, np.int64(n_pos), np.int32(T),
-                     np.int32(C))
+        self.fp8_book.wrote(out)
+        self.launch("k_embed_fwd", n_pos, EMBED_FWD_THREADS, out, tokens, wte, wpe, np.int64(n_pos), np.int32(T),
+                    np.int32(C))
 
     def embed_bwd(self, dwte, dwpe, dout, tokens, overwrite_weights=False):
         B, T = tokens.shape
@@ -65,14 +65,14 @@ class CudaOps:
         if n_pos <= most and dwte.shape[0] <= 2**16:  # the sort's keys: token << 16 | position
             keys = self.own["embed_sorted"]
             chunks, sorted_keys = keys[:most], keys[most:]
-            self._launch("k_embed_sort", -(-n_pos // k["EMBED_SORT_CHUNK"]), k["EMBED_SORT_THREADS"], chunks, tokens,
-                         np.int32(n_pos))
-            self._launch("k_embed_merge", -(-n_pos // threads), threads, sorted_keys, chunks, np.int32(n_pos))
-            self._launch(f"k_embed_bwd_sorted{j}", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
-                         np.int32(T), np.int32(C), add_wpe)
+            self.launch("k_embed_sort", -(-n_pos // k["EMBED_SORT_CHUNK"]), k["EMBED_SORT_THREADS"], chunks, tokens,
+                        np.int32(n_pos))
+            self.launch("k_embed_merge", -(-n_pos // threads), threads, sorted_keys, chunks, np.int32(n_pos))
+            self.launch(f"k_embed_bwd_sorted{j}", n_pos + T, threads, dwte, dwpe, dout, sorted_keys, np.int64(n_pos),
+                        np.int32(T), np.int32(C), add_wpe)
             return
-        self._launch(f"k_embed_bwd{j}", n_pos + T, threads, dwte, dwpe, dout, tokens, np.int64(n_pos), np.int32(T),
-                     np.int32(C), add_wpe)
+        self.launch(f"k_embed_bwd{j}", n_pos + T, threads, dwte, dwpe, dout, tokens, np.int64(n_pos), np.int32(T),
+                    np.int32(C), add_wpe)
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -312,62 +312,122 @@ def dequantize(q: np.ndarray, descale: float, fmt: str) -> np.ndarray:
 
 # ---- CUDA --------------------------------------------------------------------------------------
 class CudaOps:
-    """The casts and the FP8 products, for the ops' fp8 branches. Each `*_fp8` branch in the op modules
-    returns False where cuBLASLt has no FP8 algorithm for the shape (a dimension not a multiple of 16,
-    say); the op then runs its bf16 products instead."""
-
-    def _fp8_ok(self, *dims: int) -> bool:
-        """Whether a product runs on FP8 operands: precision fp8, and dimensions cuBLASLt's FP8 kernels take
-        (the tokens and the widths, multiples of 16)."""
-        return self.fp8 and fp8_shapes_ok(*dims)
+    """The CUDA engine's FP8 calls (its state, casts and FP8 products are its `fp8_book`, an Fp8Book) and the layers'
+    linear products, on FP8 operands where the op takes them, else plain."""
 
     def prepare_fp8_weights(self, params_fp8, layers, wte) -> None:
+        """The FP8 copies of the model's weights for the products (Fp8Book.prepare_weights)."""
+        self.fp8_book.prepare_weights(params_fp8, layers, wte)
+
+    def fp8_pass(self, backward: bool = True):
+        """A context around one pass of a model over its own buffers (Fp8Book.open_pass)."""
+        return self.fp8_book.open_pass(backward)
+
+    def linear_fwd(self, out, inp, W, N, K, M, fp8: bool = True, save_transpose: bool = False) -> None:
+        """out [N, M] = inp [N, K] @ W [K, M]: on FP8 operands where the op takes them, else the plain product
+        (`fp8=False`: the plain product in every precision). `save_transpose`: the cast keeps inp^T for the
+        backward where it can (Fp8Book.saved_transpose)."""
+        book = self.fp8_book
+        if not (fp8 and book.ok(N, K, M) and book.linear_fwd(out, inp, W, N, K, M, save_transpose=save_transpose)):
+            book.readable(inp)
+            self.blas.gemm(out, inp, W, N, M, K)
+
+    def linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True, cast=None,
+                   unfinished=None, beta_w: float = 1.0) -> None:
+        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where
+        the op takes them, else (each product on its own) the plain products (`fp8=False`: in every precision). `cast`:
+        as Fp8Book.linear_bwd's (the caller gives it only where Fp8Book.ok); `unfinished()` makes dout what the plain
+        products read where that cast left it otherwise."""
+        book = self.fp8_book
+        on_fp8 = fp8 and book.ok(N, K, M)
+        if cast is not None and not on_fp8:
+            raise RuntimeError("linear_bwd: a cast of dout given for products that do not run on FP8 operands")
+        done_dW, done_dinp, *_ = (book.linear_bwd(dinp, dW, dout, inp, W, N, K, M, beta, cast, beta_w)
+                                  if on_fp8 else (False, False))
+        if unfinished is not None and not (done_dW and done_dinp):
+            unfinished()
+        if not done_dW:
+            book.readable(inp)
+            self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=beta_w)
+        if not done_dinp:
+            self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
+
+
+class Fp8Book:
+    """What the CUDA engine knows of its FP8 tensors, and the casts and FP8 products that read and keep it: the
+    weights' FP8 copies and their cast table, the open pass's book (below), the tensors' places in fp8_act_t and
+    the classifier's E5M2 d_logits. The op modules' CUDA halves go through these methods (`self.fp8_book`); only
+    this module reads the state itself.
+
+    Each FP8 product here returns False where cuBLASLt has no FP8 algorithm for the shape (a dimension not a
+    multiple of 16, say): nothing was written, and the op runs its bf16 products instead."""
+
+    def __init__(self, engine):
+        self.engine = engine  # what the book launches through: k, launch, zero, own (buffers), blas_lt, fp8
+        self._weights: dict = {}  # weight pointer -> its FP8 copies (prepare_weights)
+        self._table = None  # (the weights' key, (amax chunks, cast tiles)) of the cast table last written in params_fp8
+        self._amax_rows = None  # (rows, count, lo, hi) of that table's amax ranges, for adamw_step (weight_amax_rows)
+        self._pass: dict | None = None  # inside open_pass: the tensors whose amax is current (below)
+        self._act_t_places: dict = {}  # (fp8_act_t, tensor) -> the tensor's place there (_transpose_place)
+        self.dlogits = None  # (pointer, bytes) of the probs whose E5M2 d_logits fp8_dlogits holds (ops/loss.py)
+
+    def ok(self, *dims: int) -> bool:
+        """Whether a product runs on FP8 operands: precision fp8, and dimensions cuBLASLt's FP8 kernels take
+        (the tokens and the widths, multiples of 16)."""
+        return self.engine.fp8 and fp8_shapes_ok(*dims)
+
+    # ---- the weights' copies -----------------------------------------------------------------
+    def prepare_weights(self, params_fp8, layers, wte) -> None:
         """Cast every layer matrix of `layers` and the tied `wte` (the model's params_lp views) into params_fp8,
         both layouts in one pass: the products of the ops then read these instead of casting their weights per
         call. The model calls this whenever it writes params_lp (its load, every AdamW step). Two launches for
         all of them, over a table of the matrices in params_fp8, written by the first eager call for these
         buffers (a graph recording before it casts one matrix at a time instead, to the same bytes). The amax
-        pass skips a matrix whose amax the AdamW step before took (adamw_step, _weight_amax_rows; a flag beside
-        the amax word says so); every amax word and flag is left at zero for the next step. The engine keeps the
+        pass skips a matrix whose amax the AdamW step before took (adamw_step, weight_amax_rows; a flag beside
+        the amax word says so); every amax word and flag is left at zero for the next step. The book keeps the
         last model's views (so that their memory, while in use here, goes to no other array): that model's
         buffers live until another model prepares its own or the engine goes."""
         import cupy
 
         casts, copies, table, slots = _weight_casts(params_fp8, layers, wte)
         key = (ptr(params_fp8), params_fp8.nbytes, tuple(ptr(W) for W, *_ in casts))
-        written = self._fp8_table is not None and self._fp8_table[0] == key
+        written = self._table is not None and self._table[0] == key
         if not written and not cupy.cuda.get_current_stream().is_capturing():
-            self._fp8_table = (key, _write_weight_table(table, casts))
+            self._table = (key, _write_weight_table(table, casts))
             lo, hi = min(ptr(W) for W, *_ in casts), max(ptr(W) + W.nbytes for W, *_ in casts)
-            self._fp8_amax_rows = (table[AMAX_ROW_WORD:], len(casts), lo, hi)
+            self._amax_rows = (table[AMAX_ROW_WORD:], len(casts), lo, hi)
             written = True
         if written:
-            chunks, grid_cast = self._fp8_table[1]
+            chunks, grid_cast = self._table[1]
             n, d = np.int32(len(casts)), kernel_defines("fp8")
-            self._launch("k_fp8_amax_many", -(-chunks // d["FP8_AMAX_MANY_CHUNKS"]), d["FP8_AMAX_THREADS"], table, n,
-                         np.int64(chunks))
-            self._launch("k_fp8_cast_many", grid_cast, d["FP8_THREADS"], table, n)
+            self.engine.launch("k_fp8_amax_many", -(-chunks // d["FP8_AMAX_MANY_CHUNKS"]), d["FP8_AMAX_THREADS"],
+                               table, n, np.int64(chunks))
+            self.engine.launch("k_fp8_cast_many", grid_cast, d["FP8_THREADS"], table, n)
         else:
             for W, rows, cols, cast in casts:
-                self._fp8_cast(W, rows, cols, "e4m3", **cast, keep=False)
+                self.cast(W, rows, cols, "e4m3", **cast, keep=False)
         self._clear_weight_amax(slots)
-        self._fp8_weights = copies
+        self._weights = copies
+
+    def drop_weight_table(self) -> None:
+        """A new params_fp8 (zero-filled) holds no table until prepare_weights writes one."""
+        self._table = None
 
     def _clear_weight_amax(self, slots) -> None:
         """Every weight slot's amax word and the flag after it (k_adamw's) back to zero, its descale kept: rows of
         two words a slot apart, as one k_memset (kernels/memset.cu)."""
         n, threads, d = slots.size // SLOT_FLOATS, kernel_defines("memset")["MEMSET_THREADS"], kernel_defines("fp8")
         width = d["FP8_SLOT_TAKEN"] - d["FP8_SLOT_AMAX"] + 1
-        self._launch("k_memset", blocks(width * n, threads), threads, np.uint64(ptr(_slot_field(slots, "AMAX"))),
-                     np.uint64(slots.itemsize * SLOT_FLOATS), np.uint32(0), np.uint32(slots.itemsize), np.uint64(width),
-                     np.uint64(n))
+        self.engine.launch("k_memset", blocks(width * n, threads), threads, np.uint64(ptr(_slot_field(slots, "AMAX"))),
+                           np.uint64(slots.itemsize * SLOT_FLOATS), np.uint32(0), np.uint32(slots.itemsize),
+                           np.uint64(width), np.uint64(n))
 
-    def _weight_amax_rows(self, params_lp) -> tuple:
+    def weight_amax_rows(self, params_lp) -> tuple:
         """k_adamw's amax arguments (rows, count, stride) for an update that writes params_lp: the rows of the last
         weight table (in its spare words) where its matrices lie in params_lp, so that AdamW takes their amax for
         the casts after it; else none (count 0, and the casts' amax pass runs)."""
         stride = np.int32(_table_words())
-        found = self._fp8_amax_rows
+        found = self._amax_rows
         if params_lp is None or found is None:
             return np.uint64(0), np.int32(0), stride
         rows, n, lo, hi = found
@@ -375,24 +435,25 @@ class CudaOps:
             return np.uint64(0), np.int32(0), stride
         return rows, np.int32(n), stride
 
-    def _fp8_weight(self, W, layout: str, rows: int, cols: int, slot: int, *, tied: bool = False, **cast):
+    def weight(self, W, layout: str, rows: int, cols: int, slot: int, *, tied: bool = False, **cast):
         """(FP8 bytes, descale) of a weight: its prepared copy ("forward": transposed, "input_grad": as the input
         gradient reads it; `tied`, wte, whose forward x wte^T reads it as stored and whose input gradient
         transposed), or cast here into the operand scratch `cast["into"]` when it has none."""
         transposed = (layout == "forward") != tied
-        if self._fp8_prepared(W):
-            _, nat, tr, descale = self._fp8_weights[W.data.ptr]
+        if self.prepared(W):
+            _, nat, tr, descale = self._weights[W.data.ptr]
             return (tr if transposed else nat), descale
         into = cast.pop("into")
-        return into, self._fp8_cast(W, rows, cols, "e4m3", slot, **{"qt" if transposed else "q": into}, **cast,
-                                    keep=False)
+        return into, self.cast(W, rows, cols, "e4m3", slot, **{"qt" if transposed else "q": into}, **cast,
+                               keep=False)
 
-    def _fp8_prepared(self, W) -> bool:
-        """Whether W has prepared FP8 copies (prepare_fp8_weights)."""
-        copy = self._fp8_weights.get(W.data.ptr)
+    def prepared(self, W) -> bool:
+        """Whether W has prepared FP8 copies (prepare_weights)."""
+        copy = self._weights.get(W.data.ptr)
         return copy is not None and copy[0].shape == W.shape
 
-    def _fp8_operands(self, *sizes: int) -> list:
+    # ---- scratch and scale slots -------------------------------------------------------------
+    def operands(self, *sizes: int) -> list:
         """uint8 views of the engine's fp8_operands buffer, one per size, 256-byte aligned, back to back. An
         op run outside a model (whose plan sizes the buffer) gets one sized here on first use."""
         import cupy
@@ -401,101 +462,108 @@ class CudaOps:
         for n in sizes:
             offsets.append(total)
             total += -(-n // ALIGN) * ALIGN
-        buf = self.own.get("fp8_operands")
+        own = self.engine.own
+        buf = own.get("fp8_operands")
         if buf is None or buf.nbytes < total:
-            buf = self.own["fp8_operands"] = cupy.empty(total, dtype=np.uint8)
+            buf = own["fp8_operands"] = cupy.empty(total, dtype=np.uint8)
         return [buf[o:o + n] for o, n in zip(offsets, sizes)]
 
-    def _fp8_slot(self, i):
+    def scale_slot(self, i):
         """(amax word, descale) of scale slot i of the engine's fp8_scales, or of a slot array given."""
-        slot = i if not isinstance(i, int) else self.own["fp8_scales"][SLOT_FLOATS * i:][:SLOT_FLOATS]
+        slot = i if not isinstance(i, int) else self.engine.own["fp8_scales"][SLOT_FLOATS * i:][:SLOT_FLOATS]
         return _slot_field(slot, "AMAX").view(np.uint32), slot[:1]
 
     # ---- the pass's amax book ----------------------------------------------------------------
-    # Inside fp8_pass, `kept` maps a tensor (its pointer and bytes) whose amax is current to its slot in the
+    # Inside open_pass, `kept` maps a tensor (its pointer and bytes) whose amax is current to its slot in the
     # engine's fp8_amax. The rule that keeps it true: every op that writes a tensor either keeps its amax
-    # (_fp8_produced: the LayerNorms, the GELU passes, the bf16 attention) or drops it (_fp8_wrote); a cast's amax
-    # pass keeps it. Each write kept takes the pass's next slot, never one used before in the pass, so that one
-    # memset of the whole table as the pass opens zeroes every amax word its producers max into (a memset for each
-    # write would leave the recorded step idle around each of them).
+    # (produced: the LayerNorms, the GELU passes, the bf16 attention) or drops it (wrote); a cast's amax pass keeps
+    # it. Each write kept takes the pass's next slot, never one used before in the pass, so that one memset of the
+    # whole table as the pass opens zeroes every amax word its producers max into (a memset for each write would
+    # leave the recorded step idle around each of them).
     @contextlib.contextmanager
-    def fp8_pass(self, backward: bool = True):
+    def open_pass(self, backward: bool = True):
         """One pass of a model over its own buffers (a micro-batch's forward and backward, or with `backward`
         False a forward alone): within it each tensor's amax is found once (module docstring). Outside, every
         cast runs its own amax pass."""
-        if self._fp8_book is not None:
+        if self._pass is not None:
             raise RuntimeError("fp8_pass: a pass is already open")
-        if self.own.get("fp8_amax") is not None:
-            self.zero(self.own["fp8_amax"])
-        # fp8_only: the outputs written as FP8 bytes only (_fp8_bytes_written: the LayerNorms', dqkv, the MLP's act)
-        self._fp8_book = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "fp8_only": {}}
+        own = self.engine.own
+        if own.get("fp8_amax") is not None:
+            self.engine.zero(own["fp8_amax"])
+        # fp8_only: the outputs written as FP8 bytes only (bytes_written: the LayerNorms', dqkv, the MLP's act)
+        self._pass = {"kept": {}, "slots": 0, "transposed": {}, "backward": backward, "fp8_only": {}}
         try:
             yield
         finally:
-            self._fp8_book = None
+            self._pass = None
 
-    def _fp8_backward_follows(self) -> bool:
+    @property
+    def in_pass(self) -> bool:
+        """Whether a pass is open (open_pass)."""
+        return self._pass is not None
+
+    def backward_follows(self) -> bool:
         """Whether a backward may read what this forward saves for it: not inside a forward-alone pass."""
-        return self._fp8_book is None or self._fp8_book["backward"]
+        return self._pass is None or self._pass["backward"]
 
-    def _fp8_wrote(self, *bufs) -> None:
+    def wrote(self, *bufs) -> None:
         """An op wrote these without their amax: drop every kept tensor they overlap (and its saved transpose)."""
-        if self._fp8_book is None:
+        if self._pass is None:
             return
         spans = [(ptr(b), b.nbytes) for b in bufs]
-        for book in (self._fp8_book["kept"], self._fp8_book["transposed"], self._fp8_book["fp8_only"]):
+        for book in (self._pass["kept"], self._pass["transposed"], self._pass["fp8_only"]):
             for span in spans:
                 for key in [k for k in book if overlaps(*span, *k)]:
                     del book[key]
 
-    def _fp8_bytes_written(self, out, q, qt, descale, rerun, fmt: str) -> None:
+    def bytes_written(self, out, q, qt, descale, rerun, fmt: str) -> None:
         """An op wrote out as FP8 bytes (`fmt`) only: X in q, X^T in qt (None: none), at the descale given, kept for
         the pass's products (a LayerNorm's output, ops/layernorm.py; dqkv, ops/attn.py; the MLP's act on the act
-        history's path, ops/mlp.py); `rerun()` writes out in bf16 instead (_fp8_readable)."""
+        history's path, ops/mlp.py); `rerun()` writes out in bf16 instead (readable)."""
         key = (ptr(out), out.nbytes)
-        self._fp8_book["fp8_only"][key] = (q, descale, rerun, fmt)
+        self._pass["fp8_only"][key] = (q, descale, rerun, fmt)
         if qt is not None:
-            self._fp8_book["transposed"][key] = (qt, descale)
+            self._pass["transposed"][key] = (qt, descale)
 
-    def _fp8_only(self, x, fmt: str) -> tuple | None:
-        """(X, descale) where an op wrote x as `fmt` bytes only in this pass (_fp8_bytes_written), else None."""
-        written = None if self._fp8_book is None else self._fp8_book["fp8_only"].get((ptr(x), x.nbytes))
+    def bytes_of(self, x, fmt: str) -> tuple | None:
+        """(X, descale) where an op wrote x as `fmt` bytes only in this pass (bytes_written), else None."""
+        written = None if self._pass is None else self._pass["fp8_only"].get((ptr(x), x.nbytes))
         if written is None:
             return None
         if written[3] != fmt:
             raise RuntimeError(f"{fmt} bytes of a tensor written as {written[3]}")
         return written[0], written[1]
 
-    def _fp8_readable(self, *xs) -> None:
+    def readable(self, *xs) -> None:
         """Every x of xs that its op wrote as FP8 bytes only gets its bf16 values: the op runs again (a LayerNorm from
         its input, mean and rstd; the attention backward from its inputs: the same bits as ever; the MLP's act as
         GELU(pre), from the bf16 pre its product wrote beside it), dropping the bytes.
         Whatever reads x as bf16 in a pass calls this first: a product with no FP8 algorithm, a cast."""
-        if self._fp8_book is None:
+        if self._pass is None:
             return
         for x in xs:
-            written = self._fp8_book["fp8_only"].get((ptr(x), x.nbytes))
+            written = self._pass["fp8_only"].get((ptr(x), x.nbytes))
             if written is not None:
-                self._fp8_wrote(x)  # its bytes, X^T with them, are overwritten
+                self.wrote(x)  # its bytes, X^T with them, are overwritten
                 written[2]()
 
-    def _fp8_history_transpose(self, q, qt, rows: int, cols: int, row, fold: str | None) -> None:
+    def history_transpose(self, q, qt, rows: int, cols: int, row, fold: str | None) -> None:
         """k_fp8_act_t: a history's tensor's FP8 bytes q [rows, cols] transposed into qt (None: not written), and with
         `fold` (its format) the pass folded into its history row first."""
         grid = act_t_grid(rows, cols) if qt is not None else (1, 1)
-        self.k["k_fp8_act_t"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
+        self.engine.k["k_fp8_act_t"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
             q, np.uint64(0) if qt is None else qt, np.int32(rows), np.int32(cols), row,
             np.int32(FORMATS[fold][0] if fold else 0)))
 
-    def _fp8_transpose_place(self, x):
+    def _transpose_place(self, x):
         """x's place in fp8_act_t (its E4M3 transpose, kept from a forward's cast to the backward), assigned on
         first sight and kept while the engine holds that buffer (a larger plan's replaces it); None outside a
         pass, in a forward-alone pass, without the buffer or with every place taken (the backward then casts x
         again). A place is written and read within one pass, so models taking turns on the engine may share one."""
-        held = self.own.get("fp8_act_t")
-        if self._fp8_book is None or not self._fp8_backward_follows() or held is None:
+        held = self.engine.own.get("fp8_act_t")
+        if self._pass is None or not self.backward_follows() or held is None:
             return None
-        places, key = self._fp8_act_t_places, (ptr(held), ptr(x), x.nbytes)
+        places, key = self._act_t_places, (ptr(held), ptr(x), x.nbytes)
         if key not in places:
             at = sum(_padded(n) for (h, _, _), (_, n) in places.items() if h == ptr(held))
             if at + x.size > held.size:
@@ -504,164 +572,138 @@ class CudaOps:
         at, n = places[key]
         return held[at:at + n]
 
-    def _fp8_saved_transpose(self, x):
+    def saved_transpose(self, x):
         """(x^T in E4M3, its descale) as this pass's forward cast it, or None: x since rewritten, or never saved."""
-        return None if self._fp8_book is None else self._fp8_book["transposed"].get((ptr(x), x.nbytes))
+        return None if self._pass is None else self._pass["transposed"].get((ptr(x), x.nbytes))
 
-    def _fp8_keep(self, x):
+    def _keep(self, x):
         """x's slot array in fp8_amax (the pass's next, zeroed as the pass opened), x now kept (what overlapped it
         dropped); None outside a pass or when the pass has no slot left (its casts then run their own passes)."""
-        if self._fp8_book is None:
+        if self._pass is None:
             return None
-        self._fp8_wrote(x)
-        i = self._fp8_next_slot()
+        self.wrote(x)
+        i = self.next_slot()
         if i is None:
             return None
-        self._fp8_book["kept"][(ptr(x), x.nbytes)] = i
-        return self._fp8_amax_slot(i)
+        self._pass["kept"][(ptr(x), x.nbytes)] = i
+        return self.amax_slot(i)
 
-    def _fp8_next_slot(self) -> int | None:
+    def next_slot(self) -> int | None:
         """The index of the pass's next slot (zero since the pass opened), now taken; None outside a pass or with
         none left."""
-        table = self.own.get("fp8_amax")
-        if self._fp8_book is None or table is None or self._fp8_book["slots"] >= table.size // SLOT_FLOATS:
+        table = self.engine.own.get("fp8_amax")
+        if self._pass is None or table is None or self._pass["slots"] >= table.size // SLOT_FLOATS:
             return None
-        self._fp8_book["slots"] += 1
-        return self._fp8_book["slots"] - 1
+        self._pass["slots"] += 1
+        return self._pass["slots"] - 1
 
-    def _fp8_amax_slot(self, i: int):
-        """Slot i of the pass's table fp8_amax (laid out as fp8_scales' slots: _fp8_slot reads either)."""
-        return self.own["fp8_amax"][SLOT_FLOATS * i:][:SLOT_FLOATS]
+    def amax_slot(self, i: int):
+        """Slot i of the pass's table fp8_amax (laid out as fp8_scales' slots: scale_slot reads either)."""
+        return self.engine.own["fp8_amax"][SLOT_FLOATS * i:][:SLOT_FLOATS]
 
-    def _fp8_produced(self, out):
+    def produced(self, out):
         """The amax word (zero) into which a producer kernel writes out's amax as it stores out, kept for out's
         casts; None outside a pass or with no slot left (the kernel then gets a null pointer, `amax_arg`, and
         computes none)."""
-        slot = self._fp8_keep(out)  # drops what out overlapped, kept or not
+        slot = self._keep(out)  # drops what out overlapped, kept or not
         if slot is None:
             return None
-        amax, _ = self._fp8_slot(slot)
+        amax, _ = self.scale_slot(slot)
         return amax
 
-    def _fp8_cast(self, x, rows: int, cols: int, fmt: str, slot: int, *, q=None, ldq=None, q_batch=0, qt=None,
-                  ldqt=None, qt_batch=0, batch: int = 1, keep: bool = True):
+    # ---- casts and products ------------------------------------------------------------------
+    def cast(self, x, rows: int, cols: int, fmt: str, slot, *, q=None, ldq=None, q_batch=0, qt=None, ldqt=None,
+             qt_batch=0, batch: int = 1, keep: bool = True):
         """Cast x [batch, rows, cols] to FP8 with its own scale: into q (row-major, leading dimension ldq,
         batch z at z * q_batch) and/or qt (its transpose [cols, rows] per batch, leading dimension ldqt);
         returns the device descale 1 / s that the product takes. In a pass the amax comes from x's slot where it
         is kept, else its amax pass runs into a new slot of the pass (kept for x's later casts with `keep`), or
         outside one into scale slot `slot` (an engine slot's index, or a slot array of the caller's own, which a
         pass leaves to the caller: a weight's copy keeps its descale there)."""
-        self._fp8_readable(x)
-        book = self._fp8_book
+        self.readable(x)
+        book = self._pass
         known = book["kept"].get((ptr(x), x.nbytes)) if book is not None else None
         if known is not None:
-            amax, descale = self._fp8_slot(self._fp8_amax_slot(known))
+            amax, descale = self.scale_slot(self.amax_slot(known))
         else:
             if keep:
-                mine = self._fp8_keep(x)
+                mine = self._keep(x)
             else:
-                i = self._fp8_next_slot() if isinstance(slot, int) else None
-                mine = None if i is None else self._fp8_amax_slot(i)
-            amax, descale = self._fp8_slot(slot if mine is None else mine)
+                i = self.next_slot() if isinstance(slot, int) else None
+                mine = None if i is None else self.amax_slot(i)
+            amax, descale = self.scale_slot(slot if mine is None else mine)
             n = batch * rows * cols
             threads = kernel_defines("fp8")["FP8_AMAX_THREADS"]
             if mine is None:  # a slot of the pass is zero already
-                self.zero(amax)
+                self.engine.zero(amax)
             # 8 activations a thread a pass; a few blocks an SM are enough to stream it (the max needs no order)
-            self._launch("k_fp8_amax", min(blocks(n, 8 * threads), AMAX_BLOCKS), threads, amax, x, np.int64(n))
+            self.engine.launch("k_fp8_amax", min(blocks(n, 8 * threads), AMAX_BLOCKS), threads, amax, x, np.int64(n))
         tile = kernel_defines("fp8")["FP8_TILE"]
         grid = (-(-cols // tile), -(-rows // tile), batch)
         null = np.uint64(0)
-        self.k["k_fp8_cast"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
+        self.engine.k["k_fp8_cast"](grid, (kernel_defines("fp8")["FP8_THREADS"],), (
             null if q is None else q, np.int64(ldq or cols), np.int64(q_batch),
             null if qt is None else qt, np.int64(ldqt or rows), np.int64(qt_batch),
             descale, amax, x, np.int32(rows), np.int32(cols), np.int32(fmt == "e5m2")))
         return descale
 
-    def _linear_fwd(self, out, inp, W, N, K, M, fp8: bool = True, save_transpose: bool = False) -> None:
-        """out [N, M] = inp [N, K] @ W [K, M]: on FP8 operands where the op takes them, else the plain product
-        (`fp8=False`: the plain product in every precision). `save_transpose`: the cast keeps inp^T for the
-        backward where it can (_fp8_saved_transpose)."""
-        if not (fp8 and self._fp8_ok(N, K, M) and self._linear_fwd_fp8(out, inp, W, N, K, M, save_transpose=save_transpose)):
-            self._fp8_readable(inp)
-            self.blas.gemm(out, inp, W, N, M, K)
-
-    def _linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, fp8: bool = True, cast=None,
-                    unfinished=None, beta_w: float = 1.0) -> None:
-        """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout @ W^T + beta * dinp: on FP8 operands where
-        the op takes them, else (each product on its own) the plain products (`fp8=False`: in every precision). `cast`:
-        as _linear_bwd_fp8's (the caller gives it only where _fp8_ok); `unfinished()` makes dout what the plain
-        products read where that cast left it otherwise."""
-        on_fp8 = fp8 and self._fp8_ok(N, K, M)
-        if cast is not None and not on_fp8:
-            raise RuntimeError("_linear_bwd: a cast of dout given for products that do not run on FP8 operands")
-        done_dW, done_dinp, *_ = (self._linear_bwd_fp8(dinp, dW, dout, inp, W, N, K, M, beta, cast, beta_w)
-                                  if on_fp8 else (False, False))
-        if unfinished is not None and not (done_dW and done_dinp):
-            unfinished()
-        if not done_dW:
-            self._fp8_readable(inp)
-            self.blas.gemm(dW, inp, dout, K, M, N, trans_a=True, beta=beta_w)
-        if not done_dinp:
-            self.blas.gemm(dinp, dout, W, N, K, M, trans_b=True, beta=beta)
-
-    def _fp8_cast_saving(self, x, rows: int, cols: int, q, save: bool) -> tuple:
-        """(x [rows, cols] in E4M3, its descale): the bytes its LayerNorm wrote (_fp8_bytes_written, x^T saved too), or x
-        cast into q as _fp8_cast does; with `save`, x^T too, into x's place in fp8_act_t, kept for the backward
-        (_fp8_saved_transpose) where x has a place and its amax a slot of the pass (the descale is then the slot's,
+    def cast_saving(self, x, rows: int, cols: int, q, save: bool) -> tuple:
+        """(x [rows, cols] in E4M3, its descale): the bytes its LayerNorm wrote (bytes_written, x^T saved too), or x
+        cast into q as `cast` does; with `save`, x^T too, into x's place in fp8_act_t, kept for the backward
+        (saved_transpose) where x has a place and its amax a slot of the pass (the descale is then the slot's,
         current until x is rewritten)."""
-        written = self._fp8_only(x, "e4m3")
+        written = self.bytes_of(x, "e4m3")
         if written is not None:
             return written
         key = (ptr(x), x.nbytes)
-        xt = self._fp8_transpose_place(x) if save else None
-        sx = self._fp8_cast(x, rows, cols, "e4m3", 0, q=q, qt=xt)
-        if xt is not None and key in self._fp8_book["kept"]:
-            self._fp8_book["transposed"][key] = (xt, sx)
+        xt = self._transpose_place(x) if save else None
+        sx = self.cast(x, rows, cols, "e4m3", 0, q=q, qt=xt)
+        if xt is not None and key in self._pass["kept"]:
+            self._pass["transposed"][key] = (xt, sx)
         return q, sx
 
-    def _fp8_transpose(self, x, rows: int, cols: int, qt) -> tuple:
+    def transpose(self, x, rows: int, cols: int, qt) -> tuple:
         """(x^T in E4M3, its descale): the forward's where it saved it, else x [rows, cols] cast into qt."""
-        saved = self._fp8_saved_transpose(x)
-        return saved if saved is not None else (qt, self._fp8_cast(x, rows, cols, "e4m3", 0, qt=qt))
+        saved = self.saved_transpose(x)
+        return saved if saved is not None else (qt, self.cast(x, rows, cols, "e4m3", 0, qt=qt))
 
-    def _linear_fwd_fp8(self, out, inp, W, N, K, M, save_transpose: bool = False, **kw) -> bool:
+    def linear_fwd(self, out, inp, W, N, K, M, save_transpose: bool = False, **kw) -> bool:
         """out [N, M] = inp [N, K] @ W [K, M] on FP8 operands (X, and W^T [M, K]); False: nothing written.
-        `save_transpose`: X^T too, kept for the backward (_fp8_cast_saving)."""
-        xq, wt = self._fp8_operands(N * K, K * M)
-        xq, sx = self._fp8_cast_saving(inp, N, K, xq, save_transpose)
-        return self._fp8_times_weight(out, xq, sx, W, N, K, M, into=wt, **kw)
+        `save_transpose`: X^T too, kept for the backward (cast_saving)."""
+        xq, wt = self.operands(N * K, K * M)
+        xq, sx = self.cast_saving(inp, N, K, xq, save_transpose)
+        return self.times_weight(out, xq, sx, W, N, K, M, into=wt, **kw)
 
-    def _fp8_times_weight(self, out, xq, sx, W, N, K, M, into, **kw) -> bool:
+    def times_weight(self, out, xq, sx, W, N, K, M, into, **kw) -> bool:
         """out [N, M] = X @ W from X's E4M3 bytes xq [N, K] (device descale sx) and W's forward copy (cast into
         `into`, operand scratch of K * M bytes, where W has none); False: nothing written."""
-        wt, sw = self._fp8_weight(W, "forward", K, M, 1, into=into)
-        return self._fp8_gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
+        wt, sw = self.weight(W, "forward", K, M, 1, into=into)
+        return self.gemm(out, xq, sx, "e4m3", wt, sw, "e4m3", N, M, K, fast=True, **kw)
 
-    def _linear_bwd_fp8(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None, beta_w: float = 1.0) -> tuple:
+    def linear_bwd(self, dinp, dW, dout, inp, W, N, K, M, beta: float, cast=None, beta_w: float = 1.0) -> tuple:
         """dW [K, M] = inp^T @ dout + beta_w * dW and dinp [N, K] = dout [N, M] @ W^T (+ beta * dinp) on FP8
         operands: inp^T (the forward's where it saved it) and dout^T for the first, dout and W as stored for the
         second. `cast`: cast(dq, dt) writes dout's E5M2 layouts and returns their descale, in place of dout's own
         cast (the MLP's dgelu cast, which finishes dout too). Which ran, and the descales of dout and W (device
         words)."""
-        xt, dt, dq, w = self._fp8_operands(N * K, N * M, N * M, K * M)
-        xt, sx = self._fp8_transpose(inp, N, K, xt)
-        sd = cast(dq, dt) if cast is not None else self._fp8_cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
-        w, sw = self._fp8_weight(W, "input_grad", K, M, 2, into=w)
-        return (self._fp8_gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=beta_w),
-                self._fp8_gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta), sd, sw)
+        xt, dt, dq, w = self.operands(N * K, N * M, N * M, K * M)
+        xt, sx = self.transpose(inp, N, K, xt)
+        sd = cast(dq, dt) if cast is not None else self.cast(dout, N, M, "e5m2", 1, q=dq, qt=dt)
+        w, sw = self.weight(W, "input_grad", K, M, 2, into=w)
+        return (self.gemm(dW, xt, sx, "e4m3", dt, sd, "e5m2", K, M, N, beta=beta_w),
+                self.gemm(dinp, dq, sd, "e5m2", w, sw, "e4m3", N, K, M, beta=beta), sd, sw)
 
-    def _fp8_gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, *, fast: bool = False, **kw) -> bool:
+    def gemm(self, c, a, a_scale, a_fmt, b, b_scale, b_fmt, m, n, k, *, fast: bool = False, **kw) -> bool:
         """Row-major C[m, n] = (a_scale * A[m, k]) @ (b_scale * B[n, k])^T (+ beta * C, an epilogue, a batch)
         on FP8 operands; False where cuBLASLt has no algorithm (nothing ran). `fast`: fast accumulation, for the
         forward products (module docstring)."""
-        return self.blas_lt.gemm(c, a, b, m, n, k, trans_b=True, a_type=a_fmt, b_type=b_fmt, a_scale=a_scale,
-                                 b_scale=b_scale, fast_accum=fast, **kw)
+        return self.engine.blas_lt.gemm(c, a, b, m, n, k, trans_b=True, a_type=a_fmt, b_type=b_fmt, a_scale=a_scale,
+                                        b_scale=b_scale, fast_accum=fast, **kw)
 
 
 def _weight_casts(params_fp8, layers, wte) -> tuple:
-    """(casts, copies, table, slots) of prepare_fp8_weights: each matrix's cast into params_fp8 as (W, rows, cols,
-    the _fp8_cast keywords), its copies as _fp8_weights keeps them, and the int64 table and float32 scale slots
+    """(casts, copies, table, slots) of Fp8Book.prepare_weights: each matrix's cast into params_fp8 as (W, rows,
+    cols, Fp8Book.cast's keywords), its copies as the book keeps them, and the int64 table and float32 scale slots
     at params_fp8's end (weight_bytes)."""
     at, casts, copies = 0, [], {}
     matrices = [(w[name], name) for w in layers for name, _ in WEIGHTS] + [(wte, "wte")]

@@ -57,15 +57,15 @@ class NumpyOps:
 class CudaOps:
     def grad_norm_partial(self, partials, grads, scale=1.0):
         chunk = -(-grads.size // partials.size)
-        self._launch("k_grad_norm_partial", partials.size, NORM_THREADS,
-                     partials, grads, np.float32(scale), np.int64(grads.size), np.int64(chunk))
+        self.launch("k_grad_norm_partial", partials.size, NORM_THREADS,
+                    partials, grads, np.float32(scale), np.int64(grads.size), np.int64(chunk))
 
     def grad_norm_final(self, norm, partials):
-        self._launch("k_grad_norm_final", 1, NORM_THREADS, norm, partials, np.int32(partials.size))
+        self.launch("k_grad_norm_final", 1, NORM_THREADS, norm, partials, np.int32(partials.size))
 
     def grad_gate(self, gate, norm, n_losses: int, clip: float):
-        self._launch("k_grad_gate", 1, NORM_THREADS, gate, norm, self.own["loss_sums"], np.int32(n_losses),
-                     np.float64(clip))
+        self.launch("k_grad_gate", 1, NORM_THREADS, gate, norm, self.own["loss_sums"], np.int32(n_losses),
+                    np.float64(clip))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -99,38 +99,38 @@ class CudaOps:
         rows = inp.size // C
         threads = kernel_defines("layernorm")["LN_THREADS"]
         if fused:
-            self._fp8_wrote(inp)
+            self.fp8_book.wrote(inp)
         if e4m3 and self._layernorm_fwd_e4m3(out, mean, rstd, inp, gamma, beta, a, b, fused):
             return
-        amax = amax_arg(self._fp8_produced(out))  # null outside an fp8 pass
-        self._launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
-                     out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused), amax)
+        amax = amax_arg(self.fp8_book.produced(out))  # null outside an fp8 pass
+        self.launch("k_layernorm_fwd", blocks(rows, threads // 32), threads,
+                    out, mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused), amax)
 
     def _layernorm_fwd_e4m3(self, out, mean, rstd, inp, gamma, beta, a, b, fused) -> bool:
         """out [rows, C] as E4M3 bytes in its own: X in the first half and, where a backward follows, X^T [C, rows] in
         the second, at e4m3_bound's scale (k_layernorm_fwd_e4m3), kept in the pass's book for the products
-        (_fp8_bytes_written) with the descale in a slot of the pass. False where the FP8 products would not read it so
-        (nothing written): outside a pass, shapes they do not take, rows wider than the kernel's, not 16-byte
+        (Fp8Book.bytes_written) with the descale in a slot of the pass. False where the FP8 products would not read
+        it so (nothing written): outside a pass, shapes they do not take, rows wider than the kernel's, not 16-byte
         aligned, or no slot left. A product that reads out as bf16 after all first has the LayerNorm run again
-        from inp, the sum it wrote (_fp8_readable)."""
+        from inp, the sum it wrote (Fp8Book.readable)."""
         k = kernel_defines("layernorm")
         C = inp.shape[-1]
         rows = inp.size // C
-        if not (self.fp8 and self._fp8_book is not None and writes_e4m3(rows, C)
-                and all(ptr(x) % 16 == 0 for x in (out, inp, a, b))):
+        book = self.fp8_book
+        if not (self.fp8 and book.in_pass and writes_e4m3(rows, C) and all(ptr(x) % 16 == 0 for x in (out, inp, a, b))):
             return False
-        slot = self._fp8_next_slot()
+        slot = book.next_slot()
         if slot is None:
             return False
-        self._fp8_wrote(out)
-        descale = self._fp8_amax_slot(slot)[:1]
+        book.wrote(out)
+        descale = book.amax_slot(slot)[:1]
         q, qt = fp8_halves(out)
-        qt = qt if self._fp8_backward_follows() else None
-        self._launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), 32 * k["LN_E4M3_WARPS"], q,
-                     np.uint64(0) if qt is None else qt, descale,
-                     mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
-        self._fp8_bytes_written(out, q, qt, descale,
-                                lambda: self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0), "e4m3")
+        qt = qt if book.backward_follows() else None
+        self.launch("k_layernorm_fwd_e4m3", blocks(rows, k["LN_E4M3_ROWS"]), 32 * k["LN_E4M3_WARPS"], q,
+                    np.uint64(0) if qt is None else qt, descale,
+                    mean, rstd, inp, gamma, beta, np.int64(rows), np.int32(C), a, b, np.int32(fused))
+        book.bytes_written(out, q, qt, descale,
+                           lambda: self._layernorm_fwd(out, mean, rstd, inp, gamma, beta, inp, inp, 0), "e4m3")
         return True
 
     def layernorm_bwd(self, dinp, dgamma, dbeta, dout, inp, gamma, mean, rstd, overwrite=False, overwrite_weights=False):
@@ -153,25 +153,25 @@ class CudaOps:
             raise ValueError(f"layernorm_bwd: dout is {dout.dtype}; the gradient at the output is an activation "
                              f"gradient, {inp.dtype} like the input")
         partials = self.own["ln_partials"]
-        self._fp8_wrote(dinp)
-        amax = amax_arg(self._fp8_produced(dbranch) if fused else None)  # null outside an fp8 pass
+        self.fp8_book.wrote(dinp)
+        amax = amax_arg(self.fp8_book.produced(dbranch) if fused else None)  # null outside an fp8 pass
         groups = -(-C // (32 * self.act_vec))
         aligned = all(ptr(a) % 16 == 0 for a in (dinp, dbranch, dout, inp, gamma))
         if groups <= LN_BWD_MAX_GROUPS and C % self.act_vec == 0 and aligned:
             capacity = partials.size // (2 * C)  # chunks whose partial sums ln_partials holds
             per_chunk = max(LN_BWD_ROWS, -(-rows // capacity))
             chunks = -(-rows // per_chunk)
-            self._launch(f"k_layernorm_bwd_cached{groups}", chunks, k["LN_BWD_WARPS"] * 32,
-                         dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                         np.int32(per_chunk), np.int32(chunks), np.int32(fused), np.int32(not overwrite), amax)
+            self.launch(f"k_layernorm_bwd_cached{groups}", chunks, k["LN_BWD_WARPS"] * 32,
+                        dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                        np.int32(per_chunk), np.int32(chunks), np.int32(fused), np.int32(not overwrite), amax)
         else:
             chunks = k["LN_CHUNKS"]
             row_blocks = blocks(rows, k["LN_THREADS"] // 32)
-            self._launch("k_layernorm_bwd", row_blocks + chunks * blocks(C, 32), k["LN_THREADS"],
-                         dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
-                         np.int32(row_blocks), np.int32(fused), np.int32(not overwrite), amax)
-        self._launch("k_layernorm_bwd_sum", blocks(C, 32), k["LN_SUM_THREADS"], dgamma, dbeta, partials,
-                     np.int32(C), np.int32(chunks), np.int32(not overwrite_weights))
+            self.launch("k_layernorm_bwd", row_blocks + chunks * blocks(C, 32), k["LN_THREADS"],
+                        dinp, dbranch, partials, dout, inp, gamma, mean, rstd, np.int64(rows), np.int32(C),
+                        np.int32(row_blocks), np.int32(fused), np.int32(not overwrite), amax)
+        self.launch("k_layernorm_bwd_sum", blocks(C, 32), k["LN_SUM_THREADS"], dgamma, dbeta, partials,
+                    np.int32(C), np.int32(chunks), np.int32(not overwrite_weights))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

@@ -142,69 +142,72 @@ class CudaOps:
     def loss_fwd(self, losses, probs, inp, wte, targets):
         V, C = wte.shape
         N = inp.size // C
-        self._fp8_wrote(probs)
-        fp8 = self._fp8_ok(N, V, C)
+        book = self.fp8_book
+        book.wrote(probs)
+        fp8 = book.ok(N, V, C)
         if not (fp8 and self._logits_fp8(probs, inp, wte, N, V, C)):
             self._classifier_product(probs, inp, wte, N, V, C, trans_b=True)
         # the E5M2 d_logits for loss_bwd, in a training plan's buffer (a forward alone writes none)
         dq = descale = np.uint64(0)  # null: not written
         held = self.own.get("fp8_dlogits")
-        self._fp8_dlogits = None
-        if fp8 and held is not None and held.size >= N * V and self._fp8_backward_follows():
-            dq, (_, descale) = held[:N * V], self._fp8_slot(DLOGITS_SLOT)
-            self._fp8_dlogits = (ptr(probs), probs.nbytes)
-        self._launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, dq, descale,
-                     np.int64(N), np.int32(V))
+        book.dlogits = None
+        if fp8 and held is not None and held.size >= N * V and book.backward_follows():
+            dq, (_, descale) = held[:N * V], book.scale_slot(DLOGITS_SLOT)
+            book.dlogits = (ptr(probs), probs.nbytes)
+        self.launch("k_loss_fwd", N, softmax_threads(V, self.act_vec), losses, probs, targets, dq, descale,
+                    np.int64(N), np.int32(V))
 
     def _logits_fp8(self, probs, inp, wte, N, V, C) -> bool:
         """logits [N, V] = inp wte^T on E4M3 operands (wte's prepared copy as stored); False: nothing written."""
-        xq, wq = self._fp8_operands(N * C, 0 if self._fp8_prepared(wte) else V * C)
-        sx = self._fp8_cast(inp, N, C, "e4m3", 0, q=xq, keep=False)
-        wq, sw = self._fp8_weight(wte, "forward", V, C, 1, tied=True, into=wq)
-        return self._fp8_gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C, fast=True)
+        book = self.fp8_book
+        xq, wq = book.operands(N * C, 0 if book.prepared(wte) else V * C)
+        sx = book.cast(inp, N, C, "e4m3", 0, q=xq, keep=False)
+        wq, sw = book.weight(wte, "forward", V, C, 1, tied=True, into=wq)
+        return book.gemm(probs, xq, sx, "e4m3", wq, sw, "e4m3", N, V, C, fast=True)
 
     def _dinp_fp8(self, dinp, probs, wte, N, C, V, scale, beta, weights=None) -> bool:
         """dinp [N, C] = scale d_logits wte (+ beta dinp) on the forward's E5M2 d_logits of these probs and wte^T
         in E4M3; False (nothing written) where the forward wrote none. That copy is unweighted: with `weights`
         the product goes to fp32 scratch (in fp8_operands), whose rows k_loss_dinp_weighted scales into dinp."""
-        if self._fp8_dlogits != (ptr(probs), probs.nbytes):
+        book = self.fp8_book
+        if book.dlogits != (ptr(probs), probs.nbytes):
             return False
-        self._fp8_dlogits = None  # read once: the next forward writes it again
-        _, descale = self._fp8_slot(DLOGITS_SLOT)
-        wt, scratch = self._fp8_operands(0 if self._fp8_prepared(wte) else V * C, 0 if weights is None else 4 * N * C)
-        wt, sw = self._fp8_weight(wte, "input_grad", V, C, 1, tied=True, into=wt)
+        book.dlogits = None  # read once: the next forward writes it again
+        _, descale = book.scale_slot(DLOGITS_SLOT)
+        wt, scratch = book.operands(0 if book.prepared(wte) else V * C, 0 if weights is None else 4 * N * C)
+        wt, sw = book.weight(wte, "input_grad", V, C, 1, tied=True, into=wt)
         dlogits = self.own["fp8_dlogits"][:N * V]
         if weights is None:
-            return self._fp8_gemm(dinp, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=beta)
+            return book.gemm(dinp, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V, alpha=scale, beta=beta)
         if dinp.dtype != probs.dtype:  # k_loss_dinp_weighted writes act_t
             raise ValueError(f"loss_bwd: dinp is {dinp.dtype}; the input gradient is an activation gradient, "
                              f"{probs.dtype} like probs")
         p = scratch.view(np.float32).reshape(N, C)
-        if not self._fp8_gemm(p, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V):
+        if not book.gemm(p, dlogits, descale, "e5m2", wt, sw, "e4m3", N, C, V):
             return False
-        self._launch("k_loss_dinp_weighted", min(N, LOSS_DINP_BLOCKS), kernel_defines("loss")["LOSS_WEIGHTED_THREADS"],
-                     dinp, p, weights, np.float32(scale), np.float32(beta), np.int64(N), np.int32(C))
+        self.launch("k_loss_dinp_weighted", min(N, LOSS_DINP_BLOCKS), kernel_defines("loss")["LOSS_WEIGHTED_THREADS"],
+                    dinp, p, weights, np.float32(scale), np.float32(beta), np.int64(N), np.int32(C))
         return True
 
     def loss_bwd(self, dinp, dwte, probs, inp, wte, targets, scale, dlogits=None, overwrite=False, weights=None,
                  overwrite_weights=False):
-        self._fp8_wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
+        self.fp8_book.wrote(dinp, probs, *(() if dlogits is None else (dlogits,)))
         V, C = wte.shape
         N = inp.size // C
         if weights is not None:  # a block a row: a row whose weight is not 1 changes whole
             threads = kernel_defines("loss")["LOSS_WEIGHTED_THREADS"]
             if dlogits is None:
-                self._launch("k_loss_bwd_in_place_weighted", N, threads, probs, targets, weights, np.int32(V))
+                self.launch("k_loss_bwd_in_place_weighted", N, threads, probs, targets, weights, np.int32(V))
                 dlogits = probs
             else:
-                self._launch("k_loss_bwd_weighted", N, threads, dlogits, probs, targets, weights, np.int32(V))
+                self.launch("k_loss_bwd_weighted", N, threads, dlogits, probs, targets, weights, np.int32(V))
         elif dlogits is None:
-            self._launch("k_loss_bwd_in_place", blocks(N, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
-                         probs, targets, np.int64(N), np.int32(V))
+            self.launch("k_loss_bwd_in_place", blocks(N, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS,
+                        probs, targets, np.int64(N), np.int32(V))
             dlogits = probs
         else:
-            self._launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
-                         np.int64(N), np.int32(V))
+            self.launch("k_loss_bwd", N, kernel_defines("loss")["LOSS_THREADS"], dlogits, probs, targets,
+                        np.int64(N), np.int32(V))
         self._classifier_product(dwte, dlogits, inp, V, C, N, trans_a=True, alpha=scale,
                                  beta=0.0 if overwrite_weights else 1.0)
         beta = 0.0 if overwrite else 1.0
@@ -230,8 +233,8 @@ class CudaOps:
         if not (losses.flags.c_contiguous and (weights is None or weights.flags.c_contiguous)):
             raise ValueError("loss_sums: the losses and weights must be contiguous")
         sums = self.own["loss_sums"][2 * _slot(slot):][:2]
-        self._launch("k_loss_sums", 1, kernel_defines("loss")["LOSS_SUM_THREADS"], sums, losses,
-                     np.uint64(0) if weights is None else weights, np.int64(losses.size))
+        self.launch("k_loss_sums", 1, kernel_defines("loss")["LOSS_SUM_THREADS"], sums, losses,
+                    np.uint64(0) if weights is None else weights, np.int64(losses.size))
 
     def read_loss_sums(self, n: int) -> np.ndarray:
         """float64 [n, 2]: the sums of slots 0 .. n - 1, read once the launches before it are done."""

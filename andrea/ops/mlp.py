@@ -76,34 +76,36 @@ class CudaOps:
         `act_history` (a training pass under fp8): act in E4M3 at the history's scale (_mlp_up_delayed)."""
         C, F = W_1.shape
         N = inp.size // C
+        book = self.fp8_book
         if self._act_delayed(act_history, N, C) and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=True,
                                                                           transpose=not recompute):
-            self._fp8_wrote(out)
+            book.wrote(out)
             q, _ = fp8_halves(act)
-            if not self._fp8_times_weight(out, q, history_slot(act_history, "DESCALE_NOW"), W_2, N, F, C,
-                                          into=self._fp8_operands(F * C)[0]):
+            if not book.times_weight(out, q, history_slot(act_history, "DESCALE_NOW"), W_2, N, F, C,
+                                     into=book.operands(F * C)[0]):
                 raise RuntimeError(f"mlp_fwd: no FP8 algorithm for act @ W_2 ({N} x {F} x {C}) after act was written "
                                    "in E4M3")
             return
         if not (recompute and self._gelu_alone(pre, act, inp, W_1)):
             self._mlp_up(pre, act, inp, W_1, save_transpose=True)
-        self._fp8_wrote(out)
+        book.wrote(out)
         # act^T on FP8 kept for the backward's dW_2 where act itself is (not rebuilt there)
-        self._linear_fwd(out, act, W_2, N, F, C, save_transpose=not recompute)
+        self.linear_fwd(out, act, W_2, N, F, C, save_transpose=not recompute)
 
     def _mlp_up(self, pre, act, inp, W_1, save_transpose: bool = False):
         """pre = inp @ W_1 and act = GELU(pre): one cuBLASLt product where the build has it, else two passes.
         `save_transpose` (the forward's): on FP8 operands inp^T kept for the backward's dW_1."""
         if not self._gelu_epilogue(pre, act, inp, W_1, save_transpose):
             C, F = W_1.shape
-            self._linear_fwd(pre, inp, W_1, inp.size // C, C, F, save_transpose=save_transpose)
+            self.linear_fwd(pre, inp, W_1, inp.size // C, C, F, save_transpose=save_transpose)
             self._gelu(act, pre)
 
     def _act_delayed(self, act_history, N: int, C: int) -> bool:
         """Whether act goes through the delayed path: a history row given, FP8 products for the shape, cuBLASLt, and a
         pass whose backward reads what the forward saves."""
-        return (act_history is not None and self.blas_lt is not None and self._fp8_ok(N, C)
-                and self._fp8_book is not None and self._fp8_backward_follows())
+        book = self.fp8_book
+        return (act_history is not None and self.blas_lt is not None and book.ok(N, C) and book.in_pass
+                and book.backward_follows())
 
     def _mlp_up_delayed(self, pre, act, inp, W_1, row, fold: bool, transpose: bool) -> bool:
         """pre = inp @ W_1 (bf16, GELU_AUX's aux) and act = GELU(pre) written by the product itself in E4M3, into the
@@ -114,29 +116,30 @@ class CudaOps:
         C, F = W_1.shape
         N = inp.size // C
         q, qt = fp8_halves(act)
-        self._fp8_wrote(pre, act)
+        book = self.fp8_book
+        book.wrote(pre, act)
         # the forward keeps inp^T for dW_1
-        if not self._linear_fwd_fp8(q, inp, W_1, N, C, F, save_transpose=fold, epilogue="gelu_aux", aux=pre,
-                                    d_type="e4m3", d_scale=history_slot(row, "SCALE" if fold else "SCALE_NOW"),
-                                    amax_d=history_slot(row, "AMAX")):
+        if not book.linear_fwd(q, inp, W_1, N, C, F, save_transpose=fold, epilogue="gelu_aux", aux=pre,
+                               d_type="e4m3", d_scale=history_slot(row, "SCALE" if fold else "SCALE_NOW"),
+                               amax_d=history_slot(row, "AMAX")):
             return False
         qt = qt if transpose else None
-        self._fp8_history_transpose(q, qt, N, F, row, "e4m3" if fold else None)
-        # act is E4M3 bytes only: a bf16 reader has GELU(pre) rewrite it first (_fp8_readable)
-        self._fp8_bytes_written(act, q, qt, history_slot(row, "DESCALE_NOW"), lambda: self._gelu(act, pre), "e4m3")
+        book.history_transpose(q, qt, N, F, row, "e4m3" if fold else None)
+        # act is E4M3 bytes only: a bf16 reader has GELU(pre) rewrite it first (Fp8Book.readable)
+        book.bytes_written(act, q, qt, history_slot(row, "DESCALE_NOW"), lambda: self._gelu(act, pre), "e4m3")
         return True
 
     def _gelu_epilogue(self, pre, act, inp, W_1, save_transpose: bool = False) -> bool:
         """pre = inp @ W_1 and act = GELU(pre) as one cuBLASLt product (GELU_AUX); False where there is none."""
-        self._fp8_wrote(pre, act)  # the product writes both without their amax (act's cast finds it)
+        book = self.fp8_book
+        book.wrote(pre, act)  # the product writes both without their amax (act's cast finds it)
         C, F = W_1.shape
         N = inp.size // C
         if self.blas_lt is None:
             return False
-        if self._fp8_ok(N, C):
-            return self._linear_fwd_fp8(act, inp, W_1, N, C, F, save_transpose=save_transpose, epilogue="gelu_aux",
-                                        aux=pre)
-        self._fp8_readable(inp)  # a LayerNorm's output written as E4M3 bytes only: its bf16 values first
+        if book.ok(N, C):
+            return book.linear_fwd(act, inp, W_1, N, C, F, save_transpose=save_transpose, epilogue="gelu_aux", aux=pre)
+        book.readable(inp)  # a LayerNorm's output written as E4M3 bytes only: its bf16 values first
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu_aux", aux=pre)
 
     def _gelu_alone(self, pre, act, inp, W_1) -> bool:
@@ -145,10 +148,11 @@ class CudaOps:
         FP8 operands, or an algorithm that cannot leave out aux)."""
         C, F = W_1.shape
         N = inp.size // C
-        if self.blas_lt is None or self._fp8_ok(N, C):
+        book = self.fp8_book
+        if self.blas_lt is None or book.ok(N, C):
             return False
-        self._fp8_wrote(act)
-        self._fp8_readable(inp)
+        book.wrote(act)
+        book.readable(inp)
         return self.blas_lt.gemm(act, inp, W_1, N, F, C, epilogue="gelu", aux=pre)
 
     def _gelu(self, act, pre):
@@ -161,11 +165,11 @@ class CudaOps:
     def _gelu_pass(self, kernel: str, out, pre):
         """One of the GELU kernels over pre into out; in an fp8 pass with out's amax, on fewer blocks (each ends
         with one atomic on the amax word)."""
-        amax = self._fp8_produced(out)
-        grid = self._vec_blocks(pre.size)
+        amax = self.fp8_book.produced(out)
+        grid = self.vec_blocks(pre.size)
         if amax is not None:
             grid = min(grid, AMAX_BLOCKS)
-        self._launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
+        self.launch(kernel, grid, ELEMENTWISE_THREADS, out, pre, np.int64(pre.size), amax_arg(amax))
 
     def mlp_bwd(self, dinp, dW_1, dW_2, dpre, dout, inp, pre, act, W_1, W_2, recompute=False, overwrite=False,
                 keep_dpre=True, overwrite_weights=False, act_history=None):
@@ -177,32 +181,33 @@ class CudaOps:
         before a backward that reads it in bf16 (no history given, FP8 products off): act = GELU(pre) again first."""
         C, F = W_1.shape
         N = inp.size // C
-        self._fp8_wrote(dinp, dpre)
+        book = self.fp8_book
+        book.wrote(dinp, dpre)
         delayed = self._act_delayed(act_history, N, C)
         if recompute:
             delayed = delayed and self._mlp_up_delayed(pre, act, inp, W_1, act_history, fold=False, transpose=True)
             if not delayed:
                 self._mlp_up(pre, act, inp, W_1)
         elif not delayed:  # FP8 products off inside the pass, or no history: a forward's E4M3 act is rebuilt in bf16
-            self._fp8_readable(act)
+            book.readable(act)
         # whether act holds this pass's E4M3 bytes (else the forward took the plain path: no algorithm)
-        delayed = delayed and self._fp8_only(act, "e4m3") is not None
-        if delayed and self._fp8_saved_transpose(act) is None:
+        delayed = delayed and book.bytes_of(act, "e4m3") is not None
+        if delayed and book.saved_transpose(act) is None:
             raise RuntimeError("mlp_bwd: act's E4M3 transpose of this pass is gone (act_history given to the backward "
                                "of a forward that did not write it)")
         # dW_2 += act^T @ dout, dpre = (dout @ W_2^T) * GELU'(pre); on FP8 operands the product, then the kernel:
         # (cuBLASLt's DGELU epilogue on FP8 operands is slower than the two: docs/PERFORMANCE.md, "Tried and not taken")
         beta_w = 0.0 if overwrite_weights else 1.0
-        done_dW, done_dpre, sd, sw = (self._linear_bwd_fp8(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, beta_w=beta_w)
-                                      if self._fp8_ok(N, C) else (False, False, None, None))
+        done_dW, done_dpre, sd, sw = (book.linear_bwd(dpre, dW_2, dout, act, W_2, N, F, C, 0.0, beta_w=beta_w)
+                                      if book.ok(N, C) else (False, False, None, None))
         if not done_dW:
             # a recomputed layer's dpre is act's buffer (model.py), written over by the product just now
             if done_dpre and overlaps(ptr(dpre), dpre.nbytes, ptr(act), act.nbytes):
                 raise RuntimeError(f"mlp_bwd: no FP8 algorithm for dW_2 ({F} x {C} x {N}) but one for dpre, which "
                                    "shares act's buffer and was written first")
-            self._fp8_readable(act)
+            book.readable(act)
             self.blas.gemm(dW_2, act, dout, F, C, N, trans_a=True, beta=beta_w)
-        self._fp8_wrote(dpre)  # over act's bytes where they share a buffer (their entry goes with them)
+        book.wrote(dpre)  # over act's bytes where they share a buffer (their entry goes with them)
         # on FP8 operands GELU' is applied by the pass that casts dpre for the products below
         cast = (lambda dq, dt: self._fp8_cast_dgelu(dpre, pre, N, F, C, sd, sw, dq, dt, keep_dpre)) if done_dpre else None
         if not done_dpre and not (self.blas_lt and self.blas_lt.gemm(dpre, dout, W_2, N, F, C, trans_b=True,
@@ -211,13 +216,13 @@ class CudaOps:
             self._gelu_grad(dpre, pre)
         # dW_1 += inp^T @ dpre, dinp = dpre @ W_1^T (a cast that left dpre unfinished finishes it for a plain product)
         unfinished = (lambda: self._gelu_grad(dpre, pre)) if done_dpre and not keep_dpre else None
-        self._linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast,
-                         unfinished=unfinished, beta_w=beta_w)
+        self.linear_bwd(dinp, dW_1, dpre, inp, W_1, N, C, F, 0.0 if overwrite else 1.0, cast=cast,
+                        unfinished=unfinished, beta_w=beta_w)
 
     def _fp8_cast_dgelu(self, dpre, pre, N, F, C, dout_descale, w_descale, dq, dt, store: bool = True):
         """dpre [N, F] * GELU'(pre) as E5M2 into dq and dt ([F, N]) in one pass, at the scale of a bound of |dpre|
         (dgelu_amax: no amax pass before the cast), and with `store` into dpre too; the descale (a device word)."""
-        _, out_descale = self._fp8_slot(DPRE_SLOT)
+        _, out_descale = self.fp8_book.scale_slot(DPRE_SLOT)
         tile = kernel_defines("fp8")["FP8_TILE"]
         self.k["k_fp8_cast_dgelu"]((-(-F // tile), -(-N // tile)), (kernel_defines("fp8")["FP8_THREADS"],), (
             dq, dt, out_descale, dpre, pre, np.int32(N), np.int32(F), dout_descale, w_descale, dgelu_factor(C),

@@ -25,13 +25,13 @@ class NumpyOps:
 
 class CudaOps:
     def residual_add(self, out, a, b):
-        self._fp8_wrote(out)
-        self._launch("k_residual_add", self._vec_blocks(out.size), ELEMENTWISE_THREADS, out, a, b, np.int64(out.size))
+        self.fp8_book.wrote(out)
+        self.launch("k_residual_add", self.vec_blocks(out.size), ELEMENTWISE_THREADS, out, a, b, np.int64(out.size))
 
     def residual_add_bwd(self, da, db, dout):
-        self._fp8_wrote(da, db)
-        self._launch("k_residual_add_bwd", self._vec_blocks(dout.size), ELEMENTWISE_THREADS,
-                     da, db, dout, np.int64(dout.size))
+        self.fp8_book.wrote(da, db)
+        self.launch("k_residual_add_bwd", self.vec_blocks(dout.size), ELEMENTWISE_THREADS,
+                    da, db, dout, np.int64(dout.size))
 
 
 def cost(call: str, B, T, C, H, V, n_params, f) -> tuple[float, float]:

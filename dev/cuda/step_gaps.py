@@ -102,7 +102,7 @@ def main() -> int:
         step = per_step_ms(model, steps=8, warm=3)
         # the weights after 8 steps, hashed as kernels_ab.py hashes them
         digest = hashlib.sha256(model.host_state()[0].tobytes()).hexdigest()[:16]
-        (graph,) = model._step_graphs.values()
+        (graph,) = model.step_graphs
         optimizer = optimizer_launches(engine, model)
         kernels = timeline(lambda: (engine.replay(graph), optimizer()))
         if not kernels:

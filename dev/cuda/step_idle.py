@@ -56,7 +56,7 @@ def optimizer_launches(engine, model):
         engine.adamw_step(b["params"], b["grads"], b["m"], b["v"], lr=1e-9, beta1=0.9, beta2=0.95, eps=1e-8,
                           weight_decay=0.1, step=5, decay_ranges=layout.decay_ranges(),
                           params_lp=b.get("params_lp"), grad_scales=(0.5, 1.0))
-        model._weights_changed()
+        model.weights_changed()
     return optimizer
 
 
@@ -68,7 +68,7 @@ def main() -> int:
         name, precision = run.split("/")
         engine, model = bench_model(name, precision)
         step = per_step_ms(model, steps=23, warm=3)
-        (graph,) = model._step_graphs.values()
+        (graph,) = model.step_graphs
         replay = events_ms(lambda: engine.replay(graph))
         opt = events_ms(optimizer_launches(engine, model))
         print(f"{name} {precision}: step {step:.3f} ms; graph replay {replay:.3f}; optimizer {opt:.3f}; "
