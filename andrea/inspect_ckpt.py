@@ -115,6 +115,7 @@ def inspect_checkpoint(ckpt, explicit=None, experiments_dir=DEFAULT_EXPERIMENTS_
     }
     if state is not None:
         report["state"] = {"path": str(state_path(ckpt)), "experiment": state.get("experiment", {}).get("name"),
+                           "overrides": state.get("overrides") or [],
                            "step": state.get("step"), "total_steps": state.get("total_steps"),
                            "unfinished": state.get("unfinished"),
                            "role": "best" if is_best(ckpt, state) else "checkpoint",
@@ -143,7 +144,8 @@ def render(report: dict, console) -> None:
         f"checkpoint  {report['checkpoint']}  ({report['bytes']:,} bytes, sha256 {report['sha256'][:16]}…)",
         f"step        {report['step']:,}",
         f"n_params    {report['n_params']:,}",
-        "state       " + (f"{state['path']}: {state['experiment']}, step {state['step']}"
+        "state       " + (f"{state['path']}: {state['experiment']}"
+                          + "".join(f" --set {item}" for item in state["overrides"]) + f", step {state['step']}"
                           + (f" of {state['total_steps']:,}" if state["total_steps"] else "")
                           + (f" (unfinished: stopped by --{state['unfinished']}; `andrea train --resume` continues it)"
                              if state["unfinished"] else "") + ", vouches for this file"

@@ -61,6 +61,21 @@ def test_state_names_the_experiment_and_vouches_for_the_file(checkpoint, tiny_ex
     assert report["matches"][0]["same_trajectory"]
 
 
+def test_the_state_line_names_the_overrides_the_run_was_trained_with(checkpoint, tiny_experiment_raw, capsys):
+    """A run trained with `--set` (the workflow's fp32 preview of a bf16 experiment, say) is not the file as
+    written: inspect says so, and the file is no longer the same trajectory."""
+    ckpt, _, _ = checkpoint
+    raw = {**tiny_experiment_raw, "precision": "tf32"}
+    ckpt.with_name("tiny.state.json").write_text(json.dumps({
+        "experiment": raw, "overrides": ["precision=tf32"], "trajectory_hash": load_experiment(TINY, ["precision=tf32"])
+        .trajectory_hash(), "step": 17, "checkpoints": [{"step": 17, "sha256": sha256_file(ckpt), "elapsed_s": 1.0}],
+    }))
+    report = inspect_checkpoint(ckpt, experiments_dir=EXPERIMENTS)
+    assert report["state"]["overrides"] == ["precision=tf32"] and not report["matches"][0]["same_trajectory"]
+    assert cli(["inspect", str(ckpt), "--experiments-dir", str(EXPERIMENTS)]) == 0
+    assert "ANDREA-tiny --set precision=tf32, step 17" in capsys.readouterr().out
+
+
 def test_without_a_matching_experiment_the_whole_vector_is_summarised(checkpoint, tmp_path):
     ckpt, params, _ = checkpoint
     params[5] = np.nan
