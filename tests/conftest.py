@@ -28,6 +28,17 @@ def train_numpy(experiment, data, out, *extra) -> int:
                  "--engine", "numpy", *extra])
 
 
+def fp8_history_row(history=(), name="act"):
+    """A layer's row of precision fp8's history `name` at a run's start (andrea/ops/fp8.py), with `history` amaxes
+    already folded in (host float32)."""
+    from andrea.ops import fp8
+
+    row = fp8.reset_history(np.zeros(fp8.history_field("ROW"), dtype=np.float32), name)
+    for a in history:
+        fp8.fold_amax(row, a, fp8.HISTORIES[name][0])
+    return row
+
+
 def pytest_collection_modifyitems(config, items):
     from andrea.engines import cuda_available
 

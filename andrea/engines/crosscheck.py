@@ -26,7 +26,7 @@ OPS = ops.case_names()
 # shapes, and at the experiments' own, whose reductions run up to 50,304 long (the 120M classifier) and
 # whose bf16 inputs round more of the sum. fp8: E4M3 keeps 3 mantissa bits (each operand within 1/16) and
 # E5M2 2 (within 1/8), so a product on FP8 operands is a few per cent from the exact one, a gradient's more
-# (a wrong layout or scale is off by 100% or more); tests/test_fp8.py checks the FP8 products against float64
+# (a wrong layout or scale is off by 100% or more); tests/test_fp8_cuda.py checks the FP8 products against float64
 # on the same FP8 operands to 1e-2.
 OP_LIMITS = {
     "small": {"fp32": 1e-5, "tf32": 5e-3, "bf16": 1.5e-2, "fp16": 1e-2, "fp8": 0.12},

@@ -2,7 +2,7 @@
 classifier's logits and input gradient (on unweighted d_logits, the weights then scaling its rows), reads its operands rounded to FP8 as the CUDA engine casts them (andrea/ops/fp8.py: one power-of-two scale per tensor,
 E4M3 activations and weights, E5M2 gradients; in a training model's passes the MLP's act and the attention's dqkv
 at their histories' scales), in float32 otherwise. It isolates what the FP8 rounding
-alone does to training, on the CPU and at any shape (tests/test_fp8.py)."""
+alone does to training, on the CPU and at any shape (tests/test_fp8_emulation.py)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ amax would need that pass done before the cast. The bound (`dgelu_amax`) is C ti
 descale, 448 times W_2's) times 1.25 >= |GELU'|: a function of the operands' scales, never under |dpre| (no value
 saturates). For random operands at C 768 it sits about 2^8 above the amax (the sum's cancellation, the scales'
 powers of two); E5M2's normal values span 2^30, so only the values under about 2^-21 of the amax lose bits to
-subnormals, against 2^-29 at their own scale (tests/test_fp8.py).
+subnormals, against 2^-29 at their own scale (tests/test_fp8_scaling.py).
 
 Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
 amax is found once: the LayerNorms, the GELU passes and the bf16 attention backward kernels compute it as they
@@ -91,7 +91,7 @@ KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_ma
 # format -> (exponent of its largest value 1.75 * 2^emax, that value)
 FORMATS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0)}
 GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}  # format -> (mantissa bits, exponent of its smallest normal value)
-CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tests/test_fp8.py)
+CASES: tuple = ()  # the casts are checked byte for byte against `quantize` (tests/test_fp8_cuda.py)
 OVERWRITE_CASES: tuple = ()
 SCALE_SLOTS = 5  # operands an op casts before one product: a descale float and an amax word each, 16 bytes apart
 DLOGITS_SLOT = 3  # the slot of the classifier's d_logits descale (2^-15, written by the forward's softmax)
