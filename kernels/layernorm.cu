@@ -218,7 +218,7 @@ __device__ __forceinline__ void load_dinp(const float* p, float (&d)[ACT_VEC], i
 // Up to 16 columns a lane, every input of a row, dinp among them, is loaded at once (a row waits for memory once)
 // with the sums in registers. Wider rows would spill there: where a block's warps' sums fit its static shared
 // memory (SHARED: 24 columns a lane of a 16-bit build) each warp keeps them in a slice of its own there and
-// still loads a row at once (-10% at 120M's 768 columns); else the sums stay in registers and dinp is loaded
+// still loads a row at once (a row waits for memory once); else the sums stay in registers and dinp is loaded
 // after the row's sums. The sums are the same every way: the same additions in the same order.
 // Needs C <= 32 * J * ACT_VEC, C a multiple of ACT_VEC and every row 16-byte aligned (the engine checks).
 template <int J>
@@ -420,7 +420,7 @@ k_layernorm_bwd_sum(float* dgamma, float* dbeta, const float* partials, int C, i
 // registers as stored; the block's LN_E4M3_ROWS x C bytes gather in shared memory for X^T. C a multiple of ACT_VEC
 // and at most LN_E4M3_MAX_C; every row 16-byte aligned. A warp takes LN_E4M3_ROWS / LN_E4M3_WARPS rows in turn: two
 // blocks an SM (a block's registers are half an SM's), one's X^T writes beside the other's rows (a block of a warp a
-// row held one block an SM, and ran slower). Block 0 writes the descale 1 / s. qt null: X
+// row holds one block an SM, with nothing beside its writes). Block 0 writes the descale 1 / s. qt null: X
 // alone (a forward with no backward after it).
 #define LN_E4M3_ROWS 32   // rows a block
 #define LN_E4M3_WARPS 16  // warps a block (its launcher reads this), two rows each

@@ -1,81 +1,43 @@
-"""FP8 operands for the matrix products of attn_qkv and mlp under precision fp8 (kernels/fp8.cu). attn_out's
-products stay bf16: at d_model 384 and 768 its casts (the attention output forward; d_branch in both layouts and
-the attention output transposed backward) cost more than its FP8 products save (docs/PERFORMANCE.md, "Tried and not
-taken").
+"""Precision fp8 (kernels/fp8.cu): FP8 operands for the products of attn_qkv, the MLP and the tied classifier's
+logits and input gradient, and the CUDA engine's FP8 state behind `Fp8Book` (engine.fp8_book), whose public methods
+the ops' CUDA halves call. attn_out, wte's gradient, attention, the LayerNorms' statistics and the optimizer stay
+as in bf16 (attn_out's casts and wte's transposed d_logits cost more than their FP8 products save:
+docs/PERFORMANCE.md, "Tried and not taken").
 
-Per-tensor current scaling: each operand is cast right before its product with the scale of its own
-amax, the largest power of two s with amax * s <= the format's largest value (E4M3 448 for activations
-and weights, E5M2 57344 for gradients), and the product takes 1 / s. Powers of two make x * s and 1 / s
-exact; amax is a max, the same whatever order combines it. So a scale is a function of the tensor at
-hand.
-
-Two tensors are scaled from a history instead (delayed scaling), in a training pass: the MLP's act = GELU(pre) and
-the attention backward's dqkv. Act's up product writes act in E4M3 itself (cuBLASLt's FP8 output: D_SCALE, with pre
-beside it in bf16 for the backward's GELU') at the scale of the largest amax of the layer's last FP8_HIST_PASSES
-passes, and reports act's amax (AMAX_D, before the scale); k_fp8_act_t then writes act^T (dW_2's operand) and folds
-the pass into the layer's row of the history (kernels/fp8.cu: the row's layout; `fold_amax` is its reference). Values
-past the scale saturate at the format's largest, as cvt.satfinite does. This spares act's bf16 write, its amax pass
-and its cast (5 bytes an element, 1.5 GB a 120M step); act is then bytes only, and a bf16 reader has GELU(pre) write
-it first (`_fp8_readable`, as for the LayerNorms' outputs below). Likewise the attention backward's kernels write
-dqkv as E5M2 bytes (each value rounded to bf16 first, so they are the cast's bytes of the bf16 dqkv at that scale)
-with their amax into the row, and k_fp8_act_t writes dqkv^T and folds (ops/attn.py): dqkv's bf16 write and read and
-its cast's bf16 read go, 3 bytes an element. The rows (`fp8_act_history`, `fp8_dqkv_history`, a training model's) are
-state, saved in .state.json, so a resume is bit-exact; a run starts at act's scale 1 (no pass seen) and at dqkv's
-scale of amax 1 (HISTORIES). A recompute rebuilds act at the pass's own scale (the row's SCALE_NOW), without folding.
-A forward alone (evaluation) and a product outside a model's pass cast act at its own amax, as before; dqkv takes its
-history only where attn_qkv_bwd's FP8 products read the model's rows of it.
-
-The layers' two LayerNorm outputs (attn_qkv's and the MLP's input) take the scale of a bound too, from gamma and
-beta (ops/layernorm.py, e4m3_bound): inside a model's pass the LayerNorm writes them as E4M3 bytes itself, X and
-X^T in the output's own bytes, with no amax, no cast and no bf16 write (`_fp8_bytes_written`); whatever would read
-such an output as bf16 first has the LayerNorm run again (`_fp8_readable`). Where the kernel does not take the
-shape (a row wider than LN_E4M3_MAX_C), they are cast at their own amax as below.
-
-One gradient takes the scale of a bound of its amax instead of its own: the MLP backward's dpre = (dout @ W_2^T) *
-GELU'(pre), cast to E5M2 by the pass that applies GELU' (k_fp8_cast_dgelu), so that it is read once as it comes
-from the product and written as both FP8 layouts at once (and as bf16 only where the caller keeps dpre); its own
-amax would need that pass done before the cast. The bound (`dgelu_amax`) is C times the largest values of the product's FP8 operands (57344 times dout's
-descale, 448 times W_2's) times 1.25 >= |GELU'|: a function of the operands' scales, never under |dpre| (no value
-saturates). For random operands at C 768 it sits about 2^8 above the amax (the sum's cancellation, the scales'
-powers of two); E5M2's normal values span 2^30, so only the values under about 2^-21 of the amax lose bits to
-subnormals, against 2^-29 at their own scale (tests/test_fp8_scaling.py).
-
-Inside a model's pass (`fp8_pass`: one micro-batch's forward and backward, or a forward alone) a tensor's
-amax is found once: the LayerNorms, the GELU passes and the bf16 attention backward kernels compute it as they
-store their outputs (the kernels' `amax` argument, `block_amax` / `warp_amax` in kernels/common.cuh), and a cast's
-own amax pass is kept for the tensor's later casts. The scales, and so the bytes, are those of casts that each
-run their own pass; a test compares them bit for bit. The inputs of the weight gradients' products that the
-forward casts too are cast once: the two LayerNorm outputs where they are cast (for dW_QKV and dW_1) and, without
-an act history, the MLP's act (the GELU epilogue's output, for dW_2 = act^T dY). The forward's cast writes X^T too,
-into X's place in `fp8_act_t` (a training plan's, one for each such tensor a layer keeps), and the backward's
-product reads it with the forward's descale (`_fp8_saved_transpose`): a read of X less and a write of X's elements
-in bytes more a layer, the same bytes as casting it again. A forward alone (`fp8_pass(backward=False)`:
-evaluation) writes no X^T and no E5M2 d_logits of the classifier (ops/loss.py), which only a backward reads.
-
-Accumulation: Hopper's FP8 tensor cores sum in fewer bits than FP32; cuBLASLt by default promotes the partial
-sums to FP32 as K goes, and with fast accumulation does not (5-15% faster a product at 120M). The forward products
-(K = C or 4C: X W, the MLP's up product, the logits) take fast accumulation; every gradient product promotes:
-fast input gradients too would move fp8's loss from bf16's about twice as far as the forward's alone do. The bits
-stay a function of the inputs either way.
-
-Hopper's FP8 products take both operands K-major, so each product gets the layout it needs from the
-cast: X (forward), W^T (forward), dY and W (input gradient), X^T and dY^T (weight gradient), the
-transposes written by the same pass that writes the plain layout. The operands live in the engine's
-`fp8_operands` buffer, one op at a time (the plan sizes it: `operand_bytes`); the scales in
-`fp8_scales`. Attention, the LayerNorms' statistics and the optimizer stay as in bf16.
-
-The tied classifier (andrea/ops/loss.py) runs two of its three products on FP8 operands: the logits x wte^T
-(x and wte in E4M3) and the input gradient d_logits wte (d_logits in E5M2). d_logits = p - onehot lies in
-[-1, 1] whatever the batch, so its scale is that of amax 1 (2^15), known before the tensor exists: the
-forward's softmax writes the E5M2 copy as it writes the probabilities, with no amax pass and no read of its
-own (`fp8_dlogits`, a training plan's). wte's gradient d_logits^T x stays in bf16: on FP8 it needs d_logits
-transposed (Hopper's FP8 products take K-major operands only), a copy of [V, N] by a pass of its own, which
-costs what the faster product saves (docs/PERFORMANCE.md, "Tried and not taken"). That copy is unweighted (loss
-weights scale d_logits' rows after the forward): with weights the FP8 product goes to fp32 scratch, and a pass
-scales each of its rows by the row's weight into the input gradient (d_logits wte is linear in each row of d_logits).
-
-`quantize` is the NumPy reference of the cast, byte for byte (ml_dtypes' float8 types round to nearest
-even, as cvt.rn.satfinite does below the format's largest value, which the scale keeps every value under).
+What a change here must keep:
+- A scale is a power of two s, the largest with amax * s <= the format's largest value (E4M3 448 for activations
+  and weights, E5M2 57344 for gradients); the product takes 1 / s. x * s and 1 / s are exact and amax is a max
+  (any order gives it), so the scale, and the bytes, are a function of the tensor: the same bits on every run.
+  `quantize` is the cast's NumPy reference, byte for byte (ml_dtypes rounds to nearest even as cvt.rn.satfinite
+  does below the format's largest value).
+- Current scaling: a tensor is cast right before its product at its own amax. A few take the scale of a bound
+  known before they exist instead, so that their producer writes them as FP8 bytes with no amax pass: the layers'
+  two LayerNorm outputs (ops/layernorm.py, e4m3_bound, from gamma and beta); the MLP backward's dpre, cast by the
+  pass that applies GELU' (k_fp8_cast_dgelu) at `dgelu_amax`, a bound from its product's operand scales that is
+  never under |dpre| (so nothing saturates; it sits a few powers of two above the amax, well inside E5M2's range:
+  tests/test_fp8_scaling.py); the classifier's d_logits = p - onehot in [-1, 1], at amax 1's scale, written by the
+  forward's softmax (`fp8_dlogits`, unweighted: with loss weights the FP8 input gradient goes to fp32 scratch
+  whose rows are then scaled).
+- Delayed scaling, in a training pass only: the MLP's act = GELU(pre) and the attention backward's dqkv take the
+  scale of the largest amax of their layer's last FP8_HIST_PASSES passes (`HISTORIES`: a row a layer, laid out in
+  kernels/fp8.cu; `fold_amax` is the fold's reference). Their producers write them as FP8 bytes at that scale
+  (values past it saturate, as cvt.satfinite does) and report the amax; k_fp8_act_t writes the transpose and folds
+  the pass into the row. The rows are state (.state.json), so a resume is bit-exact. A recompute rebuilds act at
+  the pass's own scale (SCALE_NOW) without folding; a forward alone casts act at its own amax.
+- Nothing reads an output written as FP8 bytes only (the LayerNorms', act, dqkv) as bf16: whatever would (a product
+  with no FP8 algorithm, a cast) first calls Fp8Book.readable, which runs its op again for the bf16 values.
+- Inside a model's pass (the engine's fp8_pass) each tensor's amax is found once: producers compute it as they
+  store (the kernels' `amax` argument), and a cast's own amax pass is kept for the tensor's later casts. The bytes
+  are those of casts that each run their own pass (tests/test_fp8_cuda.py compares them bit for bit). A forward
+  cast whose input a weight gradient reads again (the LayerNorm outputs, act without a history) saves X^T in
+  fp8_act_t for the backward; a forward alone saves nothing a backward reads (no X^T, no E5M2 d_logits).
+- Accumulation: the forward products (X W, the MLP's up product, the logits) take cuBLASLt's fast accumulation;
+  every gradient product promotes its partial sums to FP32 as K goes, since fast input gradients too move fp8's
+  loss away from bf16's. The bits are a function of the inputs either way.
+- Hopper's FP8 products take both operands K-major, so a cast writes the layouts its products read (X and W^T; dY
+  and W; X^T and dY^T) in one pass, into the engine's `fp8_operands` (one op at a time, sized by `operand_bytes`),
+  the descales into `fp8_scales`. The weights' copies (`params_fp8`) are cast once a weight update
+  (prepare_fp8_weights).
 """
 
 from __future__ import annotations

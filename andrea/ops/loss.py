@@ -29,8 +29,8 @@ KERNELS = {"loss": ("k_loss_fwd", "k_loss_bwd", "k_loss_bwd_in_place", "k_loss_b
 
 
 # 16-byte groups of a row each thread of k_loss_fwd's block takes, at least: the block is the largest power of
-# two up to LOSS_THREADS that leaves each thread this many, so a small vocabulary (12M's 4096) runs on few threads
-# a row, which is faster there, and a large one (120M's 50304) on many, which is faster there.
+# two up to LOSS_THREADS that leaves each thread this many: few threads a row for a small vocabulary, many for a
+# large one, the block that suits each.
 LOSS_GROUPS_PER_THREAD = 4
 LOSS_DINP_BLOCKS = 4096  # k_loss_dinp_weighted's grid at most (a block a row, grid-stride past it)
 

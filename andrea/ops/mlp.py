@@ -21,7 +21,7 @@ def engine_buffers() -> tuple:
 
 
 def _gelu(x):
-    # x * x * x, not x**3: NumPy's float32 pow is ~30x slower than two multiplies.
+    # x * x * x, not x**3: NumPy's float32 pow is far slower than two multiplies.
     return 0.5 * x * (1.0 + np.tanh(GELU_K * (x + 0.044715 * (x * x * x))))
 
 
