@@ -3,7 +3,7 @@
     [int32 step][int32 n_params][n_params x float32 weights][n_params x float32 m][n_params x float32 v]
 
 Little-endian, no padding, nothing else. `step` = optimizer steps completed. What the format cannot
-hold lives in the `.state.json` sidecar (see `andrea.train`).
+hold lives in the `.state.json` sidecar (see `andrea.run_book`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from andrea.config import validate
 from andrea.errors import AndreaError
 from andrea.hashing import sha256_file
 from andrea.runfiles import iter_records, read_loss_history
-from andrea.train import Trainer
+from andrea.run_book import RunBook
 
 MAIN, POLISH = 6, 4
 
@@ -80,13 +80,13 @@ def reference(tmp_path, two_phase, chat_data):
 
 def test_sigterm_right_after_the_pivot_then_resume_is_bit_identical(tmp_path, two_phase, chat_data, reference,
                                                                     monkeypatch):
-    original = Trainer._pivot
+    original = RunBook.pivot
 
     def pivot_then_sigterm(self, phase, step, elapsed):
         original(self, phase, step, elapsed)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(Trainer, "_pivot", pivot_then_sigterm)
+    monkeypatch.setattr(RunBook, "pivot", pivot_then_sigterm)
     experiment = write(tmp_path, two_phase)
     out = tmp_path / "run" / "tiny.ckpt"
     assert train(experiment, chat_data, out) == 0
@@ -104,7 +104,7 @@ def test_a_run_killed_between_the_pivots_checkpoint_and_archive_archives_on_resu
     def killed(self, phase):
         raise SystemExit(137)
 
-    monkeypatch.setattr(Trainer, "_archive", killed)
+    monkeypatch.setattr(RunBook, "archive", killed)
     experiment = write(tmp_path, two_phase)
     out = tmp_path / "run" / "tiny.ckpt"
     with pytest.raises(SystemExit):

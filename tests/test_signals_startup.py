@@ -177,7 +177,8 @@ def test_the_launcher_s_ranks_survive_a_sigusr1_while_they_start(fake_cupy, offs
 # ---- clocks ----------------------------------------------------------------------------------------------
 
 def clock(**calls):
-    """A stand-in for andrea.train's `time` module: the real one, with the named functions replaced."""
+    """A stand-in for the `time` module of andrea.train and andrea.run_book: the real one, with the named
+    functions replaced."""
     return types.SimpleNamespace(**{**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")}, **calls})
 
 
@@ -187,10 +188,12 @@ def records(out: Path) -> list[dict]:
 
 def test_a_frozen_clock_gives_no_rate(tmp_path, tiny, monkeypatch):
     """Every clock stands still: steps take no time, so there is no rate (null), and nothing divides by zero."""
+    import andrea.run_book
     import andrea.train
 
-    monkeypatch.setattr(andrea.train, "time", clock(time=lambda: 1.7e9, perf_counter=lambda: 50.0,
-                                                    monotonic=lambda: 50.0))
+    frozen = clock(time=lambda: 1.7e9, perf_counter=lambda: 50.0, monotonic=lambda: 50.0)
+    for module in (andrea.train, andrea.run_book):
+        monkeypatch.setattr(module, "time", frozen)
     out = tmp_path / "tiny.ckpt"
     assert train_numpy(*tiny, out, "--max-steps", "3") == 0
     steps = [r for r in records(out) if "loss" in r]
@@ -201,10 +204,13 @@ def test_a_frozen_clock_gives_no_rate(tmp_path, tiny, monkeypatch):
 def test_a_wall_clock_stepped_back_leaves_elapsed_time_and_rates_positive(tmp_path, tiny, monkeypatch):
     """The wall clock jumps back an hour at every reading (NTP, a suspended VM): durations come from a
     monotonic clock, so the elapsed time only grows and every rate is positive."""
+    import andrea.run_book
     import andrea.train
 
     readings = iter(range(0, -10**9, -3600))
-    monkeypatch.setattr(andrea.train, "time", clock(time=lambda: 1.7e9 + next(readings)))
+    stepped_back = clock(time=lambda: 1.7e9 + next(readings))
+    for module in (andrea.train, andrea.run_book):
+        monkeypatch.setattr(module, "time", stepped_back)
     out = tmp_path / "tiny.ckpt"
     assert train_numpy(*tiny, out, "--max-steps", "5") == 0
     steps = [r for r in records(out) if "loss" in r]

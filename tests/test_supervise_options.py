@@ -18,9 +18,7 @@ REQUIRED = ["--experiment", "exp.json", "--data", "data", "--out", "out/run.ckpt
 
 
 def train_actions() -> list[argparse.Action]:
-    parser = argparse.ArgumentParser(add_help=False)
-    add_options(parser)
-    return parser._actions
+    return add_options(argparse.ArgumentParser(add_help=False))
 
 
 def non_default(action: argparse.Action) -> list[str]:
