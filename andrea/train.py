@@ -239,10 +239,9 @@ class Trainer:
         if self.engine.name == "numpy" and args.engine == "auto" and not cuda_available():
             self.log("engine: numpy (no CUDA device found; the NumPy reference engine runs on the CPU)")
         else:
-            built = getattr(self.engine, "kernels_built", 0)
             self.log(f"engine: {self.engine.name}" + (
-                f" ({built} kernel files compiled for {self.exp.precision} in {t_engine:.1f} s; later runs on this "
-                "machine read them from the cache)" if built else ""))
+                f" ({self.exp.precision}; its kernels ready in {t_engine:.1f} s: compiled on a machine's first run, "
+                "read from CuPy's cache after)" if self.engine.name == "cuda" else ""))
         self.world = world
 
     def _build_model(self) -> None:
