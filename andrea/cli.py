@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import sys
 
-from andrea.stop_signals import STOP_SIGNALS
+from andrea.run.stop_signals import STOP_SIGNALS
 
 STAGE_MODULES = [
     "andrea.data.cli",
-    "andrea.train",
-    "andrea.evaluate",
-    "andrea.sample",
-    "andrea.chat",
-    "andrea.export",
-    "andrea.inspect_ckpt",
+    "andrea.run.train",
+    "andrea.tools.evaluate",
+    "andrea.tools.sample",
+    "andrea.tools.chat",
+    "andrea.tools.export",
+    "andrea.tools.inspect_ckpt",
     "andrea.dashboard.cli",
-    "andrea.runs",
+    "andrea.tools.runs",
 ]
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         # before any other import: a signal while the trainer starts is then recorded, not fatal. The
         # process's own command line (argv None) keeps them until it exits: one after the run is not fatal either.
         STOP_SIGNALS.install(until_exit=argv is None)
-    from andrea.errors import AndreaError, error_sentence
+    from andrea.common.errors import AndreaError, error_sentence
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """The PyTorch peer of the benchmark: ANDREA's model in plain PyTorch, its training step timed on one device.
 
-The same architecture as andrea/layout.py (pre-LN GPT, no biases but LayerNorm's, tanh-GELU MLP of 4x, learned
+The same architecture as andrea/spec/layout.py (pre-LN GPT, no biases but LayerNorm's, tanh-GELU MLP of 4x, learned
 positions, the classifier tied to the token embedding; the same parameter count, tests/test_peer_pytorch.py), trained
 with AdamW and global-norm clipping at 1.0 on random tokens. The model's shape is the experiment's
 (config/experiments/ANDREA-<NAME>-TRAIN.json); the micro-batch is the benchmark's (scripts/bench.py BENCH).
@@ -62,7 +62,7 @@ class GPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(vocab_size, d_model), nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
-        for module in self.modules():  # N(0, 0.02) as andrea.model.init_params (without its residual scaling)
+        for module in self.modules():  # N(0, 0.02) as andrea.schedule.model.init_params (without its residual scaling)
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
 

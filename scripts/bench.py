@@ -10,7 +10,7 @@ Correctness (every op against float64 NumPy, training, determinism, memory, resu
   ceilings  cuBLAS rate (8192^3) per precision and device-to-device copy bandwidth, measured here
   memory    the trainer's memory plan (training model, the sampler inside it) against CuPy's pool and the device
   bench     train_step at 12M (B=32, T=512) and 120M (B=8, T=1024) per precision; each op of the real step
-            (recorded by andrea.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
+            (recorded by andrea.schedule.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
             (andrea/ops); with --rounds N the variants of a shape take turns N times, their medians counting;
             the PyTorch peer's variants in the same call, each in --peer-runs processes, the fastest counting
 The peer is bench/peer_pytorch.py, or the script given by --baseline or $ANDREA_PEER_BASELINE; with 'none'
@@ -37,12 +37,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from andrea.config import load_experiment  # noqa: E402
-from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.spec.config import load_experiment  # noqa: E402
+from andrea.schedule.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.ops import op_cost  # noqa: E402
-from andrea.precision import PRECISIONS  # noqa: E402
-from andrea.train import model_options  # noqa: E402
-from andrea.timing import OpRecorder, against_bf16, alternating, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
+from andrea.spec.precision import PRECISIONS  # noqa: E402
+from andrea.run.train import model_options  # noqa: E402
+from andrea.schedule.timing import OpRecorder, against_bf16, alternating, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
 BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
@@ -152,9 +152,9 @@ def memory():
     import cupy
 
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.memory import device_bytes
-    from andrea.model import Model
-    from andrea.sample import Sampler
+    from andrea.spec.memory import device_bytes
+    from andrea.schedule.model import Model
+    from andrea.tools.sample import Sampler
 
     pool = cupy.get_default_memory_pool()
     out = {}
@@ -229,8 +229,8 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
     """Each engine variant's step at both shapes (with `rounds` > 1 the shape's variants built together and timed in
     turn, round after round, their median counting: timing.alternating), each plain variant's ops, then the peers."""
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.layout import ParameterLayout
-    from andrea.model import Model, init_params
+    from andrea.spec.layout import ParameterLayout
+    from andrea.schedule.model import Model, init_params
 
     out = {"engine": {}, "ops": {}, "baseline": {}, "host": host_cpu()}
     for name, micro in BENCH.items():

@@ -24,9 +24,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from andrea.config import ModelShape  # noqa: E402
+from andrea.spec.config import ModelShape  # noqa: E402
 from andrea.ops.fp8 import amax_arg  # noqa: E402
-from andrea.timing import graph_ms  # noqa: E402
+from andrea.schedule.timing import graph_ms  # noqa: E402
 
 REPEATS = 20
 
@@ -54,7 +54,7 @@ def products(shape: ModelShape, B: int) -> list[tuple]:
 
 
 def timed_ms(engine, fn) -> float:
-    """Median time of one fn(), recorded REPEATS times in one CUDA graph (andrea.timing.graph_ms)."""
+    """Median time of one fn(), recorded REPEATS times in one CUDA graph (andrea.schedule.timing.graph_ms)."""
     return graph_ms(engine, fn, reps=5, inner=REPEATS)
 
 

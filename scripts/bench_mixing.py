@@ -5,7 +5,7 @@
                                    [--policies P [P ...]] [--noise] [--noise-source NAME]
                                    [--data DIR] [--out-dir DIR] [--json FILE]
 
-Trains one model per mixing policy (andrea/mixing.py, docs/FIREHOSE-BANDIT.md), each with
+Trains one model per mixing policy (andrea/store/mixing.py, docs/FIREHOSE-BANDIT.md), each with
 `python -m andrea.cli train --experiment E --data D --out OUT/<policy>.ckpt --engine ENGINE` in a
 subprocess of its own. Every run starts from the same init and seed: the experiment is
 config/experiments/ANDREA-<model>-TRAIN.json without its "phases", "train" and "schedule", with
@@ -149,7 +149,7 @@ def noise_tokens(tokens: np.ndarray, seed: int, split: int) -> np.ndarray:
 
 def make_noise_source(source: Path, noise: Path, seed: int = NOISE_SEED) -> None:
     """noise/<split>.bin: source's tokens shuffled; noise/<split>.mask.bin: source's mask, copied."""
-    from andrea.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
+    from andrea.store.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
 
     noise.mkdir(parents=True, exist_ok=True)
     for k, split in enumerate(SPLITS):
@@ -296,8 +296,8 @@ def default_data(vocab: int) -> Path:
 
 def data_sources(data: Path) -> list[str]:
     """The source names the loader finds in data (at least two, each with both splits and their masks)."""
-    from andrea.loader import source_shards
-    from andrea.shards import mask_path
+    from andrea.store.loader import source_shards
+    from andrea.store.shards import mask_path
 
     found = source_shards(data / "train.bin")
     names = [name for name, _ in found if name is not None]
@@ -342,9 +342,9 @@ def run_policy(label: str, experiment: dict, data: Path, out: Path, engine: str,
 def bench_folder(key: str, policies: dict[str, dict], common: dict, data: Path, out: Path, sources: list[str],
                  args) -> dict:
     """Every policy on one data folder: checked, summarized and compared with uniform."""
-    from andrea.config import validate
-    from andrea.errors import AndreaError
-    from andrea.runfiles import read_loss_history
+    from andrea.spec.config import validate
+    from andrea.common.errors import AndreaError
+    from andrea.store.runfiles import read_loss_history
 
     real = [s for s in sources if s != NOISE]
     runs, walls = {}, {}
@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from andrea.errors import AndreaError
+    from andrea.common.errors import AndreaError
 
     try:
         return run(args)

@@ -3,7 +3,7 @@
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 scripts/bench_parallel.py --gpus 2 [--shape 120M] [--batch 8]
 
 Each rank trains the experiment's model (its precision and memory options) at --batch sequences per GPU on
-synthetic batches, its flat gradient all-reduced through NCCL every step (andrea.parallel.DataParallel, as
+synthetic batches, its flat gradient all-reduced through NCCL every step (andrea.run.parallel.DataParallel, as
 `andrea train --gpus N` does). The one-GPU run is the plain engine, no NCCL. Efficiency = tokens/s of the N
 GPUs / (N x tokens/s of one). Prints one JSON line per run and a summary; --json writes them.
 """
@@ -29,11 +29,11 @@ def worker(args) -> None:
     """One rank (or the single-GPU run): time TIMED steps after WARMUP, print rank 0's median."""
     import cupy
 
-    from andrea.config import load_experiment
-    from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
+    from andrea.spec.config import load_experiment
+    from andrea.schedule.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
-    from andrea.parallel import DataParallel, rank_from_env
+    from andrea.schedule.model import Model, init_params
+    from andrea.run.parallel import DataParallel, rank_from_env
 
     exp = load_experiment(REPO / "config" / "experiments" / f"ANDREA-{args.shape}-TRAIN.json")
     rank = rank_from_env()
@@ -60,7 +60,7 @@ def worker(args) -> None:
 
 
 def run(args, n: int) -> dict:
-    from andrea.parallel import LOCAL_ENV, NCCL_ID_ENV, RANK_ENV, WORLD_ENV, new_unique_id
+    from andrea.run.parallel import LOCAL_ENV, NCCL_ID_ENV, RANK_ENV, WORLD_ENV, new_unique_id
 
     cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--batch", str(args.batch)]
     envs = [dict(os.environ)]

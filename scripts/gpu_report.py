@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from andrea.timing import peer_pairs  # noqa: E402
+from andrea.schedule.timing import peer_pairs  # noqa: E402
 
 
 def whole_step(report: dict) -> list[str]:

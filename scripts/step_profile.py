@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench import BENCH, EXPERIMENTS, options, per_step_ms, variant_parts  # noqa: E402
 
-from andrea.engines.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
-from andrea.timing import RECORDED, EngineCalls  # noqa: E402
+from andrea.schedule.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.schedule.timing import RECORDED, EngineCalls  # noqa: E402
 
 # the ops, and the step's engine calls beside them: the weight gradients' zeroing, the weight copies
 TIMED = frozenset((*RECORDED, "zero", "zero_grads", "prepare_fp8_weights", "prepare_qkv_rows"))
@@ -87,7 +87,7 @@ def spin_cycles() -> int:
 
 def profile(name: str, variant: str, steps: int) -> dict:
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
+    from andrea.schedule.model import Model, init_params
 
     precision, _, masked = variant_parts(variant)
     shape, micro = EXPERIMENTS[name].model, BENCH[name]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from andrea.engines.cublas import ALGORITHMS_FILE, algorithm_table, merged_tables, product_name  # noqa: E402
-from andrea.timing import graph_ms  # noqa: E402
+from andrea.schedule.timing import graph_ms  # noqa: E402
 from bench import BENCH, EXPERIMENTS, OPTIMIZER, lr_at, options, synthetic_micro_batches  # noqa: E402
 
 FINALISTS = 3  # the fastest algorithms of the first timing that are timed again beside the baseline
@@ -50,7 +50,7 @@ def step_products(name: str, precision: str) -> tuple:
     """The engine and the products of one eager step: product name -> (kind, args, kwargs) of its first call,
     kind "lt" (a cuBLASLt call) or "plain" (a Cublas.gemm call, which cuBLASLt can run too)."""
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
+    from andrea.schedule.model import Model, init_params
 
     engine = CudaEngine(precision=precision)
     lt, blas = engine.blas_lt, engine.blas

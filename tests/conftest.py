@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.shards import write_shard
+from andrea.store.shards import write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "config" / "experiments"

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.config import validate
-from andrea.loader import source_shards
-from andrea.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
+from andrea.spec.config import validate
+from andrea.store.loader import source_shards
+from andrea.store.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_mixing.py"
 SPEC = importlib.util.spec_from_file_location("bench_mixing", SCRIPT)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from andrea.chat import ChatSession, ReplyInterrupts
+from andrea.tools.chat import ChatSession, ReplyInterrupts
 from andrea.cli import main as cli
-from andrea.sample import Sampler, load_sampler, one_line, sample
+from andrea.tools.sample import Sampler, load_sampler, one_line, sample
 
 from conftest import EXPERIMENTS, train_numpy, write_experiment
 

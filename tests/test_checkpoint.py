@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from andrea.checkpoint import checkpoint_bytes, read_checkpoint, read_header, write_checkpoint
-from andrea.errors import AndreaError
+from andrea.store.checkpoint import checkpoint_bytes, read_checkpoint, read_header, write_checkpoint
+from andrea.common.errors import AndreaError
 
 
 def state(n, seed=0):

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from andrea.config import load_experiment
-from andrea.errors import AndreaError
-from andrea.layout import ParameterLayout, n_params_formula
+from andrea.spec.config import load_experiment
+from andrea.common.errors import AndreaError
+from andrea.spec.layout import ParameterLayout, n_params_formula
 from conftest import EXPERIMENTS
 
 
@@ -109,14 +109,14 @@ def test_length_in_epochs(tmp_path, tiny_experiment_raw):
 
 
 def test_the_schema_lists_the_precision_table():
-    from andrea.config import experiment_schema
-    from andrea.precision import PRECISIONS
+    from andrea.spec.config import experiment_schema
+    from andrea.spec.precision import PRECISIONS
 
     assert experiment_schema()["properties"]["precision"]["enum"] == list(PRECISIONS)
 
 
 def test_the_layout_views_w_qkv_as_the_three_projections():
-    from andrea.config import ModelShape
+    from andrea.spec.config import ModelShape
 
     layout = ParameterLayout(ModelShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4))
     flat = np.arange(layout.n_params, dtype=np.float32)

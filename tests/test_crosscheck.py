@@ -5,8 +5,8 @@ fails to write one, or adds into it, shows here)."""
 import numpy as np
 import pytest
 
-from andrea.config import ModelShape
-from andrea.engines.crosscheck import OPS, OpShape, compare_op
+from andrea.spec.config import ModelShape
+from andrea.schedule.crosscheck import OPS, OpShape, compare_op
 from andrea.engines.numpy_engine import NumpyEngine
 
 SHAPE = ModelShape(n_layer=1, d_model=16, n_head=2, vocab_size=31, seq_len=7)
@@ -35,7 +35,7 @@ def test_overwrite_ignores_what_the_input_gradient_held():
 def test_weighted_loss_cases_hold_every_kind_of_weight_and_catch_an_engine_that_ignores_them():
     """Weights 0, 1, fractions and over 1, and a run of zero rows: each path of the weighted backward; an engine
     whose loss_bwd drops the weights fails both cases."""
-    from andrea.engines.crosscheck import make_case
+    from andrea.schedule.crosscheck import make_case
 
     s = OpShape.of(SHAPE, B=2)
     w = make_case("loss_weighted", s, np.random.default_rng(0)).arrays["weights"].ravel()
@@ -52,7 +52,7 @@ def test_weighted_loss_cases_hold_every_kind_of_weight_and_catch_an_engine_that_
 
 
 def test_text_micro_batches_are_shifted_windows_of_the_shard_and_a_function_of_seed_and_step():
-    from andrea.engines.crosscheck import text_micro_batches
+    from andrea.schedule.crosscheck import text_micro_batches
 
     tokens = np.arange(10_000, dtype=np.uint16)  # each window's values say where it starts
     (x, y), (x2, y2) = text_micro_batches(tokens, 64, 3, 2, step=5, seed=1)
@@ -67,7 +67,7 @@ def test_text_micro_batches_are_shifted_windows_of_the_shard_and_a_function_of_s
 
 
 def test_train_run_held_out_loss_falls_with_training_on_a_learnable_shard():
-    from andrea.engines.crosscheck import text_micro_batches, train_run
+    from andrea.schedule.crosscheck import text_micro_batches, train_run
 
     shape = ModelShape(n_layer=1, d_model=32, n_head=2, vocab_size=64, seq_len=16)
     tokens = np.tile(np.random.default_rng(0).integers(0, 64, 37), 200).astype(np.uint16)
@@ -82,7 +82,7 @@ def test_train_run_held_out_loss_falls_with_training_on_a_learnable_shard():
 def test_grad_rows_reads_both_layouts_of_dqkv_and_refuses_others():
     """The attention backward and attn_qkv_bwd take dqkv contiguous or as a view of rows [B, T, 3, C] (the model's);
     a layout whose strides the kernels cannot follow is one clear error, not wrong gradients."""
-    from andrea.errors import AndreaError
+    from andrea.common.errors import AndreaError
     from andrea.ops.attn import grad_rows
 
     B, T, C = 2, 5, 8

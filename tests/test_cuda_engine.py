@@ -6,9 +6,9 @@ Every op pair on fresh random inputs, a few training steps engine against engine
 import numpy as np
 import pytest
 
-from andrea.config import ModelShape
-from andrea.engines.crosscheck import OP_LIMITS, OPS, OpShape, compare_op, step_allocations, train_run
-from andrea.errors import AndreaError
+from andrea.spec.config import ModelShape
+from andrea.schedule.crosscheck import OP_LIMITS, OPS, OpShape, compare_op, step_allocations, train_run
+from andrea.common.errors import AndreaError
 
 pytestmark = pytest.mark.gpu
 
@@ -371,7 +371,7 @@ def test_staged_uploads_arrive_in_stream_order(engines):
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "masked"])
 def test_train_step_allocates_nothing(engines, precision, weighted):
     """fp8 masked: the input gradient's fp32 scratch comes from the planned fp8_operands."""
-    from andrea.model import Model, init_params
+    from andrea.schedule.model import Model, init_params
 
     model = Model(engines[precision], SHAPE, micro_batch=4)
     model.load_state(init_params(model.layout, 0))
@@ -384,7 +384,7 @@ def test_train_step_allocates_nothing(engines, precision, weighted):
 def test_plan_is_one_allocation(engines):
     import cupy
 
-    from andrea.model import Model
+    from andrea.schedule.model import Model
 
     pool = cupy.get_default_memory_pool()
     before = pool.used_bytes()
@@ -407,8 +407,8 @@ def test_unknown_precision_is_refused():
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(engines):
     """A loss scale far too large overflows fp16: no update, the scale halved; the next step trains as if the
     overflowed one had not run (its gradient, left in grads, is written over)."""
-    from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
-    from andrea.model import LossScaleOverflow, Model, init_params
+    from andrea.schedule.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
+    from andrea.schedule.model import LossScaleOverflow, Model, init_params
 
     def good_step(model):
         model.loss_scale.scale = 2.0**10

@@ -18,8 +18,8 @@ import pytest
 
 from andrea.cli import main as cli_main
 from andrea.dashboard.server import STATIC, DashboardServer, parse_record
-from andrea.errors import AndreaError
-from andrea.runfiles import iter_records
+from andrea.common.errors import AndreaError
+from andrea.store.runfiles import iter_records
 from conftest import EXPERIMENTS
 
 LOSS_LINES = [
@@ -335,7 +335,7 @@ def test_missing_results_folder_is_a_clear_error(tmp_path):
 
 def test_dashboard_imports_nothing_of_the_engine():
     code = ("import sys, andrea.dashboard.server, andrea.dashboard.cli; "
-            "print(sorted(m for m in sys.modules if m.startswith(('andrea.engines', 'andrea.model', 'numpy'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('andrea.engines', 'andrea.schedule.model', 'numpy'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -506,7 +506,7 @@ def test_a_record_glued_after_a_hostile_line_is_found_in_linear_time(name):
 def test_a_line_that_never_ends_is_not_held(tmp_path):
     """A line growing by a megabyte a listing, with no newline: the digest keeps at most a record's
     worth of it and reads on from the line after."""
-    from andrea.runfiles import MAX_RECORD_BYTES
+    from andrea.store.runfiles import MAX_RECORD_BYTES
     results = tmp_path / "results"
     results.mkdir()
     run = results / "two.loss.json"

@@ -12,9 +12,9 @@ import pytest
 from andrea.cli import main
 from andrea.data import tokenize_shards
 from andrea.data.chatml import ChatTokenizer
-from andrea.hashing import sha256_file
-from andrea.manifest import manifest_path, read_manifest
-from andrea.shards import read_shard
+from andrea.common.hashing import sha256_file
+from andrea.store.manifest import manifest_path, read_manifest
+from andrea.store.shards import read_shard
 
 DATA = "results/data"
 ARTIFACTS = ["hermes3.parquet", "megachat/train.parquet", "megachat/val.parquet",

@@ -12,7 +12,7 @@ from andrea.data.chatml import IM_END, IM_START, ChatTokenizer, render
 from andrea.data.prep_megachat import prep_megachat
 from andrea.data.pull_hermes3 import pull_hermes3
 from andrea.data.train_tokenizer import train_tokenizer
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 NON_ASCII = [
     "naïve café — “quoted” ½ ² Ⅻ",

@@ -14,8 +14,8 @@ from andrea.data.conversations import DROP_REASONS, TURN_DROP_REASONS, chatml_ro
 from andrea.data.drops import Drops
 from andrea.data.prep_megachat import megachat_records
 from andrea.data.pull_hermes3 import pull_hermes3
-from andrea.errors import AndreaError
-from andrea.manifest import read_manifest
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import read_manifest
 
 texts = st.one_of(st.text(max_size=30), st.sampled_from(["", " ", "\ud800", "\n\n", "Grüß 日本 🙂", "\u2028", "x" * 300]))
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), texts)

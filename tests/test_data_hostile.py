@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from andrea.cli import main
-from andrea.manifest import read_manifest
+from andrea.store.manifest import read_manifest
 
 BIG = "7" * 4301  # one digit past Python's limit on converting digits to an int
 N = 30

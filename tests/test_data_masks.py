@@ -8,9 +8,9 @@ import pytest
 from conftest import data_stages
 
 from andrea.data.chatml import IM_END, ChatTokenizer
-from andrea.errors import AndreaError
-from andrea.manifest import lineage, lineage_ok, read_manifest
-from andrea.shards import HEADER_INTS, MASK_MAGIC, mask_path, mask_writer, read_mask, read_shard, write_shard
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import lineage, lineage_ok, read_manifest
+from andrea.store.shards import HEADER_INTS, MASK_MAGIC, mask_path, mask_writer, read_mask, read_shard, write_shard
 
 ROWS = [
     {"conversations": [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Hi there"},

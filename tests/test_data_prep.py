@@ -13,7 +13,7 @@ from andrea.cli import main
 from andrea.data.conversations import DROP_REASONS, TURN_DROP_REASONS, clean_text
 from andrea.data.drops import Drops
 from andrea.data.prep_megachat import megachat_records, split_of
-from andrea.manifest import read_manifest
+from andrea.store.manifest import read_manifest
 
 
 def hermes(*turns, source=None):

@@ -15,9 +15,9 @@ import pytest
 
 from andrea.cli import main
 from andrea.data import pull_hermes3 as pull
-from andrea.errors import AndreaError
-from andrea.hashing import sha256_file
-from andrea.manifest import read_manifest
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import sha256_file
+from andrea.store.manifest import read_manifest
 
 OPENAI_ROWS = [
     {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},

@@ -11,8 +11,8 @@ import pytest
 from andrea.cli import main
 from andrea.data import pull_hermes3 as pull
 from andrea.data import raw_rows
-from andrea.errors import AndreaError
-from andrea.manifest import read_manifest
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import read_manifest
 
 TEXTS = ["Question 0?", "Grüß dich, ÄÖÜ ß", "日本語のテキスト", "tab\there\nnew line", 'quote " and \\ backslash',
          "emoji 🙂👍🏽", "<|im_start|>literal", "  leading and trailing  ", "\u2028line separator\u2029", "x" * 5000]

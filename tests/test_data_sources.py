@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from andrea.cli import main
-from andrea.loader import TokenWindows
-from andrea.manifest import lineage, lineage_ok, read_manifest
-from andrea.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
+from andrea.store.loader import TokenWindows
+from andrea.store.manifest import lineage, lineage_ok, read_manifest
+from andrea.store.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
 
 
 class SingleShardWindows:

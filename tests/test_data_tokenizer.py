@@ -14,7 +14,7 @@ import pytest
 from andrea.data.chatml import MAX_WORD_CHARS, SPECIAL_TOKENS, ChatTokenizer, split_pattern
 from andrea.data.prep_megachat import MEGACHAT_SCHEMA
 from andrea.data.train_tokenizer import train_tokenizer
-from andrea.manifest import read_manifest
+from andrea.store.manifest import read_manifest
 
 
 def megachat(path, contents):

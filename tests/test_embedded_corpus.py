@@ -11,7 +11,7 @@ import pytest
 
 from andrea.data import embedded_corpus
 from andrea.data.embedded_corpus import DOMAINS, corpus_file, info, iter_rows
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 GENERATOR = Path(__file__).resolve().parent.parent / "scripts" / "make_embedded_corpus.py"
 

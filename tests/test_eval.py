@@ -9,20 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import read_checkpoint, write_checkpoint
+from andrea.store.checkpoint import read_checkpoint, write_checkpoint
 from andrea.cli import main as cli
-from andrea.config import load_experiment
+from andrea.spec.config import load_experiment
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.evaluate import evaluate_checkpoint, evaluated_targets, source_validation_losses, validation_loss
-from andrea.inference import load_tokenizer
-from andrea.layout import ParameterLayout
-from andrea.loader import TokenWindows
-from andrea.manifest import manifest_path, read_manifest
-from andrea.model import Model, init_params
-from andrea.sample import Sampler, training_samples, validation_prompts
-from andrea.shards import mask_path, mask_writer, write_shard
-from andrea.runfiles import read_loss_history
-from andrea.train import N_SAMPLE_PROMPTS
+from andrea.tools.evaluate import evaluate_checkpoint, evaluated_targets, source_validation_losses, validation_loss
+from andrea.tools.inference import load_tokenizer
+from andrea.spec.layout import ParameterLayout
+from andrea.store.loader import TokenWindows
+from andrea.store.manifest import manifest_path, read_manifest
+from andrea.schedule.model import Model, init_params
+from andrea.tools.sample import Sampler, training_samples, validation_prompts
+from andrea.store.shards import mask_path, mask_writer, write_shard
+from andrea.store.runfiles import read_loss_history
+from andrea.run.train import N_SAMPLE_PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "config" / "experiments" / "ANDREA-tiny-TRAIN.json"

@@ -6,14 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import write_checkpoint
+from andrea.store.checkpoint import write_checkpoint
 from andrea.cli import main as cli
-from andrea.config import load_experiment
+from andrea.spec.config import load_experiment
 from andrea.data.chatml import ChatTokenizer, render
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.layout import ParameterLayout
-from andrea.model import Model
-from andrea.sample import Sampler
+from andrea.spec.layout import ParameterLayout
+from andrea.schedule.model import Model
+from andrea.tools.sample import Sampler
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "config" / "experiments" / "ANDREA-tiny-TRAIN.json"

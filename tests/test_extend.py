@@ -9,10 +9,10 @@ import shlex
 import pytest
 from conftest import train_numpy, write_experiment
 
-from andrea.checkpoint import read_header
+from andrea.store.checkpoint import read_header
 from andrea.cli import main as cli_main
-from andrea.config import continuation_refusal, validate
-from andrea.runfiles import RunFiles, iter_records, read_loss_history
+from andrea.spec.config import continuation_refusal, validate
+from andrea.store.runfiles import RunFiles, iter_records, read_loss_history
 
 MAIN, POLISH = 4, 2
 N_TOKENS = 10**6  # a train split: only lengths in epochs depend on it, and these are in steps

@@ -200,8 +200,8 @@ def test_the_classifier_s_fp8_products_equal_float64_on_the_same_fp8_operands(en
     its weight (the forward's copy is unweighted). Against the exact products the FP8 ones are off by more."""
     import cupy
 
-    from andrea.config import ModelShape
-    from andrea.model import Model
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.model import Model
 
     B, T, C, V = 2, 64, 128, 512
     N, scale = B * T, 1.0 / (B * T)
@@ -259,8 +259,8 @@ def test_the_weight_copies_in_two_launches_are_the_casts_one_at_a_time(engine):
     (for the next AdamW step)."""
     import cupy
 
-    from andrea.config import ModelShape
-    from andrea.model import Model, init_params
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.model import Model, init_params
     from andrea.ops.base import ptr
 
     model = Model(engine, ModelShape(n_layer=2, d_model=80, n_head=5, vocab_size=301, seq_len=32), 2)
@@ -290,8 +290,8 @@ def test_adamw_takes_the_weight_copies_amax_for_their_casts(engine):
     flag is back at zero."""
     import cupy
 
-    from andrea.config import ModelShape
-    from andrea.model import Model, init_params
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.model import Model, init_params
     from andrea.ops.base import ptr
 
     model = Model(engine, ModelShape(n_layer=2, d_model=80, n_head=5, vocab_size=301, seq_len=32), 2)
@@ -328,8 +328,8 @@ def test_adamw_takes_the_weight_copies_amax_for_their_casts(engine):
 def test_prepared_weight_copies_change_no_bit(engine, monkeypatch):
     """Training with the model's FP8 weight copies (cast once per weight update) and with every op casting its
     weights itself gives the same bytes: the copies are fresh after every AdamW step and every load."""
-    from andrea.config import ModelShape
-    from andrea.engines.crosscheck import train_run
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.crosscheck import train_run
 
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     prepared = train_run(engine, shape, micro_batch=4, n_micro=2, steps=4)
@@ -349,8 +349,8 @@ def test_amaxes_found_once_a_pass_change_no_bit(engine, monkeypatch, d_model, n_
     scale inside a pass, and at its own amax's outside one) and the LayerNorms' E4M3 outputs (at their bound's
     scale inside a pass), so that act's and the LayerNorm outputs' casts are in the comparison too. In a pass no
     amax word is zeroed by a memset of its own (the pass's table is zeroed once as it opens)."""
-    from andrea.config import ModelShape
-    from andrea.engines.crosscheck import train_run
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.crosscheck import train_run
 
     _without_act_history(engine, monkeypatch)
     _without_e4m3_layernorms(monkeypatch)
@@ -423,8 +423,8 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
     place for each kept X and the one LayerNorm buffer that the rebuilding layers share. With the act history,
     act^T lives in act's own bytes: no place for it, and no cast of act either way; with the LayerNorms writing
     E4M3 (ops/layernorm.py), so do their outputs' X^T, the rebuilt ones' too."""
-    from andrea.config import ModelShape
-    from andrea.engines.crosscheck import train_run
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.crosscheck import train_run
 
     if not history:
         _without_act_history(engine, monkeypatch)
@@ -454,7 +454,7 @@ def test_the_saved_transposes_change_no_bit(engine, monkeypatch, recompute, reco
     saved, saved_calls = run()
     shared_ln = not e4m3_lns and kept_lns < L  # the one LayerNorm buffer of the layers that rebuild theirs
     assert len(engine.fp8_book._act_t_places) == kept_acts + 2 * kept_lns + shared_ln
-    from andrea.model import Model
+    from andrea.schedule.model import Model
 
     plan = Model(engine, shape, 4, recompute=recompute, recompute_layers=recompute_layers).plan
     N, C = 4 * shape.seq_len, shape.d_model
@@ -478,9 +478,9 @@ def test_a_forward_alone_saves_nothing_for_a_backward(engine, monkeypatch):
     that pass writes both."""
     import cupy
 
-    from andrea.config import ModelShape
-    from andrea.engines.crosscheck import synthetic_micro_batches
-    from andrea.model import Model, init_params
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.crosscheck import synthetic_micro_batches
+    from andrea.schedule.model import Model, init_params
 
     shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64)
     tokens, targets = synthetic_micro_batches(shape, 4, 1, 0, 5)[0]

@@ -82,10 +82,10 @@ def test_a_resumed_fp8_emulation_run_restores_its_histories():
     the bytes of the run without the break. Resuming without either history gives other bytes (each is state)."""
     import json
 
-    from andrea.config import ModelShape
-    from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
     from andrea.engines.fp8_emulation import Fp8EmulationEngine
-    from andrea.model import Model, init_params
+    from andrea.schedule.model import Model, init_params
 
     shape = ModelShape(n_layer=2, d_model=32, n_head=2, vocab_size=128, seq_len=32)
 
@@ -125,8 +125,8 @@ def test_a_resumed_fp8_emulation_run_restores_its_histories():
 def test_fp8_rounding_alone_keeps_tiny_training_with_fp32():
     """The FP8 rounding of the products (engines/fp8_emulation.py, the CUDA fp8 path's casts on the CPU) leaves
     200 steps of a tiny model within 1.5% of fp32 from the same init, and it does round (the losses differ)."""
-    from andrea.config import ModelShape
-    from andrea.engines.crosscheck import train_run
+    from andrea.spec.config import ModelShape
+    from andrea.schedule.crosscheck import train_run
     from andrea.engines.fp8_emulation import Fp8EmulationEngine
     from andrea.engines.numpy_engine import NumpyEngine
 

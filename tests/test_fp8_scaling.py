@@ -114,9 +114,9 @@ def test_a_history_scales_each_pass_by_the_largest_of_its_last_passes(name):
 def test_an_fp8_experiment_is_valid_and_the_numpy_engine_refuses_it(tmp_path):
     import json
 
-    from andrea.config import load_experiment
-    from andrea.errors import AndreaError
-    from andrea.precision import PRECISIONS
+    from andrea.spec.config import load_experiment
+    from andrea.common.errors import AndreaError
+    from andrea.spec.precision import PRECISIONS
     from conftest import EXPERIMENTS
 
     raw = json.loads((EXPERIMENTS / "ANDREA-tiny-TRAIN.json").read_text())

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from andrea.config import load_experiment
-from andrea.engines.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, text_training, train_run
-from andrea.layout import ParameterLayout
+from andrea.spec.config import load_experiment
+from andrea.schedule.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, text_training, train_run
+from andrea.spec.layout import ParameterLayout
 from andrea.ops.base import OpShape
-from andrea.precision import PRECISIONS
-from andrea.shards import write_shard
-from andrea.train import model_options
+from andrea.spec.precision import PRECISIONS
+from andrea.store.shards import write_shard
+from andrea.run.train import model_options
 from conftest import EXPERIMENTS, REPO
 
 pytestmark = pytest.mark.gpu
@@ -138,9 +138,9 @@ def test_the_plan_is_the_device_memory_and_a_step_allocates_nothing(name, precis
     import cupy
 
     from andrea.engines.cuda_engine import ALIGN, CudaEngine
-    from andrea.memory import device_bytes
-    from andrea.model import Model, init_params
-    from andrea.sample import Sampler
+    from andrea.spec.memory import device_bytes
+    from andrea.schedule.model import Model, init_params
+    from andrea.tools.sample import Sampler
 
     free_device_memory()
     pool = cupy.get_default_memory_pool()
@@ -227,7 +227,7 @@ def test_a_checkpoint_moves_between_the_engines(tmp_path):
         ckpt = tmp_path / f"{name}.ckpt"
         for i, (engine, stop) in enumerate(zip(engines, [steps // 2, steps] if len(engines) == 2 else [steps])):
             train(experiment, data, ckpt, engine, stop, *(["--resume"] if i else []))
-        from andrea.runfiles import read_loss_history
+        from andrea.store.runfiles import read_loss_history
 
         losses = [r["loss"] for r in read_loss_history(ckpt.with_suffix(".loss.json"))]
         return losses, np.frombuffer(ckpt.read_bytes()[8:8 + 4 * n], dtype="<f4").astype(np.float64)

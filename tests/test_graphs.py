@@ -9,8 +9,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from andrea.config import load_experiment
-from andrea.train import model_options
+from andrea.spec.config import load_experiment
+from andrea.run.train import model_options
 from conftest import EXPERIMENTS
 
 pytestmark = pytest.mark.gpu
@@ -74,10 +74,10 @@ def test_memset_nodes_of_each_element_size_write_their_bytes_in_their_place(engi
 def test_a_step_s_graph_without_small_memsets_gives_the_recorded_graph_s_bits(precision, monkeypatch):
     """Steps of the 12M experiment (its products record cuBLASLt's memsets), with the step's graphs as recorded
     (ANDREA_GRAPH_MEMSETS=1) and rewritten: the same weights and moments after them, and no small memset left."""
-    from andrea.engines.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
+    from andrea.schedule.crosscheck import OPTIMIZER, lr_at, synthetic_micro_batches
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.engines.graphs import SMALL_MEMSET_BYTES, memset_bytes
-    from andrea.model import Model, init_params
+    from andrea.schedule.model import Model, init_params
 
     experiment = load_experiment(EXPERIMENTS / "ANDREA-12M-TRAIN.json")
     shape = experiment.model

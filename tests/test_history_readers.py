@@ -1,4 +1,4 @@
-"""Every reader of a run's history (andrea.runfiles, the report's loss curve) passes over hostile lines:
+"""Every reader of a run's history (andrea.store.runfiles, the report's loss curve) passes over hostile lines:
 nested deeper than the JSON parser goes, longer than any record, or many megabytes without a newline."""
 
 import importlib.util
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from andrea.runfiles import iter_records, read_loss_history
+from andrea.store.runfiles import iter_records, read_loss_history
 
 SCRIPT = Path(__file__).resolve().parents[1] / "workflow" / "scripts" / "plot_loss.py"
 RECORDS = [{"step": 1, "loss": 6.2, "val_loss": 6.1}, {"step": 2, "loss": 6.0}]

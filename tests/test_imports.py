@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from andrea.errors import AndreaError
-from andrea.hashing import code_files, code_hash, imported_names
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import code_files, code_hash, imported_names
 
 PACKAGE = Path(__file__).resolve().parents[1] / "andrea"
 
@@ -51,7 +51,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
-    assert "andrea.engines" in graph["andrea.train"]  # only imported inside a method of Trainer
+    assert "andrea.engines" in graph["andrea.run.train"]  # only imported inside a method of Trainer
     assert "andrea.engines.numpy_engine" in graph["andrea.engines"]  # only inside make_engine
 
 
@@ -70,7 +70,7 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_code_files_follow_every_import_of_the_package(tmp_path):
-    """What a stage's code hash covers (andrea.hashing.code_hash, the workflow's code_version)."""
+    """What a stage's code hash covers (andrea.common.hashing.code_hash, the workflow's code_version)."""
     pkg = tmp_path / "andrea"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -89,3 +89,25 @@ def test_code_files_follow_every_import_of_the_package(tmp_path):
     assert code_hash(tmp_path, ["andrea.stage"]) != before
     with pytest.raises(AndreaError, match="andrea.nope: no such module"):
         code_files(tmp_path, ["andrea.nope"])
+
+
+# The package's folders in layer order: a module imports only from its own folder and those before it (and the
+# package's __init__, for its version). data/ is below the engine's layers so it never imports them.
+LAYERS = ["common", "spec", "store", "data", "ops", "engines", "schedule", "tools", "dashboard", "run", "cli"]
+
+
+def folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "andrea"
+
+
+def test_every_module_sits_in_a_layer_folder():
+    loose = sorted(m for m in import_graph() if folder(m) not in (*LAYERS, "andrea"))
+    assert not loose, f"modules outside the layer folders {LAYERS}: {loose}"
+
+
+def test_each_folder_imports_only_the_layers_before_it():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = sorted(f"{m} imports {d}" for m, deps in import_graph().items() for d in deps
+                    if folder(m) in rank and folder(d) in rank and rank[folder(d)] > rank[folder(m)])
+    assert not upward, "imports against the layer order: " + "; ".join(upward)

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.atomic import write_json_atomic
-from andrea.checkpoint import HEADER, read_header, write_checkpoint
+from andrea.common.atomic import write_json_atomic
+from andrea.store.checkpoint import HEADER, read_header, write_checkpoint
 from andrea.cli import main as cli
-from andrea.config import load_experiment
-from andrea.errors import AndreaError
-from andrea.layout import ParameterLayout
+from andrea.spec.config import load_experiment
+from andrea.common.errors import AndreaError
+from andrea.spec.layout import ParameterLayout
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "config" / "experiments" / "ANDREA-tiny-TRAIN.json"

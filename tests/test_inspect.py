@@ -6,13 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import write_checkpoint
-from andrea.hashing import sha256_file
+from andrea.store.checkpoint import write_checkpoint
+from andrea.common.hashing import sha256_file
 from andrea.cli import main as cli
-from andrea.config import load_experiment
-from andrea.inspect_ckpt import inspect_checkpoint
-from andrea.layout import ParameterLayout
-from andrea.model import init_params
+from andrea.spec.config import load_experiment
+from andrea.tools.inspect_ckpt import inspect_checkpoint
+from andrea.spec.layout import ParameterLayout
+from andrea.schedule.model import init_params
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "config" / "experiments"

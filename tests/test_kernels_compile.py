@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from andrea.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, hopper_build_wanted,
+from andrea.ops.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, hopper_build_wanted,
                                   kernel_dir, kernel_source)
 from andrea.ops import hopper_kernel_files, kernel_files
 
@@ -55,7 +55,7 @@ def test_every_kernel_file_is_built():
 
 
 def test_every_kernel_file_holds_kernels_the_engine_loads():
-    """An op pair made only of cuBLAS products has no kernel file (andrea/kernels_build.py), so none is empty."""
+    """An op pair made only of cuBLAS products has no kernel file (andrea/ops/kernels_build.py), so none is empty."""
     loaded = kernel_files()
     assert set(loaded) == set(KERNEL_FILES)
     assert all(loaded.values())
@@ -99,7 +99,7 @@ def test_hopper_build_is_wanted_on_compute_capability_90_only(monkeypatch):
 def test_cached_cubin_compiles_once_per_source(tmp_path, monkeypatch):
     import shutil
 
-    from andrea import kernels_build
+    from andrea.ops import kernels_build
 
     first = cached_cubin("attn_bf16", HOPPER_ARCH, "bf16", tmp_path)
     assert first.is_file() and first.parent == tmp_path and first.read_bytes().startswith(b"\x7fELF")

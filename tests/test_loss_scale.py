@@ -1,7 +1,7 @@
 """The dynamic loss scale of the fp16 path: halve on overflow, double after a run of good steps, and
 a state that round-trips (resume continues with the same scale)."""
 
-from andrea.model import LossScale
+from andrea.schedule.model import LossScale
 
 
 def test_overflow_halves_and_restarts_the_count():

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 import andrea
-from andrea import manifest as m
-from andrea.errors import AndreaError
+from andrea.store import manifest as m
+from andrea.common.errors import AndreaError
 
 
 def make_artifact(path, text, stage, inputs, **extra):

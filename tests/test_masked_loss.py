@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from andrea.config import ModelShape, load_experiment
-from andrea.engines.crosscheck import OPTIMIZER, synthetic_micro_batches
+from andrea.spec.config import ModelShape, load_experiment
+from andrea.schedule.crosscheck import OPTIMIZER, synthetic_micro_batches
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.model import EmptyStep, Model, NonFiniteStep, init_params
+from andrea.schedule.model import EmptyStep, Model, NonFiniteStep, init_params
 from conftest import EXPERIMENTS
 
 SHAPE = ModelShape(n_layer=2, d_model=16, n_head=2, vocab_size=37, seq_len=8)

@@ -6,11 +6,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from andrea.config import ModelShape, load_experiment
-from andrea.engines.crosscheck import train_run
+from andrea.spec.config import ModelShape, load_experiment
+from andrea.schedule.crosscheck import train_run
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.layout import ParameterLayout
-from andrea.memory import plan_model
+from andrea.spec.layout import ParameterLayout
+from andrea.spec.memory import plan_model
 from conftest import EXPERIMENTS
 
 SHAPE_120M = ModelShape(n_layer=12, d_model=768, n_head=12, vocab_size=50304, seq_len=1024)
@@ -60,7 +60,7 @@ def test_recompute_keeps_one_layer(recompute):
 def test_the_first_recompute_layers_recompute_and_the_others_keep_theirs(r):
     """recompute_layers r of 6: the kept activations hold 6 - r layers, one layer's buffers serve the r that
     recompute, and the plan lies between recomputing in every layer and in none."""
-    from andrea.memory import layer_buffer
+    from andrea.spec.memory import layer_buffer
 
     layout, kw = ParameterLayout(SHAPE_12M), dict(attention="lse", act_dtype="bfloat16")
     every, none = (plan_model(layout, 32, recompute=rc, **kw) for rc in (("gelu", "layernorm"), ()))
@@ -80,7 +80,7 @@ def test_the_first_recompute_layers_recompute_and_the_others_keep_theirs(r):
 
 
 def test_the_trainer_recomputes_on_the_cuda_engine_only():
-    from andrea.train import model_options
+    from andrea.run.train import model_options
 
     exp = load_experiment(EXPERIMENTS / "ANDREA-12M-TRAIN.json")
     assert exp.recompute and model_options(exp, "cuda") == exp.memory_options
@@ -160,7 +160,7 @@ def test_fp8_plans_add_the_weight_copies_and_count_the_engine_scratch_once_at_it
     weight and a wte element, 256-byte aligned, plus the casts' table and the scale slots) and the engine's fp8_operands, which two
     models on one engine (the trainer at B 8, its sampler at B 1) count once, at the larger size the engine
     holds; a training plan also the E5M2 d_logits of a classifier piece (fp8_dlogits), a sampler's none."""
-    from andrea.memory import device_bytes
+    from andrea.spec.memory import device_bytes
     from andrea.ops import fp8
 
     layout = ParameterLayout(SHAPE_120M)

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from conftest import train_numpy, write_experiment
 
-from andrea.checkpoint import read_header
+from andrea.store.checkpoint import read_header
 from andrea.cli import main as cli_main
-from andrea.config import validate
-from andrea.errors import AndreaError
-from andrea.loader import TokenWindows
-from andrea.mixing import MixState, Mixture, bandit_probabilities, bandit_update, systematic_rows
-from andrea.runfiles import read_loss_history
-from andrea.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
-from andrea.train import Trainer
+from andrea.spec.config import validate
+from andrea.common.errors import AndreaError
+from andrea.store.loader import TokenWindows
+from andrea.store.mixing import MixState, Mixture, bandit_probabilities, bandit_update, systematic_rows
+from andrea.store.runfiles import read_loss_history
+from andrea.store.shards import mask_path, mask_writer, read_mask, read_shard, write_shard
+from andrea.run.train import Trainer
 
 SPEC = Path(__file__).resolve().parents[1] / "docs" / "FIREHOSE-BANDIT.md"
 STEPS = 12

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from andrea import parallel
-from andrea.errors import AndreaError
-from andrea.parallel import Rank, forget_unique_id, unique_id
-from andrea.runfiles import RunFiles
+from andrea.run import parallel
+from andrea.common.errors import AndreaError
+from andrea.run.parallel import Rank, forget_unique_id, unique_id
+from andrea.store.runfiles import RunFiles
 
 
 @pytest.fixture

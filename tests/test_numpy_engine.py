@@ -6,10 +6,10 @@ import zlib
 import numpy as np
 import pytest
 
-from andrea.config import load_experiment
-from andrea.engines.crosscheck import train_run
+from andrea.spec.config import load_experiment
+from andrea.schedule.crosscheck import train_run
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.model import Model, init_params
+from andrea.schedule.model import Model, init_params
 from conftest import EXPERIMENTS
 
 B, T, C, H, V = 2, 5, 8, 2, 11

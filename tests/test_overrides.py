@@ -8,10 +8,10 @@ import json
 import pytest
 from conftest import train_numpy, write_experiment
 
-from andrea.checkpoint import read_header
-from andrea.config import apply_overrides, load_experiment, validate
-from andrea.errors import AndreaError
-from andrea.train import add_options, child_command
+from andrea.store.checkpoint import read_header
+from andrea.spec.config import apply_overrides, load_experiment, validate
+from andrea.common.errors import AndreaError
+from andrea.run.train import add_options, child_command
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from andrea.runfiles import read_loss_history
+from andrea.store.runfiles import read_loss_history
 
 pytestmark = pytest.mark.gpu
 

@@ -25,8 +25,8 @@ def peer_module():
 
 @pytest.mark.parametrize("shape", ["tiny", "12m", "120m"])
 def test_the_peer_has_the_layout_s_parameters(shape):
-    from andrea.config import ModelShape
-    from andrea.layout import ParameterLayout
+    from andrea.spec.config import ModelShape
+    from andrea.spec.layout import ParameterLayout
 
     peer = peer_module()
     dims = peer.model_shape(shape)

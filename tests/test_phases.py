@@ -8,13 +8,13 @@ import signal
 import pytest
 from conftest import train_numpy, write_experiment
 
-from andrea.checkpoint import read_header
+from andrea.store.checkpoint import read_header
 from andrea.cli import main as cli_main
-from andrea.config import validate
-from andrea.errors import AndreaError
-from andrea.hashing import sha256_file
-from andrea.runfiles import iter_records, read_loss_history
-from andrea.run_book import RunBook
+from andrea.spec.config import validate
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import sha256_file
+from andrea.store.runfiles import iter_records, read_loss_history
+from andrea.run.run_book import RunBook
 
 MAIN, POLISH = 6, 4
 

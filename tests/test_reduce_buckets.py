@@ -4,10 +4,10 @@ the backward has finished writing it."""
 
 import numpy as np
 
-from andrea.config import ModelShape
-from andrea.engines.crosscheck import OPTIMIZER, synthetic_micro_batches
+from andrea.spec.config import ModelShape
+from andrea.schedule.crosscheck import OPTIMIZER, synthetic_micro_batches
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.model import Model, init_params
+from andrea.schedule.model import Model, init_params
 
 SHAPE = ModelShape(n_layer=3, d_model=16, n_head=2, vocab_size=41, seq_len=8)
 

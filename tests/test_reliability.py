@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import read_checkpoint
-from andrea.hashing import sha256_file
+from andrea.store.checkpoint import read_checkpoint
+from andrea.common.hashing import sha256_file
 from andrea.cli import main as cli_main
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.shards import read_shard, write_shard
+from andrea.store.shards import read_shard, write_shard
 from test_train_loop import history, run, train_cmd, wait_for
 
 STEPS = 400

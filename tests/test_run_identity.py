@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import train_numpy, write_experiment
 
-from andrea.checkpoint import read_checkpoint, write_checkpoint
+from andrea.store.checkpoint import read_checkpoint, write_checkpoint
 from andrea.cli import main as cli_main
-from andrea.hashing import sha256_file
-from andrea.runfiles import EXIT_NONFINITE, RunFiles, iter_records
-from andrea.shards import read_shard, write_shard
+from andrea.common.hashing import sha256_file
+from andrea.store.runfiles import EXIT_NONFINITE, RunFiles, iter_records
+from andrea.store.shards import read_shard, write_shard
 
 MAIN, POLISH = 4, 2
 N_TINY = 135_808  # ANDREA-tiny's parameters
@@ -106,7 +106,7 @@ def test_a_nan_in_m_is_refused_by_init_from_and_resume(finished, two_phase, tmp_
 def test_an_update_that_leaves_a_nan_is_never_checkpointed(tmp_path, two_phase, chat_data, monkeypatch):
     """State gone bad in memory (here: m poisoned after the start) passes the loss and gradient-norm gate for a
     step; the checkpoint gate stops the run before anything of it is written."""
-    from andrea.train import Trainer
+    from andrea.run.train import Trainer
 
     original = Trainer.start_step
 

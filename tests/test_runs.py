@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import andrea.runs as runs_mod
+import andrea.tools.runs as runs_mod
 from andrea.cli import main as cli_main
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 DAY = 86400.0
 T0 = 1_700_000_000.0

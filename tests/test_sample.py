@@ -6,14 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.checkpoint import write_checkpoint
+from andrea.store.checkpoint import write_checkpoint
 from andrea.cli import main as cli
-from andrea.config import load_experiment
+from andrea.spec.config import load_experiment
 from andrea.data.chatml import ChatTokenizer
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.layout import ParameterLayout
-from andrea.model import init_params
-from andrea.sample import Sampler, pick_token, sample, validation_prompts
+from andrea.spec.layout import ParameterLayout
+from andrea.schedule.model import init_params
+from andrea.tools.sample import Sampler, pick_token, sample, validation_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "config" / "experiments" / "ANDREA-tiny-TRAIN.json"
@@ -64,7 +64,7 @@ def test_pick_token():
 
 
 def test_validation_prompts_end_with_an_open_assistant_turn(chat, chat_data):
-    from andrea.shards import read_shard
+    from andrea.store.shards import read_shard
 
     prompts = validation_prompts(chat, read_shard(chat_data / "val.bin"), 3)
     opener = [chat.im_start_id] + chat.encode_text("assistant\n")
@@ -127,8 +127,8 @@ def test_sample_errors_are_one_sentence(checkpoint, capsys, change, message):
 
 
 def test_a_sampler_inside_the_training_models_memory_generates_what_one_of_its_own_does(chat):
-    from andrea.memory import device_bytes
-    from andrea.model import Model
+    from andrea.spec.memory import device_bytes
+    from andrea.schedule.model import Model
 
     engine = NumpyEngine()
     shape = load_experiment(TINY).model
@@ -150,7 +150,7 @@ def test_a_sampler_inside_the_training_models_memory_generates_what_one_of_its_o
 
 def fill_transient(model, byte: int = 0xFF) -> None:
     """Overwrite every transient buffer of the model's plan (io, activations, scratch) with `byte`."""
-    from andrea.memory import PERSISTENT_ROLES
+    from andrea.spec.memory import PERSISTENT_ROLES
 
     e = model.engine
     if e.name == "numpy":
@@ -169,7 +169,7 @@ def test_no_step_reads_what_an_earlier_one_left_in_the_transient_buffers(tmp_pat
     """What lets the sampler run inside the training model's memory: a run whose transient buffers are filled
     with NaN bytes after every step, a run that samples every other step, and a run that never samples
     write the same checkpoint."""
-    from andrea.model import Model
+    from andrea.schedule.model import Model
 
     raw = json.loads(TINY.read_text())
     raw.update(train={"steps": 8}, precision=precision)

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from andrea.errors import AndreaError
-from andrea.loader import TokenWindows
-from andrea.shards import HEADER_BYTES, MAGIC, mask_path, mask_writer, read_mask, read_shard, shard_writer, write_shard
+from andrea.common.errors import AndreaError
+from andrea.store.loader import TokenWindows
+from andrea.store.shards import HEADER_BYTES, MAGIC, mask_path, mask_writer, read_mask, read_shard, shard_writer, write_shard
 
 
 def test_streamed_shard_equals_whole_shard(tmp_path):

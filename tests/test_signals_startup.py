@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea.shards import write_shard
+from andrea.store.shards import write_shard
 from conftest import EXPERIMENTS, train_numpy
 
 STEPS = 400
@@ -137,7 +137,7 @@ def test_sigusr1_to_a_plainly_started_command(tmp_path, tiny, supervise, offset_
 
 RANK = """
 import sys, time
-from andrea.stop_signals import STOP_SIGNALS
+from andrea.run.stop_signals import STOP_SIGNALS
 STOP_SIGNALS.install()
 deadline = time.time() + 10
 while not STOP_SIGNALS.snapshot and time.time() < deadline:
@@ -158,8 +158,8 @@ def fake_cupy(monkeypatch):
 @pytest.mark.parametrize("offset_ms", [0, 5, 10, 20, 40, 80])
 def test_the_launcher_s_ranks_survive_a_sigusr1_while_they_start(fake_cupy, offset_ms):
     """The --gpus launcher forwards a SIGUSR1 to every rank, however soon after it started them."""
-    from andrea.parallel import launch
-    from andrea.stop_signals import STOP_SIGNALS
+    from andrea.run.parallel import launch
+    from andrea.run.stop_signals import STOP_SIGNALS
 
     STOP_SIGNALS.install()  # this process's own, as the command line's: a signal before launch() is recorded
     try:
@@ -177,7 +177,7 @@ def test_the_launcher_s_ranks_survive_a_sigusr1_while_they_start(fake_cupy, offs
 # ---- clocks ----------------------------------------------------------------------------------------------
 
 def clock(**calls):
-    """A stand-in for the `time` module of andrea.train and andrea.run_book: the real one, with the named
+    """A stand-in for the `time` module of andrea.run.train and andrea.run.run_book: the real one, with the named
     functions replaced."""
     return types.SimpleNamespace(**{**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")}, **calls})
 
@@ -188,11 +188,11 @@ def records(out: Path) -> list[dict]:
 
 def test_a_frozen_clock_gives_no_rate(tmp_path, tiny, monkeypatch):
     """Every clock stands still: steps take no time, so there is no rate (null), and nothing divides by zero."""
-    import andrea.run_book
-    import andrea.train
+    import andrea.run.run_book
+    import andrea.run.train
 
     frozen = clock(time=lambda: 1.7e9, perf_counter=lambda: 50.0, monotonic=lambda: 50.0)
-    for module in (andrea.train, andrea.run_book):
+    for module in (andrea.run.train, andrea.run.run_book):
         monkeypatch.setattr(module, "time", frozen)
     out = tmp_path / "tiny.ckpt"
     assert train_numpy(*tiny, out, "--max-steps", "3") == 0
@@ -204,12 +204,12 @@ def test_a_frozen_clock_gives_no_rate(tmp_path, tiny, monkeypatch):
 def test_a_wall_clock_stepped_back_leaves_elapsed_time_and_rates_positive(tmp_path, tiny, monkeypatch):
     """The wall clock jumps back an hour at every reading (NTP, a suspended VM): durations come from a
     monotonic clock, so the elapsed time only grows and every rate is positive."""
-    import andrea.run_book
-    import andrea.train
+    import andrea.run.run_book
+    import andrea.run.train
 
     readings = iter(range(0, -10**9, -3600))
     stepped_back = clock(time=lambda: 1.7e9 + next(readings))
-    for module in (andrea.train, andrea.run_book):
+    for module in (andrea.run.train, andrea.run.run_book):
         monkeypatch.setattr(module, "time", stepped_back)
     out = tmp_path / "tiny.ckpt"
     assert train_numpy(*tiny, out, "--max-steps", "5") == 0
@@ -258,7 +258,7 @@ def test_the_edges_of_the_ranges_are_accepted(words, dest, value):
 
 def test_a_trainer_that_dies_before_making_its_folder_is_restarted(tmp_path):
     """A trainer killed before it made the run's folder still counts as a restart, recorded in a new history."""
-    from andrea.supervise import supervise
+    from andrea.run.supervise import supervise
 
     args = types.SimpleNamespace(out=str(tmp_path / "new" / "run.ckpt"), resume=False, init_from=None, max_restarts=1,
                                  sigterm_exit_code=SIGTERM_EXIT)

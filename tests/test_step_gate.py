@@ -6,11 +6,11 @@ changes no weight, also where only its loss is not."""
 import numpy as np
 import pytest
 
-import andrea.model
-from andrea.config import ModelShape
-from andrea.engines.crosscheck import synthetic_micro_batches
+import andrea.schedule.model
+from andrea.spec.config import ModelShape
+from andrea.schedule.crosscheck import synthetic_micro_batches
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.model import Model, NonFiniteStep, init_params
+from andrea.schedule.model import Model, NonFiniteStep, init_params
 
 SHAPE = ModelShape(n_layer=2, d_model=32, n_head=2, vocab_size=61, seq_len=16)
 # a clip far under the gradient's norm, so that every step clips
@@ -57,7 +57,7 @@ def test_the_step_launched_whole_has_the_host_decided_step_s_bits(make, weighted
     engine = make()
     launched = new_model(engine)
     got = run(launched, weighted)
-    monkeypatch.setattr(andrea.model, "LOSS_SLOTS", 0)  # more micro-batches than slots: the host decides
+    monkeypatch.setattr(andrea.schedule.model, "LOSS_SLOTS", 0)  # more micro-batches than slots: the host decides
     decided = new_model(engine)
     want = run(decided, weighted)
     assert all(norm > CLIPPED["grad_clip"] for _, norm in want)  # the clipping's scale was in play

@@ -1,4 +1,4 @@
-"""`andrea train`'s options are defined once (andrea.train.add_options): the trainer processes that
+"""`andrea train`'s options are defined once (andrea.run.train.add_options): the trainer processes that
 --supervise and --gpus start get every option that was set, the supervisor's own excepted. The
 tests walk the parser's options, so an option added later is covered with no change here."""
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from andrea.cli import build_parser
-from andrea.runfiles import RunFiles
-from andrea.supervise import START_OPTIONS, attempt_command
-from andrea.train import SUPERVISOR_ONLY, add_options, child_command
+from andrea.store.runfiles import RunFiles
+from andrea.run.supervise import START_OPTIONS, attempt_command
+from andrea.run.train import SUPERVISOR_ONLY, add_options, child_command
 
 REQUIRED = ["--experiment", "exp.json", "--data", "data", "--out", "out/run.ckpt"]
 
@@ -28,7 +28,7 @@ def non_default(action: argparse.Action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, next(c for c in action.choices if c != action.default)]
-    if action.type is not None:  # int, or a range-checked int (andrea.options.at_least)
+    if action.type is not None:  # int, or a range-checked int (andrea.common.options.at_least)
         return [flag, str((action.default or 0) + 7)]
     return [flag, f"set-{action.dest}"]
 

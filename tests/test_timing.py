@@ -4,12 +4,12 @@ nothing of it; which of the PyTorch peer's runs the benchmark counts; how its va
 import numpy as np
 import pytest
 
-from andrea.config import load_experiment
-from andrea.engines.crosscheck import OPTIMIZER, synthetic_micro_batches
+from andrea.spec.config import load_experiment
+from andrea.schedule.crosscheck import OPTIMIZER, synthetic_micro_batches
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.model import Model, init_params
+from andrea.schedule.model import Model, init_params
 from andrea.ops import CALLS
-from andrea.timing import OpRecorder
+from andrea.schedule.timing import OpRecorder
 from conftest import EXPERIMENTS
 
 
@@ -37,7 +37,7 @@ def test_the_recorder_sees_each_op_of_a_step_and_changes_no_bit():
 
 
 def test_the_peer_counts_its_fastest_process_and_keeps_every_run():
-    from andrea.timing import fastest_peer
+    from andrea.schedule.timing import fastest_peer
 
     runs = [{"ms_per_step": ms, "tokens_per_s": round(16384 / ms * 1e3), "run": i} for i, ms in enumerate((9.9, 7.8, 8.4))]
     best = fastest_peer(runs)
@@ -49,7 +49,7 @@ def test_the_peer_counts_its_fastest_process_and_keeps_every_run():
 
 
 def test_each_variant_reads_against_the_bf16_step_of_its_own_shape_and_call():
-    from andrea.timing import against_bf16
+    from andrea.schedule.timing import against_bf16
 
     def entry(tokens_per_s):
         return {"micro_batch": 8, "ms_per_step": round(8192 / tokens_per_s * 1e3, 2), "tokens_per_s": tokens_per_s}
@@ -84,7 +84,7 @@ def test_the_benchmark_table_gives_fp8_its_ratio_to_bf16():
 
 
 def test_alternating_timers_take_turns_within_each_round():
-    from andrea.timing import alternating
+    from andrea.schedule.timing import alternating
 
     calls = []
 

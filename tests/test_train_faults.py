@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from andrea.checkpoint import write_checkpoint
+from andrea.store.checkpoint import write_checkpoint
 from andrea.cli import main as cli_main
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.runfiles import read_loss_history
+from andrea.store.runfiles import read_loss_history
 from test_train_loop import history, run, train_cmd
 
 N_PARAMS = 135_808
@@ -144,7 +144,7 @@ def test_a_full_disk_during_the_loss_append_names_the_file_and_the_checkpoint(tm
         f = real_open(path, mode, *args, **kwargs)
         return FullDisk(f) if str(path) == str(loss_path) and "a" in mode else f
 
-    monkeypatch.setattr("andrea.runfiles.open", fake_open, raising=False)
+    monkeypatch.setattr("andrea.store.runfiles.open", fake_open, raising=False)
     assert train_in_process(experiment, repetitive_data, out, "--max-steps", "10") == 2
     err = capsys.readouterr().err
     assert str(loss_path) in err and "No space left on device" in err

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from andrea.runfiles import read_loss_history
+from andrea.store.runfiles import read_loss_history
 
 STEPS = 120
 HISTORY_FIELDS = ("step", "loss", "lr", "grad_norm", "val_loss")

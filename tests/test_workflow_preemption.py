@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from andrea.runfiles import read_loss_history
+from andrea.store.runfiles import read_loss_history
 from test_workflow import SNAKEMAKE, copy_workflow, edit_config, job_counts, snakemake
 
 pytestmark = pytest.mark.slow

@@ -30,15 +30,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from andrea.errors import AndreaError
-from andrea.runfiles import MAX_RECORD_BYTES, loads_record
-from andrea.runs import survey
+from andrea.common.errors import AndreaError
+from andrea.store.runfiles import MAX_RECORD_BYTES, loads_record
+from andrea.tools.runs import survey
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOSS_SUFFIX = ".loss.json"
 STATE_SUFFIX = ".state.json"
 SAMPLES_SUFFIX = ".samples.json"
-# Which runs are superseded (andrea.runs.survey: it probes each run's lock) is asked at most this often.
+# Which runs are superseded (andrea.tools.runs.survey: it probes each run's lock) is asked at most this often.
 SURVEY_TTL_S = 5.0
 ALLOWED_METHODS = ("GET", "HEAD")
 # A connection that sends no request (or stops reading a response) for this long is closed: the page

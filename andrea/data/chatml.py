@@ -23,7 +23,7 @@ import re
 from itertools import chain
 from typing import Iterable, Mapping, Sequence
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

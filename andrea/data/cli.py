@@ -60,7 +60,7 @@ def _train_tokenizer(args) -> int:
 
 def _tokenize(args) -> int:
     from andrea.data.tokenize_shards import tokenize
-    from andrea.errors import AndreaError
+    from andrea.common.errors import AndreaError
 
     sources = None
     if args.source:
@@ -84,7 +84,7 @@ def _lineage(args) -> int:
     import json
     from dataclasses import asdict
 
-    from andrea.manifest import format_lineage, lineage, lineage_ok
+    from andrea.store.manifest import format_lineage, lineage, lineage_ok
 
     root = lineage(args.file)
     print(json.dumps(asdict(root), indent=2) if args.json else "\n".join(format_lineage(root)))

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
 DOMAINS: tuple[str, ...] = ("pydocs", "wordnet")

@@ -25,8 +25,8 @@ from andrea.data.conversations import SCHEMAS, Dropped, content_hash, megachat_t
 from andrea.data.drops import Drops
 from andrea.data.progress import log, progress
 from andrea.data.tables import BATCH_ROWS, iter_rows, open_parquet, parquet_output
-from andrea.errors import AndreaError
-from andrea.manifest import write_manifest
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import write_manifest
 
 STAGE = "prep-megachat"
 SPLITS = ("train", "val")

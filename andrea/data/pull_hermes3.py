@@ -27,8 +27,8 @@ from andrea.data.drops import Drops
 from andrea.data.progress import log, progress
 from andrea.data.raw_rows import Rows, Unreadable, json_lines, json_records, open_stream, parquet_rows
 from andrea.data.tables import BATCH_ROWS, parquet_output
-from andrea.errors import AndreaError
-from andrea.manifest import write_manifest
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import write_manifest
 
 STAGE = "pull-hermes3"
 # file name ending -> reader of its (decompressed) bytes

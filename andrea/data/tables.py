@@ -10,8 +10,8 @@ from typing import Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from andrea.atomic import atomic_path
-from andrea.errors import AndreaError
+from andrea.common.atomic import atomic_path
+from andrea.common.errors import AndreaError
 
 BATCH_ROWS = 2048
 

@@ -1,5 +1,5 @@
 """Stage tokenize: MegaChat train/val -> `train.bin` / `val.bin` token shards and their loss masks
-`train.mask.bin` / `val.mask.bin` (see andrea.shards for both formats and the mask convention).
+`train.mask.bin` / `val.mask.bin` (see andrea.store.shards for both formats and the mask convention).
 
 Every conversation is encoded through `andrea.data.chatml` and followed by <|endoftext|>; the mask
 is 1 on the tokens of assistant content and the assistant's <|im_end|> (times the turn's weight).
@@ -7,7 +7,7 @@ Batches are encoded by up to `--threads` worker processes (encoding holds the GI
 stay in this process) and written in input order, so the shards do not depend on the number of
 workers. The shards sit beside the tokenizer that made them: one source's in DIR, or each of
 several sources' in DIR/<name>/ with their union in DIR (training reads the sources, see
-andrea.loader, and DIR/tokenizer.json).
+andrea.store.loader, and DIR/tokenizer.json).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from andrea.data.prep_megachat import SPLITS
 from andrea.data.progress import log, progress
 from andrea.data.tables import iter_batches, open_parquet
 from andrea.data.train_tokenizer import check_vocab_size
-from andrea.errors import AndreaError
-from andrea.manifest import write_manifest
-from andrea.shards import mask_path, mask_writer, shard_writer, stream_mask, stream_shard
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import write_manifest
+from andrea.store.shards import mask_path, mask_writer, shard_writer, stream_mask, stream_shard
 
 STAGE = "tokenize"
 TOKENIZER_NAME = "tokenizer.json"
@@ -120,7 +120,7 @@ def _write_split(chat, table, parquet: Path, shard: Path, inputs: list, pool, wo
 def _write_union(out_dir: Path, split: str, names: list[str]) -> dict:
     """DIR/<split>.bin and its mask: the sources' shards one after the other, in name order, for
     what reads one shard per split (training and evaluation find the sources themselves; see
-    andrea.loader). Its manifest names the sources, and its inputs are their shards."""
+    andrea.store.loader). Its manifest names the sources, and its inputs are their shards."""
     start = time.perf_counter()
     shards = [out_dir / name / f"{split}.bin" for name in names]
     union = out_dir / f"{split}.bin"

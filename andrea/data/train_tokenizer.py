@@ -20,14 +20,14 @@ from typing import Iterator
 
 import pyarrow.compute as pc
 
-from andrea.atomic import atomic_path
+from andrea.common.atomic import atomic_path
 from andrea.data.chatml import (MAX_TOKEN_LENGTH, MAX_UNSPACED_CHUNK, MAX_WORD_CHARS, SPECIAL_TOKENS, UNSPACED_CHUNK,
                                 pre_tokenizer)
 from andrea.data.progress import log, progress
 from andrea.data.tables import iter_batches, open_parquet
-from andrea.errors import AndreaError
-from andrea.manifest import write_manifest
-from andrea.shards import MAX_VOCAB
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import write_manifest
+from andrea.store.shards import MAX_VOCAB
 
 STAGE = "train-tokenizer"
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)

@@ -6,7 +6,7 @@ the ops themselves live in andrea/ops/<op>.py. This module picks and builds an e
 
 from __future__ import annotations
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 ENGINES = ("auto", "numpy", "cuda")
 

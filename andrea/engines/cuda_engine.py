@@ -12,7 +12,7 @@ caller's buffers, cuBLAS runs on the engine's own handle with a preallocated wor
 reads copy into host memory. Every reduction runs in a fixed order: the same inputs give the same
 bits on every run.
 
-Precision (andrea/precision.py): each precision is its own NVRTC build of kernels/*.cu (the
+Precision (andrea/spec/precision.py): each precision is its own NVRTC build of kernels/*.cu (the
 activation type act_t, kernels/common.cuh). Weights, m and v are FP32 in every precision: the
 checkpoint is the same. The fp32 attention kernels use the tensor cores too, in "3xTF32" (each operand
 split into two TF32 parts, three products: FP32-level accuracy).
@@ -28,12 +28,12 @@ from andrea import ops
 from andrea.engines.cublas import Cublas, CublasLt
 from andrea.engines.graphs import without_small_memsets
 from andrea.engines.protocol import EngineTraits
-from andrea.errors import AndreaError
-from andrea.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
-from andrea.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
+from andrea.common.errors import AndreaError
+from andrea.ops.kernels_build import HOPPER_ARCH, build_options, cached_cubin, hopper_build_wanted, kernel_dir, kernel_source
+from andrea.spec.memory import PERSISTENT_ROLES, BufferSpec, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, fp8, grad_norm, layernorm, loss, mlp, residual_add
 from andrea.ops.base import ELEMENTWISE_THREADS, blocks, ptr
-from andrea.precision import PRECISIONS
+from andrea.spec.precision import PRECISIONS
 
 ALIGN = 256  # bytes: every plan buffer starts on this boundary inside the one device allocation
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # cuBLAS's recommended workspace on Hopper

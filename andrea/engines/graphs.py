@@ -17,7 +17,7 @@ import os
 
 import cupy
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 from andrea.ops.base import blocks, kernel_defines
 
 SMALL_MEMSET_BYTES = 1 << 20  # larger memsets keep their node: one kernel's gaps matter only beside a small one

@@ -13,7 +13,7 @@ import numpy as np
 
 from andrea.engines.cpu_blas import BlockedProducts
 from andrea.engines.protocol import EngineTraits
-from andrea.memory import PERSISTENT_ROLES, carve, split_shared
+from andrea.spec.memory import PERSISTENT_ROLES, carve, split_shared
 from andrea.ops import adamw, attn, attn_out, attn_qkv, embed, grad_norm, layernorm, loss, mlp, residual_add
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from andrea.memory import BufferSpec
+from andrea.spec.memory import BufferSpec
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from andrea.errors import AndreaError
-from andrea.memory import BufferSpec
+from andrea.common.errors import AndreaError
+from andrea.spec.memory import BufferSpec
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks
 
 KERNELS = {"adamw": ("k_adamw", "k_cast_params")}

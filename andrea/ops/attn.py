@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
 from andrea.ops.fp8 import amax_arg, delayed_amax, fp8_halves, history_slot
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from andrea.memory import BufferSpec
+from andrea.spec.memory import BufferSpec
 from andrea.ops.attn import grad_rows
 from andrea.ops.base import Draw, OpCase, blocks, start_grad
 from andrea.ops.fp8 import delayed_amax

@@ -16,8 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from andrea.errors import AndreaError
-from andrea.layout import ParameterLayout
+from andrea.common.errors import AndreaError
+from andrea.spec.layout import ParameterLayout
 
 # Threads of a block of the grid-stride and one-thread-per-vector kernels: a host choice, not a kernel
 # constant (those kernels take any block size).
@@ -54,7 +54,7 @@ def kernel_defines(op: str) -> dict[str, int]:
     """The integer `#define`s of kernels/<op>.cu: the launch shape its kernels are written for, read by
     their launcher so that no constant is copied by hand. A name defined twice is refused (it would be
     defined under a condition this reader does not evaluate)."""
-    from andrea.kernels_build import kernel_dir
+    from andrea.ops.kernels_build import kernel_dir
 
     path = kernel_dir() / f"{op}.cu"
     found: dict[str, int] = {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from andrea.errors import AndreaError
-from andrea.memory import BufferSpec
+from andrea.common.errors import AndreaError
+from andrea.spec.memory import BufferSpec
 from andrea.ops.base import Draw, OpCase, kernel_defines, start_grad
 
 # The backward's builds: J columns a thread (the EMBED_BWD instances at kernels/embed.cu's end).

@@ -46,7 +46,7 @@ import contextlib
 
 import numpy as np
 
-from andrea.memory import BufferSpec
+from andrea.spec.memory import BufferSpec
 from andrea.ops.base import blocks, kernel_defines, overlaps, ptr
 
 KERNELS = {"fp8": ("k_fp8_amax", "k_fp8_cast", "k_fp8_amax_many", "k_fp8_cast_many", "k_fp8_cast_dgelu", "k_fp8_act_t")}

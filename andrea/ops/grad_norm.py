@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from andrea.memory import GRAD_NORM_PARTIALS
+from andrea.spec.memory import GRAD_NORM_PARTIALS
 from andrea.ops.base import Draw, OpCase
 
 KERNELS = {"grad_norm": ("k_grad_norm_partial", "k_grad_norm_final", "k_grad_gate")}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from andrea.errors import AndreaError
-from andrea.memory import BufferSpec
+from andrea.common.errors import AndreaError
+from andrea.spec.memory import BufferSpec
 from andrea.ops.fp8 import amax_arg, fp8_halves, fp8_shapes_ok
 from andrea.ops.base import Draw, OpCase, blocks, kernel_defines, ptr, start_grad
 

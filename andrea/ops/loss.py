@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from andrea.memory import BufferSpec
+from andrea.spec.memory import BufferSpec
 from andrea.ops.base import ELEMENTWISE_THREADS, Draw, OpCase, blocks, kernel_defines, ptr, start_grad
 from andrea.ops.fp8 import DLOGITS_AMAX, DLOGITS_SLOT
 

@@ -3,7 +3,7 @@
     python3 dev/cuda/attn_bf16_check.py [--out DIR] [--source PATH ...] [--variants 1,2,3] [--bench-shapes LIST]
     python3 dev/cuda/attn_bf16_check.py --selftest-reference      (CPU only: checks the float64 reference itself)
 
-Needs cupy and numpy only (of the repository it imports andrea.kernels_build, andrea.ops and andrea.timing). Each
+Needs cupy and numpy only (of the repository it imports andrea.ops.kernels_build, andrea.ops and andrea.schedule.timing). Each
 build is compiled with NVRTC as the engine compiles it (kernels/common.cuh spliced in, -std=c++17) and launched as the
 engine launches it (largest shared-memory carveout); its launch shape comes from the module's int[4] constant
 attn_bf16_launch {THREADS, ROWS, KV_THREADS, KV_ROWS} when it has one, else from the source's #defines of those names.
@@ -56,10 +56,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from andrea.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
+from andrea.ops.kernels_build import COMMON_HEADER, kernel_dir, kernel_source  # noqa: E402
 from andrea.ops.attn import launch_order  # noqa: E402
 from andrea.ops.fp8 import amax_arg  # noqa: E402
-from andrea.timing import median_ms  # noqa: E402
+from andrea.schedule.timing import median_ms  # noqa: E402
 
 HD = 64
 SHAPES = [(2, 1024, 12), (1, 200, 2), (3, 64, 1), (2, 77, 3), (8, 1024, 12)]  # (B, T, H)
@@ -286,7 +286,7 @@ def selftest_reference() -> bool:
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 def source_text(path: str | None) -> tuple[str, str]:
-    """(label, text) of a kernel file with common.cuh spliced in, as andrea.kernels_build.kernel_source() does;
+    """(label, text) of a kernel file with common.cuh spliced in, as andrea.ops.kernels_build.kernel_source() does;
     None: the repository's kernels/attn_bf16.cu."""
     if path is None:
         return "kernels/attn_bf16.cu", kernel_source("attn_bf16")
@@ -326,7 +326,7 @@ def hopper_module(cp, source: str, options: tuple[str, ...]):
     loaded from a file."""
     import tempfile
 
-    from andrea.kernels_build import HOPPER_ARCH, compile_source
+    from andrea.ops.kernels_build import HOPPER_ARCH, compile_source
 
     cubin, _ = compile_source(source, "attn_bf16.cu", (f"-arch={HOPPER_ARCH}", "-std=c++17", *options))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:

@@ -34,8 +34,8 @@ def child(folder: str, name: str, precision: str, ops: list[str], steps: int) ->
     from bench import BENCH, EXPERIMENTS, op_times, options, per_step_ms
 
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
-    from andrea.timing import OpRecorder
+    from andrea.schedule.model import Model, init_params
+    from andrea.schedule.timing import OpRecorder
 
     assert os.environ.get("ANDREA_KERNELS") == folder
     engine = CudaEngine(precision=precision)

@@ -4,7 +4,7 @@
                                                [--seeds 1337] [--text DIR]
 
 For each of `--seeds`, each precision trains `--steps` steps of the synthetic stream drawn from that seed, from
-init_params(seed), at the benchmark's micro-batch with the trainer's memory options (andrea/engines/crosscheck.py's
+init_params(seed), at the benchmark's micro-batch with the trainer's memory options (andrea/schedule/crosscheck.py's
 train_run, as the parity tests of tests/test_gpu_scale.py run it), and prints its loss every `--every` steps and
 its last. With `--text DIR` (a tokens folder with train.bin and val.bin, e.g. the embedded corpus as
 tests/conftest.py's embedded_text prepares it) the steps read its text as the text parity test does, and the
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench import BENCH, EXPERIMENTS, options  # noqa: E402
 
-from andrea.engines.crosscheck import text_training, train_run  # noqa: E402
+from andrea.schedule.crosscheck import text_training, train_run  # noqa: E402
 
 
 def main() -> int:

@@ -37,7 +37,7 @@ def events_ms(fn, n: int = 20) -> float:
 def bench_model(name: str, precision: str):
     """(engine, model) of scripts/bench.py's step for a shape and precision, from init seed 0."""
     from andrea.engines.cuda_engine import CudaEngine
-    from andrea.model import Model, init_params
+    from andrea.schedule.model import Model, init_params
 
     engine = CudaEngine(precision=precision)
     model = Model(engine, EXPERIMENTS[name].model, BENCH[name], graphs=True, **options(name))

@@ -7,11 +7,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from andrea.config import continuation_refusal
-from andrea.config import load_experiment as load_experiment_file
+from andrea.spec.config import continuation_refusal
+from andrea.spec.config import load_experiment as load_experiment_file
 from andrea.engines import cuda_available
-from andrea.errors import AndreaError
-from andrea.hashing import code_hash, config_hash, sha256_file
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import code_hash, config_hash, sha256_file
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -70,7 +70,7 @@ def trains_on_numpy():
 def effective_experiment(name):
     """The experiment the train job runs and the `--set` items that make it: the JSON with the
     config's overrides applied (and CPU_PRECISION where it applies), checked by the package
-    (andrea.config: its schema and rules)."""
+    (andrea.spec.config: its schema and rules)."""
     path = experiment_path(name)
     if not path.is_file():
         known = sorted(
@@ -357,8 +357,8 @@ STAGE_CODE = {
         "andrea/data/cli.py",
     ],
     "tokenize": ["andrea.data.tokenize_shards", "andrea/cli.py", "andrea/data/cli.py"],
-    "train": ["andrea.train", "andrea/cli.py", "andrea/schemas/", "kernels/"],
-    "eval": ["andrea.evaluate", "andrea/cli.py", "andrea/schemas/", "kernels/"],
+    "train": ["andrea.run.train", "andrea/cli.py", "andrea/schemas/", "kernels/"],
+    "eval": ["andrea.tools.evaluate", "andrea/cli.py", "andrea/schemas/", "kernels/"],
 }
 
 
@@ -393,7 +393,7 @@ def run_dir(wildcards, input):
     folder's name carries the data identity; the train shard's manifest covers code changes that
     rewrite the shards in place), the engine setting and the experiment's trajectory_hash (model,
     optimizer, batch, seed, precision). Among the folders of its family, the run that can continue
-    as the effective experiment (andrea.config.continuation_refusal) is reused, so an edit that
+    as the effective experiment (andrea.spec.config.continuation_refusal) is reused, so an edit that
     only adds steps (a longer constant last phase, a new phase) resumes and extends it: first the
     run of this very experiment, else the one furthest on, else the first by name. Otherwise a new
     folder is named by the effective experiment's hash. The same config and files give the same
@@ -442,7 +442,7 @@ def run_dir(wildcards, input):
 
 
 def code_version(stage):
-    """sha256 of the source `stage` runs (andrea.hashing.code_hash). As a param it reruns the
+    """sha256 of the source `stage` runs (andrea.common.hashing.code_hash). As a param it reruns the
     stage when that source changes: by content, so a checkout that leaves the text alone reruns
     nothing."""
     try:

@@ -4,7 +4,7 @@ import json
 import sys
 from html import escape
 
-from andrea.runfiles import unfinished_phrase
+from andrea.store.runfiles import unfinished_phrase
 
 # (header, how to read it from an eval report, format)
 COLUMNS = [

@@ -7,7 +7,7 @@ import math
 import sys
 from html import escape
 
-from andrea.runfiles import iter_records, read_loss_history, unfinished_phrase
+from andrea.store.runfiles import iter_records, read_loss_history, unfinished_phrase
 
 WIDTH, HEIGHT = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 44, 52

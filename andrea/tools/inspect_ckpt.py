@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import is_best, map_checkpoint, read_header, read_state, state_path, vouches
-from andrea.config import Experiment, load_experiment, validate
-from andrea.errors import AndreaError
-from andrea.hashing import sha256_file
-from andrea.layout import ParameterLayout
+from andrea.store.checkpoint import is_best, map_checkpoint, read_header, read_state, state_path, vouches
+from andrea.spec.config import Experiment, load_experiment, validate
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import sha256_file
+from andrea.spec.layout import ParameterLayout
 
 DEFAULT_EXPERIMENTS_DIR = "config/experiments"
 VECTORS = ("weights", "m", "v")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from andrea.checkpoint import read_header, read_state, state_path, verify_against_state
+from andrea.store.checkpoint import read_header, read_state, state_path, verify_against_state
 from andrea.data.chatml import ChatTokenizer
 from andrea.engines import cuda_available, make_engine
-from andrea.errors import AndreaError
-from andrea.identity import check_tokenizer
+from andrea.common.errors import AndreaError
+from andrea.store.identity import check_tokenizer
 
 
 def inference_engine(name: str, precision: str):

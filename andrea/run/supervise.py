@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record
-from andrea.stop_signals import SIGNALS, STOP_SIGNALS, blocked
+from andrea.store.runfiles import EXIT_NONFINITE, RESTARTS_ENV, RunFiles, append_record
+from andrea.run.stop_signals import SIGNALS, STOP_SIGNALS, blocked
 
 # Exit statuses that a restart cannot fix: a usage/input error, or a numerical fault that would recur.
 FINAL_STATUSES = {2, EXIT_NONFINITE}

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.atomic import write_json_atomic
-from andrea.checkpoint import read_finite_weights, read_header, read_state, state_path, vouches
-from andrea.errors import AndreaError
-from andrea.identity import check_tokenizer, data_fingerprint, record_mismatches
-from andrea.hashing import sha256_file
-from andrea.inference import find_tokenizer, inference_engine, load_tokenizer
-from andrea.inspect_ckpt import experiment_for
-from andrea.layout import ParameterLayout
-from andrea.loader import TokenWindows
-from andrea.manifest import lineage, manifest_path, read_manifest, write_manifest
-from andrea.model import Model
+from andrea.common.atomic import write_json_atomic
+from andrea.store.checkpoint import read_finite_weights, read_header, read_state, state_path, vouches
+from andrea.common.errors import AndreaError
+from andrea.store.identity import check_tokenizer, data_fingerprint, record_mismatches
+from andrea.common.hashing import sha256_file
+from andrea.tools.inference import find_tokenizer, inference_engine, load_tokenizer
+from andrea.tools.inspect_ckpt import experiment_for
+from andrea.spec.layout import ParameterLayout
+from andrea.store.loader import TokenWindows
+from andrea.store.manifest import lineage, manifest_path, read_manifest, write_manifest
+from andrea.schedule.model import Model
 
 EVAL_FORMAT = "andrea-eval/1"
 MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this

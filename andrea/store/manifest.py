@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from andrea import __version__
-from andrea.atomic import write_json_atomic
-from andrea.errors import AndreaError
-from andrea.hashing import config_hash, sha256_file
+from andrea.common.atomic import write_json_atomic
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import config_hash, sha256_file
 
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = "andrea-manifest/1"

@@ -5,7 +5,7 @@
     NAME.ckpt                the last checkpoint; the state vouches for it and the one before
     NAME.best.ckpt           the checkpoint at the best validation loss so far (`best`)
     NAME.archive/<phase>/    each finished phase's checkpoint, samples and state
-    NAME.loss.json events    start, resume, checkpoint, best, pivot, nonfinite, ... (andrea.runfiles reads them)
+    NAME.loss.json events    start, resume, checkpoint, best, pivot, nonfinite, ... (andrea.store.runfiles reads them)
 
 Every write goes in the order that makes a kill at any instant safe (docs/RELIABILITY.md): the state before the
 checkpoint it vouches for, the state's `best` before NAME.best.ckpt, an archive beside its place before it is
@@ -21,10 +21,10 @@ import time
 from datetime import datetime, timezone
 
 from andrea import __version__
-from andrea.atomic import write_json_atomic
-from andrea.checkpoint import checkpoint_digest, read_state, untrusted_values, write_checkpoint
-from andrea.errors import AndreaError
-from andrea.runfiles import RESTARTS_ENV, RunFiles, append_record
+from andrea.common.atomic import write_json_atomic
+from andrea.store.checkpoint import checkpoint_digest, read_state, untrusted_values, write_checkpoint
+from andrea.common.errors import AndreaError
+from andrea.store.runfiles import RESTARTS_ENV, RunFiles, append_record
 
 STATE_FORMAT = 1
 # How many recent checkpoints .state.json vouches for: a kill between renaming the checkpoint and
@@ -240,7 +240,7 @@ class RunBook:
             "train_tokens": self.train_tokens,
             "tokenizer": self.tokenizer,
             **({"data_history": self.data_history} if self.data_history else {}),
-            "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/loader.py",
+            "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/store/loader.py",
             "phases": [{"name": p.name, "start": p.start, "end": p.end, "hash": p.hash(), "loss_on": p.loss_on,
                         "status": "finished" if p.end <= step else "running" if p.start < step else "waiting"}
                        for p in program.phases],

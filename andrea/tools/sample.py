@@ -11,14 +11,14 @@ from typing import Iterator
 
 import numpy as np
 
-from andrea.checkpoint import read_finite_weights
+from andrea.store.checkpoint import read_finite_weights
 from andrea.data.chatml import IM_END, IM_START, ChatTokenizer
-from andrea.errors import AndreaError
-from andrea.inference import inference_engine, load_tokenizer, tokenizer_for, vouched_state
-from andrea.inspect_ckpt import experiment_for
-from andrea.layout import ParameterLayout
-from andrea.model import Model
-from andrea.options import at_least, non_negative_float
+from andrea.common.errors import AndreaError
+from andrea.tools.inference import inference_engine, load_tokenizer, tokenizer_for, vouched_state
+from andrea.tools.inspect_ckpt import experiment_for
+from andrea.spec.layout import ParameterLayout
+from andrea.schedule.model import Model
+from andrea.common.options import at_least, non_negative_float
 
 TEMPERATURE = 0.8
 TOP_K = 40

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from math import prod
 
-from andrea.layout import ParameterLayout
+from andrea.spec.layout import ParameterLayout
 
 # Grad-norm reduction: the flat gradient is cut into this many contiguous chunks; each chunk's
 # sum of squares is one partial, and the partials are summed in index order (deterministic).

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.atomic import write_json_atomic
-from andrea.errors import AndreaError
-from andrea.runfiles import RunFiles
-from andrea.stop_signals import SIGNALS, STOP_SIGNALS, blocked
+from andrea.common.atomic import write_json_atomic
+from andrea.common.errors import AndreaError
+from andrea.store.runfiles import RunFiles
+from andrea.run.stop_signals import SIGNALS, STOP_SIGNALS, blocked
 
 RANK_ENV, WORLD_ENV, LOCAL_ENV, NCCL_ID_ENV = "ANDREA_RANK", "ANDREA_WORLD_SIZE", "ANDREA_LOCAL_RANK", "ANDREA_NCCL_ID"
 ID_WAIT_S = 300
@@ -163,7 +163,7 @@ class DataParallel:
 
 def launch(command: list[str], n_gpus: int, sigterm_exit_code: int) -> int:
     """Start one process per GPU of this host running `command` (the `andrea train` command of a rank,
-    from andrea.train.child_command); forward SIGTERM/SIGUSR1 to all, held pending while they start."""
+    from andrea.run.train.child_command); forward SIGTERM/SIGUSR1 to all, held pending while they start."""
     from cupy.cuda import runtime
 
     available = runtime.getDeviceCount()

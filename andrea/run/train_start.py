@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.checkpoint import check_trainable, read_checkpoint, read_header, read_state, verify_against_state
-from andrea.config import continuation_refusal
-from andrea.errors import AndreaError
-from andrea.identity import record_mismatches
-from andrea.inspect_ckpt import refuse_other_model
-from andrea.runfiles import RunFiles, iter_records
+from andrea.store.checkpoint import check_trainable, read_checkpoint, read_header, read_state, verify_against_state
+from andrea.spec.config import continuation_refusal
+from andrea.common.errors import AndreaError
+from andrea.store.identity import record_mismatches
+from andrea.tools.inspect_ckpt import refuse_other_model
+from andrea.store.runfiles import RunFiles, iter_records
 
 
 @dataclass
@@ -45,7 +45,7 @@ def refuse_existing_checkpoint(files: RunFiles, resume: bool) -> None:
 def read_verified(path: Path, exp):
     """Read a checkpoint to train on: checked against the .state.json that speaks for it, if any, and for
     numbers that can be trusted."""
-    from andrea.layout import ParameterLayout
+    from andrea.spec.layout import ParameterLayout
 
     verify_against_state(path)
     step, params, m, v = read_checkpoint(path, ParameterLayout(exp.model).n_params, f"experiment {exp.name}")

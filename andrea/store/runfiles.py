@@ -40,7 +40,7 @@ class RunFiles:
         return self.archive / phase
 
     def nccl_id(self, job: str) -> Path:
-        """Where rank 0 publishes the NCCL id for the ranks of one job (see andrea/parallel.py)."""
+        """Where rank 0 publishes the NCCL id for the ranks of one job (see andrea/run/parallel.py)."""
         return self.ckpt.with_name(f"{self.ckpt.name}.nccl-id.{job}")
 
     def nccl_ids(self) -> list[Path]:

@@ -12,12 +12,12 @@ and each source is drawn in proportion to its tokens); W = sum W_k. Sample j of 
 (j = step * batch_size + i) is window perm_e[j mod W] with e = j // W and perm_e a permutation of
 the W windows drawn from PCG64(seed, e): each epoch visits every window once, in a fresh order.
 Resume therefore needs only the step. With one source this is exactly the single-shard scheme.
-An experiment with `mixing` draws its batches by andrea.mixing instead (docs/FIREHOSE-BANDIT.md);
+An experiment with `mixing` draws its batches by andrea.store.mixing instead (docs/FIREHOSE-BANDIT.md);
 `micro_batches_of` / `micro_weights_of` read any list of windows.
 Validation scores `val_windows(n)`: n windows evenly spaced over all W of the split (or over one
 source's), so every source is scored by its share of the windows (docs/EVAL.md).
 
-Loss masks (DIR/<name>/train.mask.bin beside each shard, see andrea.shards): the target weights of
+Loss masks (DIR/<name>/train.mask.bin beside each shard, see andrea.store.shards): the target weights of
 a batch, aligned with its targets, come from `train_micro_weights` / `micro_weights_of`.
 """
 
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.errors import AndreaError
-from andrea.manifest import manifest_path, read_manifest
-from andrea.shards import mask_path, read_mask, read_shard
+from andrea.common.errors import AndreaError
+from andrea.store.manifest import manifest_path, read_manifest
+from andrea.store.shards import mask_path, read_mask, read_shard
 
 
 def source_shards(path) -> list[tuple[str | None, Path]]:
@@ -133,7 +133,7 @@ class TokenWindows:
         return k, int(window - self.window_offsets[k]) * self.seq_len
 
     def batch_windows(self, step: int, batch_size: int) -> list[int]:
-        """The windows of the step's B rows under this scheme (andrea.mixing draws them otherwise)."""
+        """The windows of the step's B rows under this scheme (andrea.store.mixing draws them otherwise)."""
         return [self._window(step * batch_size + i) for i in range(batch_size)]
 
     def _train_windows(self, step: int, batch_size: int, rank: int, world: int) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.data.chatml import ENDOFTEXT, IM_END, IM_START
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 STAGE = "export-hf"
 
@@ -92,13 +92,13 @@ def generation_config(chat) -> dict:
 
 def export_hf(ckpt, out_dir, *, experiment=None, tokenizer=None) -> list[Path]:
     """Write the folder; returns the files written."""
-    from andrea.atomic import atomic_path, atomic_write, write_json_atomic
-    from andrea.checkpoint import read_finite_weights
-    from andrea.inspect_ckpt import experiment_for
-    from andrea.layout import ParameterLayout
-    from andrea.manifest import write_manifest
-    from andrea.inference import load_tokenizer, tokenizer_for, vouched_state
-    from andrea.sample import check_vocab
+    from andrea.common.atomic import atomic_path, atomic_write, write_json_atomic
+    from andrea.store.checkpoint import read_finite_weights
+    from andrea.tools.inspect_ckpt import experiment_for
+    from andrea.spec.layout import ParameterLayout
+    from andrea.store.manifest import write_manifest
+    from andrea.tools.inference import load_tokenizer, tokenizer_for, vouched_state
+    from andrea.tools.sample import check_vocab
 
     try:
         from safetensors.numpy import save

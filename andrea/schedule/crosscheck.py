@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from andrea import ops
-from andrea.config import ModelShape
+from andrea.spec.config import ModelShape
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.model import Model, init_params
+from andrea.schedule.model import Model, init_params
 from andrea.ops.base import Draw, OpCase, OpShape
 
 OPS = ops.case_names()
@@ -134,7 +134,7 @@ def held_out_micro_batches(tokens: np.ndarray, T: int, micro_batch: int, n: int 
 def text_training(folder, T: int, micro_batch: int) -> dict:
     """train_run's `stream` and `held_out` for the text of a tokens folder (train.bin, val.bin): one micro-batch a
     step of train.bin's windows, and val.bin's held-out micro-batches (the text parity test's runs)."""
-    from andrea.shards import read_shard
+    from andrea.store.shards import read_shard
 
     train = read_shard(Path(folder) / "train.bin")
     return {"stream": lambda step: text_micro_batches(train, T, micro_batch, 1, step),

@@ -3,7 +3,7 @@
     [int32 step][int32 n_params][n_params x float32 weights][n_params x float32 m][n_params x float32 v]
 
 Little-endian, no padding, nothing else. `step` = optimizer steps completed. What the format cannot
-hold lives in the `.state.json` sidecar (see `andrea.run_book`).
+hold lives in the `.state.json` sidecar (see `andrea.run.run_book`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.atomic import atomic_write
-from andrea.errors import AndreaError
-from andrea.hashing import sha256_file
-from andrea.runfiles import BEST_SUFFIX, RunFiles
+from andrea.common.atomic import atomic_write
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import sha256_file
+from andrea.store.runfiles import BEST_SUFFIX, RunFiles
 
 HEADER = np.dtype([("step", "<i4"), ("n_params", "<i4")])
 HEADER_BYTES = HEADER.itemsize

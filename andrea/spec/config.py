@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from andrea.errors import AndreaError
-from andrea.hashing import config_hash
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import config_hash
 
 
 def experiment_schema() -> dict:
@@ -158,7 +158,7 @@ class Phase:
 
     @property
     def mixing(self) -> dict | None:
-        """How the phase draws from the sources (andrea.mixing): its own, else the experiment's, else None."""
+        """How the phase draws from the sources (andrea.store.mixing): its own, else the experiment's, else None."""
         return self.spec.get("mixing", self.exp.raw.get("mixing"))
 
     def lr_at(self, step: int) -> float:

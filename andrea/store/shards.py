@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.atomic import atomic_write
-from andrea.errors import AndreaError
+from andrea.common.atomic import atomic_write
+from andrea.common.errors import AndreaError
 
 MAGIC = 20240520
 MASK_MAGIC = 20240601
@@ -66,7 +66,7 @@ def _writer(path, magic: int, dtype: np.dtype, limit: int, what: str):
 def shard_writer(path: str | os.PathLike):
     """A context yielding `append(tokens)`; the shard is written part by part (never whole in
     memory), its header's count filled in at the end, and it replaces `path` atomically (see
-    andrea.atomic)."""
+    andrea.common.atomic)."""
     return _writer(path, MAGIC, TOKEN_DTYPE, MAX_VOCAB, "token ids")
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from andrea.errors import AndreaError
-from andrea.hashing import sha256_file
-from andrea.manifest import manifest_path, read_manifest
+from andrea.common.errors import AndreaError
+from andrea.common.hashing import sha256_file
+from andrea.store.manifest import manifest_path, read_manifest
 
 
 def file_fingerprint(path: Path, compute: bool = True) -> dict:

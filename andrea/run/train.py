@@ -8,7 +8,7 @@ Outputs for results/NAME.ckpt (see docs/ANDREA.md):
     NAME.log           the run's log lines
 
 The state, the checkpoints it vouches for (the best one too), the phase archives and the order they are written
-in are the run's book (andrea/run_book.py); what --resume and --init-from refuse is andrea/train_start.py.
+in are the run's book (andrea/run/run_book.py); what --resume and --init-from refuse is andrea/run/train_start.py.
 
 SIGTERM: checkpoint at the next step boundary, exit (0 by default) once durable.
 SIGUSR1: checkpoint, continue. See docs/RELIABILITY.md for every failure the loop survives.
@@ -26,20 +26,20 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.atomic import write_json_atomic
-from andrea.config import load_experiment
-from andrea.errors import AndreaError, error_sentence
-from andrea.identity import data_fingerprint, tokenizer_fingerprint
-from andrea.loader import rank_rows
-from andrea.memory import device_bytes
-from andrea.mixing import Mixture, MixState
-from andrea.options import at_least
-from andrea.parallel import launch, rank_from_env
-from andrea.run_book import RunBook, UntrustedState, take_lock
-from andrea.runfiles import EXIT_NONFINITE, RunFiles, end_torn_line
-from andrea.stop_signals import STOP_SIGNALS
-from andrea.supervise import START_OPTIONS, supervise
-from andrea.train_start import Start, StartChecks, refuse_existing_checkpoint
+from andrea.common.atomic import write_json_atomic
+from andrea.spec.config import load_experiment
+from andrea.common.errors import AndreaError, error_sentence
+from andrea.store.identity import data_fingerprint, tokenizer_fingerprint
+from andrea.store.loader import rank_rows
+from andrea.spec.memory import device_bytes
+from andrea.store.mixing import Mixture, MixState
+from andrea.common.options import at_least
+from andrea.run.parallel import launch, rank_from_env
+from andrea.run.run_book import RunBook, UntrustedState, take_lock
+from andrea.store.runfiles import EXIT_NONFINITE, RunFiles, end_torn_line
+from andrea.run.stop_signals import STOP_SIGNALS
+from andrea.run.supervise import START_OPTIONS, supervise
+from andrea.run.train_start import Start, StartChecks, refuse_existing_checkpoint
 
 N_SAMPLE_PROMPTS = 3
 # Options of the supervisor itself, never handed to the trainer processes it starts.
@@ -187,7 +187,7 @@ class Trainer:
     def _read_data(self, data: Path) -> None:
         """The token shards, the program the experiment makes of them, the mixture of their sources, and what
         the run is made from (the data's and the tokenizer's fingerprints)."""
-        from andrea.loader import TokenWindows
+        from andrea.store.loader import TokenWindows
 
         shape = self.exp.model
         self.data_dir = data
@@ -231,7 +231,7 @@ class Trainer:
         self.engine = make_engine("cuda" if self.rank is not None else args.engine, precision=self.exp.precision)
         t_engine = time.perf_counter() - t_engine
         if self.rank is not None:
-            from andrea.parallel import DataParallel, forget_unique_id, unique_id
+            from andrea.run.parallel import DataParallel, forget_unique_id, unique_id
 
             self.data_parallel = DataParallel(self.rank, unique_id(self.rank, self.files))
             forget_unique_id(self.rank, self.files)  # every rank has joined: the id has served
@@ -246,7 +246,7 @@ class Trainer:
 
     def _build_model(self) -> None:
         """The training model and the sampler, and their memory plan, printed."""
-        from andrea.model import Model
+        from andrea.schedule.model import Model
 
         micro = self.exp.batch_size // (self.world * self.exp.micro_batches)
         self.model = Model(self.engine, self.exp.model, micro, data_parallel=self.data_parallel,
@@ -277,7 +277,7 @@ class Trainer:
                                   "measured; give it more data (a larger val fraction) or drop it from data.sources")
 
     def _tokenizer_path(self, explicit) -> Path | None:
-        from andrea.inference import find_tokenizer
+        from andrea.tools.inference import find_tokenizer
 
         path = find_tokenizer(self.data_dir, explicit)
         if path is not None and not path.is_file():
@@ -285,8 +285,8 @@ class Trainer:
         return path
 
     def _setup_sampling(self) -> None:
-        from andrea.inference import load_tokenizer
-        from andrea.sample import Sampler, validation_prompts
+        from andrea.tools.inference import load_tokenizer
+        from andrea.tools.sample import Sampler, validation_prompts
 
         if self.exp.intervals["sample"] <= 0 or not self.is_main:
             return
@@ -307,7 +307,7 @@ class Trainer:
 
     # ---- start state -------------------------------------------------------------------------
     def start_step(self, stop: int) -> int:
-        from andrea.model import init_params
+        from andrea.schedule.model import init_params
 
         start, self.start_from = self.start_from, None
         if start is not None and start.how == "resume":
@@ -368,7 +368,7 @@ class Trainer:
 
     # ---- outputs -----------------------------------------------------------------------------
     def write_samples(self, step: int) -> None:
-        from andrea.sample import sample_line, training_samples
+        from andrea.tools.sample import sample_line, training_samples
 
         if not self.sampler.shares_weights:
             self.sampler.load_params(self.engine.to_host(self.model.buf["params"]))
@@ -400,7 +400,7 @@ class Trainer:
         return min((n, why) for n, why in limits if n is not None)
 
     def _train(self) -> int:
-        from andrea.model import NonFiniteStep
+        from andrea.schedule.model import NonFiniteStep
 
         book = self.book
         book.stop, book.stopped_by = self._stop()  # the state's `unfinished` reads them at each checkpoint
@@ -490,7 +490,7 @@ class Trainer:
     def _skips(self, fault, step: int) -> bool:
         """A step (`step`: the one it would have completed) whose loss or gradient norm is not finite: skipped with
         no update (True), or the run stops (False)."""
-        from andrea.model import LossScaleOverflow
+        from andrea.schedule.model import LossScaleOverflow
 
         # An fp16 overflow is part of the loss scale's working, not a fault: always skipped.
         overflow = isinstance(fault, LossScaleOverflow)
@@ -536,7 +536,7 @@ class Trainer:
     def _after_step(self, phase, step, loss, lr, norm, dt, elapsed, progress, mixed: dict) -> None:
         """The step's record (validation losses at the eval interval and at the end of each phase), the best
         checkpoint, progress and samples."""
-        from andrea.evaluate import source_validation_losses, validation_loss
+        from andrea.tools.evaluate import source_validation_losses, validation_loss
 
         exp, iv = self.exp, phase.intervals
         record = {"step": step, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": norm,

@@ -16,8 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from andrea.errors import AndreaError
-from andrea.sample import TEMPERATURE, TOP_K, add_generation_options
+from andrea.common.errors import AndreaError
+from andrea.tools.sample import TEMPERATURE, TOP_K, add_generation_options
 
 REPLY_ROOM_FRACTION = 4  # old turns go once the prompt leaves less than seq_len / 4 (or --max-new-tokens) to reply
 USER_PREFIX = "user> "
@@ -167,7 +167,7 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from andrea.sample import load_sampler
+    from andrea.tools.sample import load_sampler
 
     sampler, exp, step = load_sampler(args.ckpt, experiment=args.experiment, tokenizer=args.tokenizer,
                                       engine=args.engine)

@@ -4,7 +4,7 @@ An experiment (or a phase) with `"mixing": {"policy": ...}` draws each step's ba
 sources by probabilities the policy sets before the step: `uniform`, `proportional` (to each
 source's windows), `fixed` (given weights) or `bandit` (EXP3 with decaying exploration over the
 sources' training losses, after Online Data Mixing, Albalak et al. 2023). Without `mixing` the
-loader's own scheme runs (andrea/loader.py: one permutation over the windows of all sources).
+loader's own scheme runs (andrea/store/loader.py: one permutation over the windows of all sources).
 
 The batch of step s is a pure function of (seed, s, MixState): systematic sampling of the B rows'
 sources from the probabilities with one uniform from PCG64(seed, MIX_STREAM, s), then each
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 MIX_STREAM = 0x6D6978  # "mix": the PCG64 streams of mixed batches, apart from the loader's (seed, epoch)
 POLICIES = ("uniform", "proportional", "fixed", "bandit")

@@ -1,6 +1,6 @@
 """`andrea runs`: the training runs and data folders under a results folder, and pruning what nothing current uses.
 
-A run is a folder results/runs/<EXPERIMENT>/<KEY>/ holding NAME.ckpt and its files (andrea.runfiles), or
+A run is a folder results/runs/<EXPERIMENT>/<KEY>/ holding NAME.ckpt and its files (andrea.store.runfiles), or
 a results/NAME.ckpt that no run folder's files are linked to (a run trained there by hand). The workflow
 hard-links the current run's files into results/, so "results/ links to it" means results/NAME.ckpt or
 results/NAME.loss.json is the same file as the run's (the loss history too, because a resume after a crash
@@ -28,8 +28,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from andrea.errors import AndreaError
-from andrea.runfiles import BEST_SUFFIX, RunFiles
+from andrea.common.errors import AndreaError
+from andrea.store.runfiles import BEST_SUFFIX, RunFiles
 
 RUNS_DIR = "runs"
 DATA_DIR = "data"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from andrea.config import ModelShape
+from andrea.spec.config import ModelShape
 
 LAYER_TENSORS = ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "LN1.gamma", "LN1.beta", "LN2.gamma", "LN2.beta")
 

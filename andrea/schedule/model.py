@@ -13,9 +13,9 @@ import math
 
 import numpy as np
 
-from andrea.config import ModelShape
-from andrea.layout import ParameterLayout
-from andrea.memory import layer_buffer, loss_piece, plan_model, recomputing_layers
+from andrea.spec.config import ModelShape
+from andrea.spec.layout import ParameterLayout
+from andrea.spec.memory import layer_buffer, loss_piece, plan_model, recomputing_layers
 from andrea.ops import attn_qkv, fp8, layernorm
 from andrea.ops.grad_norm import clip_scale
 from andrea.ops.loss import LOSS_SLOTS, weighted_mean
@@ -100,7 +100,7 @@ class Model:
         self._step_graphs: dict = {}  # (loss grad scale, reduce, weighted, first) -> recorded micro-batch
         self._prepare_graph = None  # the weight copies' launches, recorded (weights_changed)
         self.loss_scale = LossScale() if engine.traits.loss_scaling and training else None
-        self.data_parallel = data_parallel  # andrea.parallel.DataParallel when training on several GPUs
+        self.data_parallel = data_parallel  # andrea.run.parallel.DataParallel when training on several GPUs
         self.source_loss_sums: np.ndarray | None = None  # the last train_step's per-source losses (its `sources`)
         self.shape = shape
         self.layout = ParameterLayout(shape)

@@ -14,9 +14,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from andrea.atomic import atomic_write
-from andrea.errors import AndreaError
-from andrea.precision import PRECISIONS
+from andrea.common.atomic import atomic_write
+from andrea.common.errors import AndreaError
+from andrea.spec.precision import PRECISIONS
 
 # The op pairs with kernels of their own. One made only of matrix products has no file: cuBLAS runs attn_out (W_O)
 # whole, from andrea/ops/attn_out.py; attn_qkv's file holds only the copy of W_QKV its backward reads.
@@ -39,7 +39,7 @@ def build_options(precision: str) -> tuple[str, ...]:
 
 def kernel_dir() -> Path:
     env = os.environ.get("ANDREA_KERNELS")
-    path = Path(env) if env else Path(__file__).resolve().parent.parent / "kernels"
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "kernels"
     if not (path / COMMON_HEADER).is_file():
         raise AndreaError(f"{path}: no CUDA kernel folder here (missing {COMMON_HEADER}); "
                           "set ANDREA_KERNELS to the repository's kernels/ folder")

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from andrea.errors import AndreaError
+from andrea.common.errors import AndreaError
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:

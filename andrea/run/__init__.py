@@ -1,0 +1,1 @@
+"""Training: the loop, its supervisor, data parallel across GPUs, the stop signals."""

@@ -1,0 +1,1 @@
+"""The forward/backward schedule (written once, for either engine) and its per-op timing."""

@@ -1,0 +1,1 @@
+"""What runs a trained checkpoint: eval, sample, chat, export, inspect, and `andrea runs`."""
