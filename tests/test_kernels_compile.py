@@ -3,12 +3,13 @@ needed), and every kernel the CUDA engine launches is in the compiled code under
 with a Hopper build compile for sm_90a too, with Hopper's own kernels in it."""
 
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from andrea.ops.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, hopper_build_wanted,
-                                  kernel_dir, kernel_source)
+from andrea.ops.kernels_build import (ARCHS, HOPPER_ARCH, KERNEL_FILES, cached_cubin, compile_kernel, compile_source,
+                                      hopper_build_wanted, kernel_dir, kernel_source)
 from andrea.ops import hopper_kernel_files, kernel_files
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -47,6 +48,49 @@ def test_kernel_compiles(compiled, op, arch, precision):
     built = build_of(compiled, op, arch, precision)
     for name in kernel_files()[op]:
         assert name.encode() in built.cubin, f"{name} missing from kernels/{op}.cu ({arch})"
+
+
+# A block's shared memory on the consumer GPUs the builds without Hopper's target serve (sm_86: RTX 30xx; sm_89:
+# RTX 40xx): 48 KB static, 99 KB with the dynamic part (opted into per kernel).
+STATIC_SHARED_LIMIT = 48 * 1024
+BLOCK_SHARED_LIMIT = 99 * 1024
+
+
+def shared_bytes(cubin: bytes) -> dict[str, int]:
+    """Static shared memory of each kernel of a cubin: the size of its ELF section `.nv.shared.<kernel>`."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+
+    def name(offset: int) -> str:
+        return cubin[names + offset:cubin.index(b"\0", names + offset)].decode()
+
+    return {name(s[0]).removeprefix(".nv.shared."): s[5] for s in sections if name(s[0]).startswith(".nv.shared.")}
+
+
+def test_shared_bytes_reads_a_kernels_static_shared_memory():
+    built = compile_source('extern "C" __global__ void k_big(float *x) { __shared__ float t[3000]; '
+                           't[threadIdx.x] = x[0]; __syncthreads(); x[1] = t[5]; }\n'
+                           'extern "C" __global__ void k_none(float *x) { x[0] = 1.0f; }', "t.cu", ("-arch=sm_89",))[0]
+    assert shared_bytes(built)["k_big"] == 3000 * 4 and shared_bytes(built).get("k_none", 0) == 0
+
+
+@pytest.mark.slow  # the `compiled` fixture
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", ("sm_80", "sm_89"))
+def test_every_kernel_fits_a_consumer_gpus_shared_memory(compiled, arch, precision):
+    """The path without Hopper's own build (ANDREA_WGMMA=0, or any other GPU) asks no block for more shared
+    memory than an RTX 3060 or 4090 has: the static part of each kernel, plus the dynamic part the engine
+    sets for the attention kernels (attn.shared_memory)."""
+    from andrea.ops import attn
+
+    dynamic = attn.shared_memory()
+    for op in KERNEL_FILES:
+        for kernel, static in shared_bytes(build_of(compiled, op, arch, precision).cubin).items():
+            assert static <= STATIC_SHARED_LIMIT, f"{kernel} ({op}.cu, {arch}, {precision}): {static} static bytes"
+            total = static + dynamic.get(kernel, 0)
+            assert total <= BLOCK_SHARED_LIMIT, f"{kernel} ({op}.cu, {arch}, {precision}): {total} bytes a block"
 
 
 def test_every_kernel_file_is_built():
