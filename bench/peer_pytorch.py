@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "config" / "experiments"
 # SHAPE: (experiment, micro-batch of the benchmark)
-SHAPES = {"12m": ("ANDREA-12M", 32), "120m": ("ANDREA-120M", 8), "tiny": ("ANDREA-tiny", 4)}
+SHAPES = {"12m": ("ANDREA-12M", 32), "120m": ("ANDREA-120M", 8), "350m": ("ANDREA-350M", 8), "tiny": ("ANDREA-tiny", 4)}
 VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile", "fp8-compile")
 WARMUP_STEPS = 10
 

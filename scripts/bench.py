@@ -2,14 +2,15 @@
 
     PYTHONPATH=. python3 scripts/bench.py [--out DIR] [--baseline PATH (default bench/peer_pytorch.py)]
         [--sections device,ceilings,memory,bench] [--bench fp32,tf32,bf16,fp16,fp8,bf16-eager] [--peers ...]
-        [--rounds 1] [--peer-runs 3]
+        [--rounds 1] [--peer-runs 3] [--shapes 12M,120M,350M]
 
 Correctness (every op against float64 NumPy, training, determinism, memory, resume) is the `gpu` tests:
 `python3 -m pytest -m gpu`. This script only measures:
   device    the GPU, its driver and runtime versions
   ceilings  cuBLAS rate (8192^3) per precision and device-to-device copy bandwidth, measured here
   memory    the trainer's memory plan (training model, the sampler inside it) against CuPy's pool and the device
-  bench     train_step at 12M (B=32, T=512) and 120M (B=8, T=1024) per precision; each op of the real step
+  bench     train_step at 12M (B=32, T=512) and 120M (B=8, T=1024), with --shapes also 350M (B=8, T=1024,
+            GPT-2 medium), per precision; each op of the real step
             (recorded by andrea.schedule.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
             (andrea/ops); with --rounds N the variants of a shape take turns N times, their medians counting;
             the PyTorch peer's variants in the same call, each in --peer-runs processes, the fastest counting
@@ -44,8 +45,9 @@ from andrea.spec.precision import PRECISIONS  # noqa: E402
 from andrea.run.train import model_options  # noqa: E402
 from andrea.schedule.timing import OpRecorder, against_bf16, alternating, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
 
-EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M")}
-BENCH = {"12M": 32, "120M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
+EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M", "350M")}
+BENCH = {"12M": 32, "120M": 8, "350M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
+RUN = ["12M", "120M"]  # the shapes this call measures (--shapes)
 # bf16-eager: the step launched op by op instead of as a CUDA graph; -masked: every step under a loss mask (a draw of
 # 0s and 1s, as a polish phase's assistant-only loss: crosscheck.loss_masks), the weighted backward
 BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked")
@@ -57,7 +59,7 @@ def variant_parts(variant: str) -> tuple[str, bool, bool]:
     return precision, kind == "eager", kind == "masked"
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
 ROUNDS = "median of {n} rounds"  # how an engine variant's --rounds count
-BASELINE_SHAPE = {"12M": "12m", "120M": "120m"}
+BASELINE_SHAPE = {"12M": "12m", "120M": "120m", "350M": "350m"}
 # The PyTorch peer: the same model in plain PyTorch, at the same shapes and micro-batches (tests/test_peer_pytorch.py)
 PEER = REPO / "bench" / "peer_pytorch.py"
 
@@ -158,7 +160,7 @@ def memory():
 
     pool = cupy.get_default_memory_pool()
     out = {}
-    for name in BENCH:
+    for name in RUN:
         for precision in ("fp32", "bf16", "fp8"):
             free_device_memory()
             before = pool.total_bytes()
@@ -233,7 +235,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
     from andrea.schedule.model import Model, init_params
 
     out = {"engine": {}, "ops": {}, "baseline": {}, "host": host_cpu()}
-    for name, micro in BENCH.items():
+    for name, micro in ((n, BENCH[n]) for n in RUN):
         shape = EXPERIMENTS[name].model
         tokens = micro * shape.seq_len
         init = init_params(ParameterLayout(shape), 0)  # every variant's weights: the layout is the shape's
@@ -272,7 +274,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
             built = engine = recorder = model = None  # this group's device memory back before the next
             free_device_memory()
     if baseline:
-        for name in BENCH:
+        for name in RUN:
             for variant in peers:
                 runs = []
                 for _ in range(peer_runs):
@@ -329,6 +331,8 @@ def main() -> int:
     parser.add_argument("--bench", default=",".join((*PRECISIONS, "bf16-eager")),
                         help=f"engine variants the bench section times, of {', '.join(BENCH_VARIANTS)}")
     parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
+    parser.add_argument("--shapes", default=",".join(RUN),
+                        help=f"the experiments' shapes the memory and bench sections measure, of {', '.join(BENCH)}")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of the engine's variants, timed in turn within a round, their median counting "
                              "(more than 1: a shape's variants are in device memory together)")
@@ -340,6 +344,9 @@ def main() -> int:
         parser.error(f"--rounds {args.rounds}: the engine's variants run at least one round")
     if args.peer_runs < 1:
         parser.error(f"--peer-runs {args.peer_runs}: the peers run in at least one process each")
+    if unknown := set(args.shapes.split(",")) - set(BENCH):
+        parser.error(f"--shapes: no benchmark shape {', '.join(sorted(unknown))}; choose from {', '.join(BENCH)}")
+    RUN[:] = args.shapes.split(",")
     baseline = None if args.baseline in (None, "", "none") else args.baseline
     if baseline and not Path(baseline).is_file():
         parser.error(f"--baseline {baseline}: no such file; give the PyTorch peer script, or 'none' for no peers")

@@ -9,7 +9,8 @@ from andrea.spec.layout import ParameterLayout, n_params_formula
 from conftest import EXPERIMENTS
 
 
-@pytest.mark.parametrize("name, expected", [("tiny", 135_808), ("12M", 12_396_288), ("120M", 124_392_960)])
+@pytest.mark.parametrize("name, expected", [("tiny", 135_808), ("12M", 12_396_288), ("120M", 124_392_960),
+                                            ("350M", 354_650_112)])
 def test_param_count_matches_formula(name, expected):
     exp = load_experiment(EXPERIMENTS / f"ANDREA-{name}-TRAIN.json")
     layout = ParameterLayout(exp.model)

@@ -23,7 +23,7 @@ def peer_module():
     return module
 
 
-@pytest.mark.parametrize("shape", ["tiny", "12m", "120m"])
+@pytest.mark.parametrize("shape", ["tiny", "12m", "120m", "350m"])
 def test_the_peer_has_the_layout_s_parameters(shape):
     from andrea.spec.config import ModelShape
     from andrea.spec.layout import ParameterLayout
