@@ -56,7 +56,7 @@ class UntrustedState(Exception):
 
 class RunBook:
     """The state, checkpoints, best checkpoint, phase archives and events of one run; on a rank other than the
-    main one, events, checkpoints and archives write nothing. The trainer sets `model` once it is built, and
+    main one, nothing here touches a file (the ranks of a data-parallel run share --out). The trainer sets `model` once it is built, and
     `stop` / `stopped_by` once it knows where this invocation stops; the loop draws from and updates `mix_state`."""
 
     def __init__(self, files: RunFiles, exp, overrides: list[str], program, data: dict, train_tokens: int,
@@ -95,6 +95,8 @@ class RunBook:
     def set_aside(self, resume: bool) -> None:
         """Before a start from step 0 or --init-from: what an earlier run on this --out left without a checkpoint
         is moved aside (NAME.*.old), never written over."""
+        if not self.is_main:
+            return
         files = self.files
         if resume:
             # Resume before the first checkpoint: start over, keeping the history (later lines win).
@@ -218,7 +220,8 @@ class RunBook:
 
     # ---- NAME.state.json -----------------------------------------------------------------------
     def write_state(self, step: int, elapsed: float) -> None:
-        write_json_atomic(self.files.state, self.state(step, elapsed))
+        if self.is_main:
+            write_json_atomic(self.files.state, self.state(step, elapsed))
 
     def state(self, step: int, elapsed: float) -> dict:
         exp, program, model = self.exp, self.program, self.model
