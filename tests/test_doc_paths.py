@@ -1,11 +1,15 @@
-"""Every repository path that README.md and docs/*.md name exists.
+"""Every repository path that README.md and docs/*.md name exists, and every one the code's comments and
+docstrings name.
 
 A path is named when it sits in backticks (inline or a fenced block) or is a link's target, starts with one
 of the repository's folders below and ends in a file extension or a slash. Paths with placeholders
 (`<hash>`, `{V}`, `NAME`, `*`) and outputs (`results/...`, not a prefix below) are not checked; a link's
 target is resolved from the document's own folder, as GitHub does.
 """
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -119,3 +123,69 @@ def test_placeholders_are_not_checked(path):
 def test_capitalised_real_names_are_checked():
     assert not is_placeholder("docs/PERFORMANCE.md")
     assert not is_placeholder("config/experiments/ANDREA-12M-TRAIN.json")
+
+
+# The code whose comments and docstrings are read: what a reader follows a path from.
+CODE_FOLDERS = ("andrea", "scripts", "bench", "dev", "workflow", "kernels", "tests", "config", "profiles")
+CODE_SUFFIXES = (".py", ".cu", ".cuh", ".smk", ".sh", ".yaml")
+
+
+def code_comments(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of a source file's comments, and of its docstrings for Python."""
+    text = path.read_text()
+    found = []
+    if path.suffix == ".py":
+        found += [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                  if t.type == tokenize.COMMENT]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                        and isinstance(first.value.value, str):
+                    found += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    elif path.suffix in (".cu", ".cuh"):
+        for m in re.finditer(r"//[^\n]*|/\*.*?\*/", text, re.S):
+            start = text.count("\n", 0, m.start()) + 1
+            found += [(start + i, line) for i, line in enumerate(m.group(0).splitlines())]
+    else:  # Snakefile, .smk, .sh, .yaml: what follows a '#'
+        found += [(i, line[line.index("#"):]) for i, line in enumerate(text.splitlines(), 1) if "#" in line]
+    return found
+
+
+def missing_in_code(files, repo: Path = REPO) -> list[str]:
+    missing = []
+    for path in files:
+        for number, text in code_comments(path):
+            for m in PATH.finditer(text):
+                named = m.group(1).rstrip(".:")
+                if _looks_like_path(named) and not is_placeholder(named) and not (repo / named).exists():
+                    missing.append(f"{path.relative_to(repo)}:{number}: {named}")
+    return missing
+
+
+def code_files(repo: Path = REPO) -> list[Path]:
+    return [repo / "Snakefile", *sorted(p for d in CODE_FOLDERS for p in (repo / d).rglob("*") if p.is_file()
+                                        and (p.suffix in CODE_SUFFIXES or p.name == "Snakefile")
+                                        and "__pycache__" not in p.parts and p != Path(__file__).resolve())]
+
+
+def test_every_path_the_code_comments_name_exists():
+    files = code_files()
+    assert len(files) > 100
+    missing = missing_in_code(files)
+    assert not missing, "paths named in comments and docstrings that the repository does not have:\n" + "\n".join(missing)
+
+
+def test_the_comment_scanner_finds_a_made_up_path(tmp_path):
+    (tmp_path / "andrea").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "andrea" / "real.py").write_text("")
+    (tmp_path / "andrea" / "m.py").write_text(
+        '"""Reads andrea/real.py and andrea/gone.py."""\n'
+        "x = 'andrea/strings_are_code.py'  # see kernels/missing.cu, andrea/<op>.py\n"
+        "def f():\n    \"\"\"After docs/NOPE.md.\"\"\"\n")
+    (tmp_path / "kernels" / "k.cu").write_text("/* andrea/a.py\n   andrea/real.py */ int x; // scripts/b.py\n")
+    files = [tmp_path / "andrea" / "m.py", tmp_path / "kernels" / "k.cu"]
+    assert missing_in_code(files, tmp_path) == [
+        "andrea/m.py:2: kernels/missing.cu", "andrea/m.py:1: andrea/gone.py", "andrea/m.py:4: docs/NOPE.md",
+        "kernels/k.cu:1: andrea/a.py", "kernels/k.cu:2: scripts/b.py"]
