@@ -111,3 +111,32 @@ def test_each_folder_imports_only_the_layers_before_it():
     upward = sorted(f"{m} imports {d}" for m, deps in import_graph().items() for d in deps
                     if folder(m) in rank and folder(d) in rank and rank[folder(d)] > rank[folder(m)])
     assert not upward, "imports against the layer order: " + "; ".join(upward)
+
+
+def test_every_import_of_the_package_resolves():
+    """Each `import andrea...` and `from andrea... import name` of the package, the scripts, the benchmark, dev/ and
+    the tests names a module (and a name) that exists, the imports inside functions included: those run only when
+    their code does, some only on a GPU, so a moved or renamed module would otherwise pass every CPU test."""
+    import ast
+    import importlib
+    import importlib.util
+
+    repo = PACKAGE.parent
+    unresolved = []
+    for path in sorted(p for d in ("andrea", "scripts", "bench", "dev", "tests") for p in (repo / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "andrea":
+                wanted = [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                wanted = [(a.name, None) for a in node.names if a.name.split(".")[0] == "andrea"]
+            else:
+                continue
+            for module, name in wanted:
+                try:
+                    found = importlib.import_module(module)
+                except ImportError as err:
+                    unresolved.append(f"{path.relative_to(repo)}:{node.lineno}: {module} ({err})")
+                    continue
+                if name and not hasattr(found, name) and importlib.util.find_spec(f"{module}.{name}") is None:
+                    unresolved.append(f"{path.relative_to(repo)}:{node.lineno}: {module}.{name}")
+    assert not unresolved, "imports that name nothing:\n" + "\n".join(unresolved)
