@@ -137,6 +137,7 @@ def test_every_import_of_the_package_resolves():
                 except ImportError as err:
                     unresolved.append(f"{path.relative_to(repo)}:{node.lineno}: {module} ({err})")
                     continue
-                if name and not hasattr(found, name) and importlib.util.find_spec(f"{module}.{name}") is None:
+                if name and not hasattr(found, name) and not (
+                        hasattr(found, "__path__") and importlib.util.find_spec(f"{module}.{name}")):
                     unresolved.append(f"{path.relative_to(repo)}:{node.lineno}: {module}.{name}")
     assert not unresolved, "imports that name nothing:\n" + "\n".join(unresolved)
