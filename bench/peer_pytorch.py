@@ -6,7 +6,7 @@ with AdamW and global-norm clipping at 1.0 on random tokens. The model's shape i
 (config/experiments/ANDREA-<NAME>-TRAIN.json); the micro-batch is the benchmark's (scripts/bench.py BENCH).
 
     python3 bench/peer_pytorch.py SHAPE VARIANT [STEPS] [--device cuda|cpu]
-      SHAPE    12m | 120m | tiny
+      SHAPE    12m | 120m | 350m | tiny
       VARIANT  fp32 | tf32 | bf16 | bf16-compile | fp8-compile (torchao float8 training, tensorwise scaling, on every
                nn.Linear; the tied classifier stays bf16; needs the torchao package)
 
