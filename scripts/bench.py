@@ -47,7 +47,7 @@ from andrea.schedule.timing import OpRecorder, against_bf16, alternating, fastes
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M", "350M")}
 BENCH = {"12M": 32, "120M": 8, "350M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
-RUN = ["12M", "120M"]  # the shapes this call measures (--shapes)
+DEFAULT_SHAPES = ("12M", "120M")  # what --shapes measures unless told
 # bf16-eager: the step launched op by op instead of as a CUDA graph; -masked: every step under a loss mask (a draw of
 # 0s and 1s, as a polish phase's assistant-only loss: crosscheck.loss_masks), the weighted backward
 BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked")
@@ -150,7 +150,7 @@ def ceilings():
 
 
 @section("memory")
-def memory():
+def memory(shapes):
     import cupy
 
     from andrea.engines.cuda_engine import CudaEngine
@@ -160,7 +160,7 @@ def memory():
 
     pool = cupy.get_default_memory_pool()
     out = {}
-    for name in RUN:
+    for name in shapes:
         for precision in ("fp32", "bf16", "fp8"):
             free_device_memory()
             before = pool.total_bytes()
@@ -227,7 +227,7 @@ def op_times(engine, recorder, model, names=None) -> dict:
 
 
 @section("bench")
-def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int = 1):
+def bench(baseline: str | None, variants, peers, shapes, peer_runs: int = 1, rounds: int = 1):
     """Each engine variant's step at both shapes (with `rounds` > 1 the shape's variants built together and timed in
     turn, round after round, their median counting: timing.alternating), each plain variant's ops, then the peers."""
     from andrea.engines.cuda_engine import CudaEngine
@@ -235,7 +235,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
     from andrea.schedule.model import Model, init_params
 
     out = {"engine": {}, "ops": {}, "baseline": {}, "host": host_cpu()}
-    for name, micro in ((n, BENCH[n]) for n in RUN):
+    for name, micro in ((n, BENCH[n]) for n in shapes):
         shape = EXPERIMENTS[name].model
         tokens = micro * shape.seq_len
         init = init_params(ParameterLayout(shape), 0)  # every variant's weights: the layout is the shape's
@@ -274,7 +274,7 @@ def bench(baseline: str | None, variants, peers, peer_runs: int = 1, rounds: int
             built = engine = recorder = model = None  # this group's device memory back before the next
             free_device_memory()
     if baseline:
-        for name in RUN:
+        for name in shapes:
             for variant in peers:
                 runs = []
                 for _ in range(peer_runs):
@@ -331,7 +331,7 @@ def main() -> int:
     parser.add_argument("--bench", default=",".join((*PRECISIONS, "bf16-eager")),
                         help=f"engine variants the bench section times, of {', '.join(BENCH_VARIANTS)}")
     parser.add_argument("--peers", default=",".join(PEER_VARIANTS), help="PyTorch baseline variants it runs")
-    parser.add_argument("--shapes", default=",".join(RUN),
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help=f"the experiments' shapes the memory and bench sections measure, of {', '.join(BENCH)}")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of the engine's variants, timed in turn within a round, their median counting "
@@ -346,7 +346,7 @@ def main() -> int:
         parser.error(f"--peer-runs {args.peer_runs}: the peers run in at least one process each")
     if unknown := set(args.shapes.split(",")) - set(BENCH):
         parser.error(f"--shapes: no benchmark shape {', '.join(sorted(unknown))}; choose from {', '.join(BENCH)}")
-    RUN[:] = args.shapes.split(",")
+    shapes = args.shapes.split(",")
     baseline = None if args.baseline in (None, "", "none") else args.baseline
     if baseline and not Path(baseline).is_file():
         parser.error(f"--baseline {baseline}: no such file; give the PyTorch peer script, or 'none' for no peers")
@@ -354,8 +354,8 @@ def main() -> int:
         log("no PyTorch peer: the bench section times the engine alone (--baseline PATH or ANDREA_PEER_BASELINE)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = {"device": device_info, "ceilings": ceilings, "memory": memory,
-             "bench": lambda: bench(baseline, args.bench.split(","), args.peers.split(","), args.peer_runs,
+    steps = {"device": device_info, "ceilings": ceilings, "memory": lambda: memory(shapes),
+             "bench": lambda: bench(baseline, args.bench.split(","), args.peers.split(","), shapes, args.peer_runs,
                                    args.rounds)}
     for name in args.sections.split(","):
         if name not in steps:

@@ -20,12 +20,16 @@ def cuda_available() -> bool:
         return False
 
 
-def make_engine(name: str = "auto", dtype: str = "float32", precision: str = "fp32"):
-    """Build an engine by name; `auto` picks CUDA when a device is present."""
+def engine_name(name: str) -> str:
+    """The engine a setting runs on: `auto` is CUDA when a device is present, else NumPy."""
     if name not in ENGINES:
         raise AndreaError(f"unknown engine '{name}'; choose one of {', '.join(ENGINES)}")
-    if name == "auto":
-        name = "cuda" if cuda_available() else "numpy"
+    return ("cuda" if cuda_available() else "numpy") if name == "auto" else name
+
+
+def make_engine(name: str = "auto", dtype: str = "float32", precision: str = "fp32"):
+    """Build an engine by name; `auto` picks CUDA when a device is present."""
+    name = engine_name(name)
     if name == "cuda":
         if not cuda_available():
             raise AndreaError("--engine cuda: no CUDA device is visible; use --engine numpy or auto")

@@ -212,7 +212,7 @@ class Trainer:
 
     def _build_engine(self) -> None:
         """The engine (CUDA on every rank of a data-parallel run) and the ranks' communicator."""
-        from andrea.engines import cuda_available, make_engine
+        from andrea.engines import make_engine
 
         args = self.args
         self.data_parallel = None
@@ -236,7 +236,7 @@ class Trainer:
             self.data_parallel = DataParallel(self.rank, unique_id(self.rank, self.files))
             forget_unique_id(self.rank, self.files)  # every rank has joined: the id has served
             self.log(f"data parallel: {world} ranks, {self.exp.batch_size // world} sequences per rank per step")
-        if self.engine.name == "numpy" and args.engine == "auto" and not cuda_available():
+        if self.engine.name == "numpy" and args.engine == "auto":  # auto found no device
             self.log("engine: numpy (no CUDA device found; the NumPy reference engine runs on the CPU)")
         else:
             self.log(f"engine: {self.engine.name}" + (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from andrea.store.checkpoint import read_header, read_state, state_path, verify_against_state
 from andrea.data.chatml import ChatTokenizer
-from andrea.engines import cuda_available, make_engine
+from andrea.engines import engine_name, make_engine
 from andrea.common.errors import AndreaError
 from andrea.store.identity import check_tokenizer
 
@@ -15,8 +15,7 @@ from andrea.store.identity import check_tokenizer
 def inference_engine(name: str, precision: str):
     """The engine that runs a checkpoint: CUDA at the experiment's precision, or the NumPy engine
     (fp32, the only precision it has) when there is no device."""
-    on_cuda = name == "cuda" or (name == "auto" and cuda_available())
-    return make_engine(name, precision=precision if on_cuda else "fp32")
+    return make_engine(name, precision=precision if engine_name(name) == "cuda" else "fp32")
 
 
 def load_tokenizer(path) -> ChatTokenizer:

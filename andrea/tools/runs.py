@@ -239,29 +239,26 @@ def decide(runs: list[dict], data: list[dict], results: Path) -> None:
             run["prune"], run["why"] = False, f"shares its folder with {keeper['name']}, which is kept"
         run["current"] = not run["prune"]
     kept = [r for r in runs if not r["prune"]]
-    for d in data:
-        d["used_by"] = []
-    by_name = {d["name"]: d for d in data if d["kind"] == "tokens"}
-    for run in runs:
-        for name in run["data"]:
-            if name in by_name:
-                by_name[name]["used_by"].append(run_label(run))
     blind = [run_label(r) for r in kept if r["running"] and not r["has_state"]]
     tokens = [d for d in data if d["kind"] == "tokens"]
-    kept_runs = {run_label(r) for r in kept}
-    for d in tokens:
-        d["referenced"] = any(u in kept_runs for u in d["used_by"])
-    prune_kind(tokens, blind, "run")
     sources = [d for d in data if d["kind"] == "source"]
-    by_source = {d["name"]: d for d in sources}
-    for t in tokens:
-        for name in t["sources"]:
-            if name in by_source:
-                by_source[name]["used_by"].append(t["name"])
-    kept_tokens = {t["name"] for t in tokens if not t["prune"]}
-    for d in sources:
-        d["referenced"] = any(u in kept_tokens for u in d["used_by"])
+    mark_users(tokens, [(run_label(r), r["data"], not r["prune"]) for r in runs])
+    prune_kind(tokens, blind, "run")
+    mark_users(sources, [(t["name"], t["sources"], not t["prune"]) for t in tokens])
     prune_kind(sources, blind, "token folder")
+
+
+def mark_users(folders: list[dict], users: list[tuple[str, list[str], bool]]) -> None:
+    """Each folder's `used_by` (the users, (label, folder names, kept), that name it) and `referenced` (a kept one
+    does)."""
+    by_name = {d["name"]: d for d in folders}
+    for d in folders:
+        d["used_by"], d["referenced"] = [], False
+    for label, names, kept in users:
+        for name in names:
+            if name in by_name:
+                by_name[name]["used_by"].append(label)
+                by_name[name]["referenced"] |= kept
 
 
 def prune_kind(folders: list[dict], blind: list[str], user: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from andrea.spec.config import continuation_refusal
 from andrea.spec.config import load_experiment as load_experiment_file
-from andrea.engines import cuda_available
+from andrea.engines import cuda_available, engine_name
 from andrea.common.errors import AndreaError
 from andrea.common.hashing import code_hash, config_hash, sha256_file
 from snakemake.utils import min_version, validate
@@ -61,9 +61,7 @@ CPU_PRECISION = "precision=fp32"
 
 
 def trains_on_numpy():
-    return config["engine"] == "numpy" or (
-        config["engine"] == "auto" and not cuda_available()
-    )
+    return engine_name(config["engine"]) == "numpy"
 
 
 @functools.cache
