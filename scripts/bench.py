@@ -13,7 +13,11 @@ Correctness (every op against float64 NumPy, training, determinism, memory, resu
             GPT-2 medium), per precision; each op of the real step
             (recorded by andrea.schedule.timing.OpRecorder) timed in a CUDA graph, with its FLOPs and bytes
             (andrea/ops); with --rounds N the variants of a shape take turns N times, their medians counting;
-            the PyTorch peer's variants in the same call, each in --peer-runs processes, the fastest counting
+            the PyTorch peer's variants in the same call, each in --peer-runs processes, the fastest counting;
+            a -mma variant (bf16-mma, fp8-mma) is the engine without Hopper's warpgroup kernels, as sm_80/sm_89
+            cards run it
+A precision's bar is its ratio to the faster compiled peer that ran (andrea.schedule.timing.BAR_PEERS): for bf16
+bf16-compile, for fp8 the faster of bf16-compile and fp8-compile (torchao float8); the table marks it "(the bar)".
 The peer is bench/peer_pytorch.py, or the script given by --baseline or $ANDREA_PEER_BASELINE; with 'none'
 the bench section times the engine alone and says so. Writes bench.json and bench.txt under --out (default: $OUT, else results/bench); scripts/gpu_report.py
 turns bench.json into docs/PERFORMANCE.md's tables. Exits non-zero if any section fails.
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import NamedTuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,14 +54,27 @@ EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}
 BENCH = {"12M": 32, "120M": 8, "350M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
 DEFAULT_SHAPES = ("12M", "120M")  # what --shapes measures unless told
 # bf16-eager: the step launched op by op instead of as a CUDA graph; -masked: every step under a loss mask (a draw of
-# 0s and 1s, as a polish phase's assistant-only loss: crosscheck.loss_masks), the weighted backward
-BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked")
+# 0s and 1s, as a polish phase's assistant-only loss: crosscheck.loss_masks), the weighted backward; -mma: the
+# engine without Hopper's warpgroup kernels (ANDREA_WGMMA=0), the build every sm_80+ card runs
+BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked", "bf16-mma", "fp8-mma")
 
 
-def variant_parts(variant: str) -> tuple[str, bool, bool]:
-    """(precision, eager, masked) of a benchmark variant: PRECISION, PRECISION-eager or PRECISION-masked."""
+class Variant(NamedTuple):
+    precision: str
+    eager: bool
+    masked: bool
+    mma: bool  # no warpgroup kernels
+
+    @property
+    def plain(self) -> bool:
+        """The variant whose ops the bench times one by one (the precision as the trainer runs it)."""
+        return not (self.eager or self.masked or self.mma)
+
+
+def variant_parts(variant: str) -> Variant:
+    """A benchmark variant's parts: PRECISION, PRECISION-eager, PRECISION-masked or PRECISION-mma."""
     precision, _, kind = variant.partition("-")
-    return precision, kind == "eager", kind == "masked"
+    return Variant(precision, kind == "eager", kind == "masked", kind == "mma")
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
 ROUNDS = "median of {n} rounds"  # how an engine variant's --rounds count
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m", "350M": "350m"}
@@ -242,11 +260,11 @@ def bench(baseline: str | None, variants, peers, shapes, peer_runs: int = 1, rou
         for group in ([variants] if rounds > 1 else [[v] for v in variants]):  # one at a time: less device memory
             built = {}
             for variant in group:
-                precision, eager, masked = variant_parts(variant)
-                engine = CudaEngine(precision=precision)
+                v = variant_parts(variant)
+                engine = CudaEngine(precision=v.precision, hopper_kernels=False if v.mma else None)
                 recorder = OpRecorder(engine)
-                model = Model(recorder, shape, micro, graphs=not eager, **options(name))
-                built[variant] = (engine, recorder, model, masked)
+                model = Model(recorder, shape, micro, graphs=not v.eager, **options(name))
+                built[variant] = (engine, recorder, model, v.masked)
 
             def timer(variant):
                 _, _, model, masked = built[variant]
@@ -266,10 +284,9 @@ def bench(baseline: str | None, variants, peers, shapes, peer_runs: int = 1, rou
                 log(f"{name} {variant} B={micro}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s"
                     + (f" (median of {rounds} rounds: " + ", ".join(f"{t:.2f}" for t in times[variant]) + ")"
                        if rounds > 1 else ""))
-                precision, eager, _ = variant_parts(variant)
-                if not (eager or masked):  # the op timings are the plain variant's
+                if variant_parts(variant).plain:  # the op timings are the plain variant's
                     ops_ms = op_times(engine, recorder, model)
-                    out["ops"][f"{name}/{precision}"] = ops_ms
+                    out["ops"][f"{name}/{variant}"] = ops_ms
                     log("  ops " + ", ".join(f"{op} {v['ms']:.3f}" for op, v in ops_ms.items()))
             built = engine = recorder = model = None  # this group's device memory back before the next
             free_device_memory()
@@ -299,14 +316,14 @@ def spread(entry: dict, counted: str) -> str:
 def table() -> str:
     """One line an engine variant and PyTorch peer that ran in this call; a variant without one, one line."""
     lines, paired = [], {}
-    for name, precision, e, peer, base in peer_pairs(report.get("bench", {})):
+    for name, precision, e, peer, base, counts in peer_pairs(report.get("bench", {})):
         engine = f"{name:5} B={e['micro_batch']:<3} {precision:11} {e['ms_per_step']:8.2f} ms {e['tokens_per_s']:>11,} tok/s"
         paired.setdefault(engine, (False, e))
         if base:
             paired[engine] = (True, e)
             lines.append(f"{engine}   PyTorch {peer:13} {base['ms_per_step']:8.2f} ms {base['tokens_per_s']:>11,} tok/s  "
-                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{spread(base, 'fastest of {n} runs')}"
-                         f"{spread(e, ROUNDS)}")
+                         f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}x{' (the bar)' if counts else ''}"
+                         f"{spread(base, 'fastest of {n} runs')}{spread(e, ROUNDS)}")
     lines += [f"{engine}   (no PyTorch peer of this precision ran){spread(e, ROUNDS)}"
               for engine, (done, e) in paired.items() if not done]
     lines += [f"{name:5} {variant:11} {ratio:.3f}x ANDREA bf16 (tokens/s, this call)"

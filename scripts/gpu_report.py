@@ -21,8 +21,9 @@ from andrea.schedule.timing import peer_pairs  # noqa: E402
 def whole_step(report: dict) -> list[str]:
     rows = ["| shape | precision | ANDREA ms/step | tokens/s | peer | peer ms/step | peer tokens/s | ratio |",
             "|---|---|---:|---:|---|---:|---:|---:|"]
-    for shape, precision, e, peer, base in peer_pairs(report["bench"]):
-        ratio = f"**{e['tokens_per_s'] / base['tokens_per_s']:.2f}**" if "tokens_per_s" in base else "-"
+    for shape, precision, e, peer, base, counts in peer_pairs(report["bench"]):
+        ratio = f"{e['tokens_per_s'] / base['tokens_per_s']:.2f}" if "tokens_per_s" in base else "-"
+        ratio = f"**{ratio}** (the bar)" if counts else ratio
         rows.append(f"| {shape}, B={e['micro_batch']} | {precision} | {e['ms_per_step']:.2f} | {e['tokens_per_s']:,} | "
                     f"PyTorch {peer} | {base.get('ms_per_step', float('nan')):.2f} | {base.get('tokens_per_s', 0):,} | {ratio} |")
     return rows

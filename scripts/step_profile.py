@@ -89,9 +89,10 @@ def profile(name: str, variant: str, steps: int) -> dict:
     from andrea.engines.cuda_engine import CudaEngine
     from andrea.schedule.model import Model, init_params
 
-    precision, _, masked = variant_parts(variant)
+    v = variant_parts(variant)
+    masked = v.masked
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
-    engine = CudaEngine(precision=precision)
+    engine = CudaEngine(precision=v.precision, hopper_kernels=False if v.mma else None)
     timer = OpTimer(engine, spin_cycles())
     model = Model(timer, shape, micro, graphs=True, **options(name))
     model.load_state(init_params(model.layout, 0))

@@ -145,6 +145,23 @@ def test_hopper_attention_gives_the_mma_kernels_bits(engines, precision):
     assert_same_bits(*attention_bits(e, (e, mma), B=2, T=333, H=3))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_build_without_warpgroup_kernels_trains_to_the_same_bits(precision):
+    """CudaEngine(hopper_kernels=False) is the build sm_80 and sm_89 cards run (and ANDREA_WGMMA=0 on Hopper, and
+    scripts/bench.py's -mma variants): on Hopper its training steps give the warpgroup build's weights, m and v."""
+    import cupy
+
+    from andrea.engines.cuda_engine import CudaEngine
+    from andrea.ops.attn import HOPPER_KERNELS, MMA16_KERNEL_FILE
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the warpgroup kernels need a Hopper GPU")
+    hopper, mma = (CudaEngine(precision=precision, hopper_kernels=h) for h in (True, False))
+    assert HOPPER_KERNELS[MMA16_KERNEL_FILE][0] in hopper.k and HOPPER_KERNELS[MMA16_KERNEL_FILE][0] not in mma.k
+    runs = [train_run(e, WIDE, micro_batch=3, n_micro=2, steps=3) for e in (hopper, mma)]  # head width 64
+    assert runs[0].digest == runs[1].digest
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_attention_launch_orders_give_the_same_bits(engines, precision, monkeypatch):
     """kernels/attn_bf16.cu's two launch orders (andrea/ops/attn.py heads_first: each head's tiles together, or a

@@ -47,12 +47,13 @@ def _module_ints(module: cupy.RawModule, symbol: str, n: int) -> tuple[int, ...]
     return tuple(int(x) for x in cupy.ndarray((n,), np.int32, memptr=module.get_global(symbol)).get())
 
 
-def _load_kernels(precision: str) -> dict:
+def _load_kernels(precision: str, hopper_kernels: bool) -> dict:
     """Every kernel of one precision's build, compiled once per process (and cached on disk by CuPy,
-    keyed by source and options; on Hopper, the files with a build of its own from kernels_build.cached_cubin)."""
+    keyed by source and options; with hopper_kernels, the files with a Hopper build of their own from
+    kernels_build.cached_cubin)."""
     folder = kernel_dir()
     options = build_options(precision)
-    hopper = ops.hopper_kernel_files() if hopper_build_wanted(cupy.cuda.Device().compute_capability) else {}
+    hopper = ops.hopper_kernel_files() if hopper_kernels else {}
     functions = {}
     for op, names in ops.kernel_files().items():
         if op == attn.MMA16_KERNEL_FILE and not PRECISIONS[precision].low:
@@ -90,7 +91,9 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
     name = "cuda"
     xp = cupy
 
-    def __init__(self, dtype: str = "float32", precision: str = "fp32"):
+    def __init__(self, dtype: str = "float32", precision: str = "fp32", hopper_kernels: bool | None = None):
+        """`hopper_kernels`: load the warpgroup (sm_90a) kernels; default: on Hopper unless ANDREA_WGMMA=0. False runs
+        the build every sm_80+ card runs (the same bits), on any card."""
         if dtype != "float32":
             raise AndreaError(f"dtype '{dtype}': the CUDA engine runs float32 (float64 is the NumPy engine's, for gradient checks)")
         if precision not in PRECISIONS:
@@ -105,7 +108,12 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
         self.dtype = np.dtype(dtype)
         self.precision = precision
         self.act_vec = 16 // np.dtype(p.act_dtype).itemsize  # ACT_VEC: activations per 16-byte access
-        self.k = _load_kernels(precision)
+        if hopper_kernels is None:
+            hopper_kernels = hopper_build_wanted(cupy.cuda.Device().compute_capability)
+        elif hopper_kernels and cupy.cuda.Device().compute_capability != "90":
+            raise AndreaError("hopper_kernels: the warpgroup kernels need sm_90 (H100, H200)")
+        self.hopper_kernels = hopper_kernels
+        self.k = _load_kernels(precision, hopper_kernels)
         # The engine's own device memory, allocated here, once (the engine runs ops before any plan
         # exists): cuBLAS's workspace and its ops' buffers; a model's plan lists them by name.
         own = (BufferSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "uint8", "engine"), *ops.engine_buffers())

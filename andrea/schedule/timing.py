@@ -105,15 +105,34 @@ def alternating(timers: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+# The PyTorch peers an engine precision's bar is judged against, the fastest of them that ran counting: bf16 autocast
+# under torch.compile, and for fp8 also torchao's float8 training under torch.compile (at some shapes slower than its
+# bf16, so the faster of the two is the one to beat)
+BAR_PEERS = {"bf16": ("bf16-compile",), "fp8": ("bf16-compile", "fp8-compile")}
+
+
+def bar_peer(bench: dict, shape: str, precision: str) -> str | None:
+    """The peer variant that counts for an engine precision at a shape: the fastest of BAR_PEERS[precision] in the
+    report's `bench` section; None where none of them ran."""
+    ran = [p for p in BAR_PEERS.get(precision, ()) if bench.get("baseline", {}).get(f"{shape}/{p}")]
+    return min(ran, key=lambda p: bench["baseline"][f"{shape}/{p}"]["ms_per_step"], default=None)
+
+
 def peer_pairs(bench: dict):
-    """Each engine variant of a benchmark report's `bench` section beside the PyTorch variants it is
-    compared with: the same precision, and for bf16 also bf16 + torch.compile (the peer that counts).
-    Yields (shape, variant, engine entry, peer variant, peer entry or {} when it did not run)."""
+    """Each engine variant of a benchmark report's `bench` section beside the PyTorch variants it is compared with:
+    the same precision in plain PyTorch, and for the plain precision and its -mma variant (the kernels every sm_80+
+    card runs) also BAR_PEERS. A -masked variant has no peer (the peer trains without a loss mask).
+    Yields (shape, variant, engine entry, peer variant, peer entry or {} when it did not run, whether the peer is
+    the one that counts: bar_peer)."""
     for key, entry in bench.get("engine", {}).items():
         shape, variant = key.split("/")
-        precision = variant.replace("-eager", "")
-        for peer in [precision] + (["bf16-compile"] if variant == "bf16" else []):
-            yield shape, variant, entry, peer, bench.get("baseline", {}).get(f"{shape}/{peer}", {})
+        precision, _, kind = variant.partition("-")
+        if kind == "masked":
+            continue
+        peers = [precision] + (list(BAR_PEERS.get(precision, ())) if kind in ("", "mma") else [])
+        counted = bar_peer(bench, shape, precision) if kind in ("", "mma") else None
+        for peer in peers:
+            yield shape, variant, entry, peer, bench.get("baseline", {}).get(f"{shape}/{peer}", {}), peer == counted
 
 
 def against_bf16(bench: dict):
