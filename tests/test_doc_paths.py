@@ -189,3 +189,13 @@ def test_the_comment_scanner_finds_a_made_up_path(tmp_path):
     assert missing_in_code(files, tmp_path) == [
         "andrea/m.py:2: kernels/missing.cu", "andrea/m.py:1: andrea/gone.py", "andrea/m.py:4: docs/NOPE.md",
         "kernels/k.cu:1: andrea/a.py", "kernels/k.cu:2: scripts/b.py"]
+
+
+def test_the_user_pages_stay_short():
+    """docs/PERFORMANCE.md is the user's page (current figures, commands, knobs, limits; one line a lever tried), not
+    a log; dev/ keeps only what someone would run again. Past figures live in git history."""
+    lines = lambda p: len(p.read_text(encoding="utf-8").splitlines())  # noqa: E731
+    assert lines(REPO / "docs" / "PERFORMANCE.md") <= 250
+    dev = [p for p in (REPO / "dev").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert sum(lines(p) for p in dev) <= 1500, "dev/ holds at most 1,500 lines"
+    assert lines(REPO / "dev" / "cuda" / "README.md") <= 60
