@@ -153,6 +153,38 @@ def test_nan_stops_before_the_update(tmp_path, setup, monkeypatch, capsys):
     assert history(out.with_name("tiny.loss.json")) == ref_history[:12]
 
 
+def test_checkpoints_are_written_behind_the_loop(tmp_path, setup, monkeypatch):
+    """The loop copies a checkpoint to the host and checks it; the book's writer thread writes it while the loop trains
+    on. Held until the loop has recorded step 7, the step-5 write returns (a loop that waited for it never would);
+    its event comes after the write, and the run's bytes, history and state are the reference run's."""
+    from andrea.run import run_book
+
+    experiment, data, ref, ref_history = setup
+    out = tmp_path / "tiny.ckpt"
+    loss_path = out.with_name("tiny.loss.json")
+    real = run_book.write_checkpoint
+
+    def held_write(path, step, params, m, v):
+        if Path(path) == out and step == 5:
+            deadline = time.monotonic() + 60
+            while steps_logged(loss_path) < 7:  # two more steps: the step-7 checkpoint then waits for this one
+                assert time.monotonic() < deadline, "the loop waited for the step-5 checkpoint write"
+                time.sleep(0.005)
+        real(path, step, params, m, v)
+
+    monkeypatch.setattr(run_book, "write_checkpoint", held_write)
+    assert train_in_process(experiment, data, out, "--max-steps", "12") == 0
+    lines = [json.loads(line) for line in open(loss_path)]
+    position = {("step", r["step"]) if "loss" in r else (r["event"], r.get("step")): i for i, r in enumerate(lines)}
+    assert position[("checkpoint", 5)] > position[("step", 7)]  # announced once written, not when asked
+    assert [r["step"] for r in lines if r.get("event") == "checkpoint"] == list(range(1, 13))
+    assert history(loss_path) == ref_history[:12]
+    assert assert_intact(out) == 12
+    unheld = tmp_path / "unheld" / "tiny.ckpt"
+    assert train_in_process(experiment, data, unheld, "--max-steps", "12") == 0
+    assert out.read_bytes() == unheld.read_bytes()
+
+
 def test_nan_step_can_be_skipped(tmp_path, setup, monkeypatch):
     experiment, data, ref, _ = setup
     out = tmp_path / "tiny.ckpt"

@@ -10,6 +10,11 @@
 Every write goes in the order that makes a kill at any instant safe (docs/RELIABILITY.md): the state before the
 checkpoint it vouches for, the state's `best` before NAME.best.ckpt, an archive beside its place before it is
 renamed into it.
+
+Checkpoints are written behind the loop: the model's state is copied to the host and checked on the loop's thread,
+and a thread of the book's own hashes and writes it (with the state that vouches for it) while training goes on,
+one write at a time, in the order asked. Their events and log lines come on the loop's thread once a write is done
+(`settle`); a failed write stops the run there, at the latest before the process ends.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import fcntl
 import os
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from andrea import __version__
@@ -30,6 +37,9 @@ STATE_FORMAT = 1
 # How many recent checkpoints .state.json vouches for: a kill between renaming the checkpoint and
 # renaming the state leaves a checkpoint that is one of these two.
 STATE_CHECKPOINT_HISTORY = 2
+# Checkpoint writes in flight at most (a step's best checkpoint and its interval one); one more waits for the oldest,
+# so host copies of the model's state never pile up behind a slow disk.
+WRITES_IN_FLIGHT = 2
 
 
 def take_lock(files: RunFiles):
@@ -73,6 +83,11 @@ class RunBook:
         self.recent_checkpoints: list[dict] = []
         self.skipped_steps: list[int] = []
         self.best: dict | None = None  # {"step", "metric", "value", "sha256"} of NAME.best.ckpt
+        # the writes behind the loop, oldest first: (future, what to announce once done, the entry of a checkpoint)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="andrea-checkpoint") if is_main else None
+        self._in_flight: list[tuple[Future, Callable[[], None], dict | None]] = []
+        self._host: tuple | None = None  # (step, params, m, v, {"sha256"}) last copied: a step's best and interval share it
+        self._write_failed = False  # set on the writer thread; nothing is written after it
 
     # ---- NAME.loss.json ------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
@@ -130,38 +145,106 @@ class RunBook:
         return self.recent_checkpoints[-1]["step"] if self.recent_checkpoints else None
 
     def trusted_host_state(self, step: int, what: str):
-        """(params, m, v) on the host, refused when they hold a NaN or a negative v: such an update went through
-        a finite loss and gradient norm (from state that was already bad), and is never written."""
+        """(params, m, v) on the host and a dict the writer fills with their digest ("sha256"), refused when they hold
+        a NaN or a negative v: such an update went through a finite loss and gradient norm (from state that was
+        already bad), and is never written. A second call at the same step (its best and its interval checkpoint)
+        reuses the first one's copies."""
+        if self._host is not None and self._host[0] == step:
+            return self._host[1:]
         params, m, v = self.model.host_state()
         fault = untrusted_values(params, m, v)
         if fault:
             raise UntrustedState(step, f"step {step}: {fault} in the model's state; "
                                        f"the {what} was not written")
-        return params, m, v
+        self._host = (step, params, m, v, {})
+        return self._host[1:]
+
+    @staticmethod
+    def _digest(step: int, params, m, v, digest: dict) -> str:
+        """On the writer thread: the checkpoint's sha256, once for both writes of a step."""
+        if "sha256" not in digest:
+            digest["sha256"] = checkpoint_digest(step, params, m, v)
+        return digest["sha256"]
+
+    def _behind(self, write, announce, entry: dict | None = None) -> None:
+        """`write` (files only) on the writer thread after the writes asked before it; `announce` (events, log
+        lines) on this thread once it is done (settle). After a failed write the ones asked later write nothing:
+        their states vouch for the checkpoint that failed."""
+        while len(self._in_flight) >= WRITES_IN_FLIGHT:
+            self._settle_oldest()
+
+        def guarded():
+            if self._write_failed:
+                raise AndreaError("not written: an earlier checkpoint write failed")
+            try:
+                write()
+            except BaseException:
+                self._write_failed = True
+                raise
+        self._in_flight.append((self._writer.submit(guarded), announce, entry))
+
+    def _settle_oldest(self) -> None:
+        future, announce, entry = self._in_flight.pop(0)
+        try:
+            future.result()
+        except BaseException:
+            if entry is not None:  # never written: the state on disk vouches for the one before it
+                self.recent_checkpoints = [c for c in self.recent_checkpoints if c is not entry]
+            raise
+        announce()
+
+    def settle(self, wait: bool = True) -> None:
+        """Announce the writes that are done, in order; with `wait`, every write in flight is done first. A failed
+        write raises its AndreaError here (the ones after it are still finished, so no file is left half done)."""
+        while self._in_flight and (wait or self._in_flight[0][0].done()):
+            try:
+                self._settle_oldest()
+            except BaseException:
+                for future, _, _ in self._in_flight:
+                    future.exception()  # wait: the run ends with no write going on
+                self._in_flight.clear()
+                raise
+        if not self._in_flight:
+            self._host = None  # no write holds the host copies any more
+
+    def close(self) -> None:
+        """At the end of the run, however it ends: no write left going on (a failure is the caller's to report)."""
+        for future, _, _ in self._in_flight:
+            future.exception()
+        self._in_flight.clear()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     def checkpoint(self, step: int, elapsed: float, reason: str) -> None:
-        """Write checkpoint + state so that a kill at any instant leaves a pair that resumes:
+        """Checkpoint + state, written behind the loop so that a kill at any instant leaves a pair that resumes:
         the state is written first and vouches for both the new and the previous checkpoint."""
         if not self.is_main:
             return
-        params, m, v = self.trusted_host_state(step, "checkpoint")
-        digest = checkpoint_digest(step, params, m, v)
+        params, m, v, digest = self.trusted_host_state(step, "checkpoint")
         # the mixing state goes with each checkpoint: the state file may vouch for the one before this one too
-        entry = {"step": step, "sha256": digest, "elapsed_s": elapsed, "mixing": self.mix_state.to_json(),
+        entry = {"step": step, "sha256": None, "elapsed_s": elapsed, "mixing": self.mix_state.to_json(),
                  "tokens_per_source": self.tokens_per_source()}
         self.recent_checkpoints = [c for c in self.recent_checkpoints if c["step"] != step][-(STATE_CHECKPOINT_HISTORY - 1):] + [entry]
-        try:
-            write_json_atomic(self.files.state, self.state(step, elapsed))
-            write_checkpoint(self.files.ckpt, step, params, m, v)
-        except OSError as err:
-            previous = f"the previous checkpoint (step {self.recent_checkpoints[-2]['step']}) is intact" \
-                if len(self.recent_checkpoints) > 1 else "no earlier checkpoint exists"
-            raise AndreaError(
-                f"{err.filename or self.files.ckpt}: could not write the step-{step} checkpoint "
-                f"({err.strerror or err}); {previous}; free space or fix the disk, then rerun with --resume"
-            ) from None
-        self.event("checkpoint", step=step, reason=reason)
-        self.log(f"checkpoint: step {step} -> {self.files.ckpt} ({reason})")
+        # the state as it is now; the digests of this and earlier writes are filled in on the writer thread, in order
+        state = self.state(step, elapsed)
+        previous = f"the previous checkpoint (step {self.recent_checkpoints[-2]['step']}) is intact" \
+            if len(self.recent_checkpoints) > 1 else "no earlier checkpoint exists"
+
+        def write():
+            entry["sha256"] = self._digest(step, params, m, v, digest)
+            try:
+                write_json_atomic(self.files.state, state)
+                write_checkpoint(self.files.ckpt, step, params, m, v)
+            except OSError as err:
+                raise AndreaError(
+                    f"{err.filename or self.files.ckpt}: could not write the step-{step} checkpoint "
+                    f"({err.strerror or err}); {previous}; free space or fix the disk, then rerun with --resume"
+                ) from None
+
+        def announce():
+            self.event("checkpoint", step=step, reason=reason)
+            self.log(f"checkpoint: step {step} -> {self.files.ckpt} ({reason})")
+        self._behind(write, announce, entry)
 
     def offer_best(self, step: int, record: dict) -> None:
         """NAME.best.ckpt, when the step's record holds the best validation loss so far."""
@@ -169,22 +252,26 @@ class RunBook:
             self.write_best(step, record[self.best_metric])
 
     def write_best(self, step: int, value: float) -> None:
-        """NAME.best.ckpt (the seed's format) at the best headline validation loss so far. The state on disk is
-        told first (its `best`, the one before kept as `best_previous`), so a kill at any instant leaves a best
-        checkpoint the state vouches for."""
-        params, m, v = self.trusted_host_state(step, "best checkpoint")
-        previous, self.best = self.best, {"step": step, "metric": self.best_metric, "value": value,
-                                          "sha256": checkpoint_digest(step, params, m, v)}
-        if self.files.state.is_file():
-            state = read_state(self.files.ckpt)
-            write_json_atomic(self.files.state, {**state, "best": self.best, "best_previous": previous})
-        write_checkpoint(self.files.best, step, params, m, v)
-        self.event("best", step=step, val_loss=value, metric=self.best_metric)
+        """NAME.best.ckpt (the seed's format) at the best headline validation loss so far, written behind the loop.
+        The state on disk is told first (its `best`, the one before kept as `best_previous`), so a kill at any
+        instant leaves a best checkpoint the state vouches for."""
+        params, m, v, digest = self.trusted_host_state(step, "best checkpoint")
+        previous, self.best = self.best, {"step": step, "metric": self.best_metric, "value": value, "sha256": None}
+        best = self.best
+
+        def write():
+            best["sha256"] = self._digest(step, params, m, v, digest)
+            if self.files.state.is_file():
+                state = read_state(self.files.ckpt)
+                write_json_atomic(self.files.state, {**state, "best": best, "best_previous": previous})
+            write_checkpoint(self.files.best, step, params, m, v)
+        self._behind(write, lambda: self.event("best", step=step, val_loss=value, metric=self.best_metric))
 
     # ---- phases --------------------------------------------------------------------------------
     def pivot(self, phase, step: int, elapsed: float) -> None:
         """The end of a phase followed by another: its checkpoint, as SIGUSR1 writes one, then its archive."""
         self.checkpoint(step, elapsed, "pivot")
+        self.settle()  # the archive copies what the checkpoint wrote
         self.archive(phase)
         self.pivot_event(phase, step)
 
@@ -221,6 +308,7 @@ class RunBook:
     # ---- NAME.state.json -----------------------------------------------------------------------
     def write_state(self, step: int, elapsed: float) -> None:
         if self.is_main:
+            self.settle()  # after the states written behind the loop
             write_json_atomic(self.files.state, self.state(step, elapsed))
 
     def state(self, step: int, elapsed: float) -> dict:
@@ -242,7 +330,7 @@ class RunBook:
             # the train split's tokens: the program's lengths in epochs (config.continuation_refusal) count from it
             "train_tokens": self.train_tokens,
             "tokenizer": self.tokenizer,
-            **({"data_history": self.data_history} if self.data_history else {}),
+            **({"data_history": list(self.data_history)} if self.data_history else {}),
             "batch_scheme": "window permutation per epoch from PCG64(seed, epoch); see andrea/store/loader.py",
             "phases": [{"name": p.name, "start": p.start, "end": p.end, "hash": p.hash(), "loss_on": p.loss_on,
                         "status": "finished" if p.end <= step else "running" if p.start < step else "waiting"}
@@ -255,8 +343,8 @@ class RunBook:
             "engine": model.engine.name,
             **({"cpu": self.cpu()} if model.engine.name == "numpy" else {}),
             "n_params": model.layout.n_params,
-            "checkpoints": self.recent_checkpoints,
-            "skipped_steps": self.skipped_steps,
+            "checkpoints": list(self.recent_checkpoints),  # the entries themselves: their digests come from the writer
+            "skipped_steps": list(self.skipped_steps),
             **({"loss_scale": model.loss_scale.state()} if model.loss_scale else {}),
             **model.history_state(),
             "restarts": int(os.environ.get(RESTARTS_ENV, "0")),

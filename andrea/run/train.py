@@ -385,11 +385,14 @@ class Trainer:
             return self._train()
         except UntrustedState as fault:
             # an update cannot be undone, so --on-nonfinite skip stops here too
+            self.book.settle()
             last = self.book.last_checkpoint()
             self.book.event("nonfinite", step=fault.step, detail=str(fault), action="stop")
             self.log(f"{fault}; the last good checkpoint is {'step ' + str(last) if last is not None else 'none'}; "
                      "the run stops")
             return EXIT_NONFINITE
+        finally:
+            self.book.close()  # however the run ends, no checkpoint write is left going on
 
     def _stop(self) -> tuple[int, str]:
         """Where this invocation stops and why: the program's end, or earlier by --max-steps / --cpu-max-steps (the
@@ -441,6 +444,7 @@ class Trainer:
                 if signals.terminate:
                     if not pivot:
                         book.checkpoint(step, elapsed, "SIGTERM")
+                    book.settle()
                     self.log(f"SIGTERM: stopped at step {step}; resume with --resume")
                     return self.args.sigterm_exit_code
                 every = phase.intervals["checkpoint"]
@@ -450,9 +454,11 @@ class Trainer:
                         book.checkpoint(step, elapsed, "SIGUSR1")
                 elif trained and not pivot and every and step % every == 0 and step < stop:
                     book.checkpoint(step, elapsed, "interval")
+                book.settle(wait=False)  # the writes behind the loop that are done: their events and lines
             if book.last_checkpoint() != step:  # a pivot wrote it
                 book.checkpoint(step, self.elapsed_before + time.perf_counter() - t_start,
                                 "end" if step == self.total_steps else stopped_by)
+            book.settle()
         self.log(f"done: step {step} of {self.total_steps}" + ("" if step == self.total_steps else
                  f"; unfinished: stopped by --{stopped_by}; `andrea train --resume`"
                  f"{' on a GPU' if stopped_by == 'cpu-max-steps' else ''} continues it"))
@@ -495,6 +501,7 @@ class Trainer:
         # An fp16 overflow is part of the loss scale's working, not a fault: always skipped.
         overflow = isinstance(fault, LossScaleOverflow)
         if self.args.on_nonfinite == "stop" and not overflow:
+            self.book.settle()
             last = self.book.last_checkpoint()
             self.book.event("nonfinite", step=step, detail=str(fault), action="stop")
             self.log(f"step {step}: {fault}; nothing was updated; the last good checkpoint is "
