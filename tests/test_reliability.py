@@ -156,7 +156,8 @@ def test_nan_stops_before_the_update(tmp_path, setup, monkeypatch, capsys):
 def test_checkpoints_are_written_behind_the_loop(tmp_path, setup, monkeypatch):
     """The loop copies a checkpoint to the host and checks it; the book's writer thread writes it while the loop trains
     on. Held until the loop has recorded step 7, the step-5 write returns (a loop that waited for it never would);
-    its event comes after the write, and the run's bytes, history and state are the reference run's."""
+    its event comes after the write, it writes step 5's state, and the run's bytes, history and state are the
+    reference run's."""
     from andrea.run import run_book
 
     experiment, data, ref, ref_history = setup
@@ -170,6 +171,7 @@ def test_checkpoints_are_written_behind_the_loop(tmp_path, setup, monkeypatch):
             while steps_logged(loss_path) < 7:  # two more steps: the step-7 checkpoint then waits for this one
                 assert time.monotonic() < deadline, "the loop waited for the step-5 checkpoint write"
                 time.sleep(0.005)
+            real(tmp_path / "held5.ckpt", step, params, m, v)  # what the loop handed over, two steps later
         real(path, step, params, m, v)
 
     monkeypatch.setattr(run_book, "write_checkpoint", held_write)
@@ -183,6 +185,9 @@ def test_checkpoints_are_written_behind_the_loop(tmp_path, setup, monkeypatch):
     unheld = tmp_path / "unheld" / "tiny.ckpt"
     assert train_in_process(experiment, data, unheld, "--max-steps", "12") == 0
     assert out.read_bytes() == unheld.read_bytes()
+    # the copy the step-5 write got is step 5's state, untouched by the steps trained while it waited
+    assert train_in_process(experiment, data, tmp_path / "five" / "tiny.ckpt", "--max-steps", "5") == 0
+    assert (tmp_path / "held5.ckpt").read_bytes() == (tmp_path / "five" / "tiny.ckpt").read_bytes()
 
 
 def test_nan_step_can_be_skipped(tmp_path, setup, monkeypatch):

@@ -192,8 +192,13 @@ class Model:
             self.engine.upload(b, host)
 
     def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        e = self.engine
-        return tuple(e.to_host(self.buf[k]).astype(np.float32, copy=True) for k in ("params", "m", "v"))
+        """Copies of params, m and v that the next steps leave alone (a checkpoint is written from them while
+        training goes on): a device's buffers come to the host as new arrays, the host engine's are copied."""
+        def copy(buf):
+            host = self.engine.to_host(buf)
+            fresh = not (isinstance(buf, np.ndarray) and np.shares_memory(host, buf))
+            return host.astype(np.float32, copy=not fresh)
+        return tuple(copy(self.buf[k]) for k in ("params", "m", "v"))
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None) -> float:
