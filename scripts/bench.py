@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import NamedTuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,7 +47,8 @@ from andrea.schedule.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_m
 from andrea.ops import op_cost  # noqa: E402
 from andrea.spec.precision import PRECISIONS  # noqa: E402
 from andrea.run.train import model_options  # noqa: E402
-from andrea.schedule.timing import OpRecorder, against_bf16, alternating, fastest_peer, graph_ms, median_ms, peer_pairs  # noqa: E402
+from andrea.schedule.timing import (OpRecorder, against_bf16, alternating, fastest_peer, graph_ms, median_ms,  # noqa: E402
+                                     peer_pairs, variant_parts)
 
 EXPERIMENTS = {n: load_experiment(REPO / "config" / "experiments" / f"ANDREA-{n}-TRAIN.json") for n in ("12M", "120M", "350M")}
 BENCH = {"12M": 32, "120M": 8, "350M": 8}  # micro-batch of the benchmark (the PyTorch baseline's B)
@@ -59,22 +59,14 @@ DEFAULT_SHAPES = ("12M", "120M")  # what --shapes measures unless told
 BENCH_VARIANTS = (*PRECISIONS, "bf16-eager", "bf16-masked", "fp8-masked", "bf16-mma", "fp8-mma")
 
 
-class Variant(NamedTuple):
-    precision: str
-    eager: bool
-    masked: bool
-    mma: bool  # no warpgroup kernels
+def engine_for(variant: str):
+    """The CUDA engine a benchmark variant runs on: its precision, and for -mma no warpgroup kernels."""
+    from andrea.engines.cuda_engine import CudaEngine
 
-    @property
-    def plain(self) -> bool:
-        """The variant whose ops the bench times one by one (the precision as the trainer runs it)."""
-        return not (self.eager or self.masked or self.mma)
+    v = variant_parts(variant)
+    return CudaEngine(precision=v.precision, hopper_kernels=False if v.mma else None)
 
 
-def variant_parts(variant: str) -> Variant:
-    """A benchmark variant's parts: PRECISION, PRECISION-eager, PRECISION-masked or PRECISION-mma."""
-    precision, _, kind = variant.partition("-")
-    return Variant(precision, kind == "eager", kind == "masked", kind == "mma")
 PEER_VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
 ROUNDS = "median of {n} rounds"  # how an engine variant's --rounds count
 BASELINE_SHAPE = {"12M": "12m", "120M": "120m", "350M": "350m"}
@@ -248,7 +240,6 @@ def op_times(engine, recorder, model, names=None) -> dict:
 def bench(baseline: str | None, variants, peers, shapes, peer_runs: int = 1, rounds: int = 1):
     """Each engine variant's step at both shapes (with `rounds` > 1 the shape's variants built together and timed in
     turn, round after round, their median counting: timing.alternating), each plain variant's ops, then the peers."""
-    from andrea.engines.cuda_engine import CudaEngine
     from andrea.spec.layout import ParameterLayout
     from andrea.schedule.model import Model, init_params
 
@@ -261,7 +252,7 @@ def bench(baseline: str | None, variants, peers, shapes, peer_runs: int = 1, rou
             built = {}
             for variant in group:
                 v = variant_parts(variant)
-                engine = CudaEngine(precision=v.precision, hopper_kernels=False if v.mma else None)
+                engine = engine_for(variant)
                 recorder = OpRecorder(engine)
                 model = Model(recorder, shape, micro, graphs=not v.eager, **options(name))
                 built[variant] = (engine, recorder, model, v.masked)

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench import BENCH, EXPERIMENTS, options, per_step_ms, variant_parts  # noqa: E402
+from bench import BENCH, EXPERIMENTS, engine_for, options, per_step_ms  # noqa: E402
+from andrea.schedule.timing import variant_parts  # noqa: E402
 
 from andrea.schedule.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
 from andrea.schedule.timing import RECORDED, EngineCalls  # noqa: E402
@@ -86,13 +87,11 @@ def spin_cycles() -> int:
 
 
 def profile(name: str, variant: str, steps: int) -> dict:
-    from andrea.engines.cuda_engine import CudaEngine
     from andrea.schedule.model import Model, init_params
 
-    v = variant_parts(variant)
-    masked = v.masked
+    masked = variant_parts(variant).masked
     shape, micro = EXPERIMENTS[name].model, BENCH[name]
-    engine = CudaEngine(precision=v.precision, hopper_kernels=False if v.mma else None)
+    engine = engine_for(variant)
     timer = OpTimer(engine, spin_cycles())
     model = Model(timer, shape, micro, graphs=True, **options(name))
     model.load_state(init_params(model.layout, 0))

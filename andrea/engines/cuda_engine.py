@@ -112,7 +112,6 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
             hopper_kernels = hopper_build_wanted(cupy.cuda.Device().compute_capability)
         elif hopper_kernels and cupy.cuda.Device().compute_capability != "90":
             raise AndreaError("hopper_kernels: the warpgroup kernels need sm_90 (H100, H200)")
-        self.hopper_kernels = hopper_kernels
         self.k = _load_kernels(precision, hopper_kernels)
         # The engine's own device memory, allocated here, once (the engine runs ops before any plan
         # exists): cuBLAS's workspace and its ops' buffers; a model's plan lists them by name.

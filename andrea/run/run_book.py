@@ -98,6 +98,7 @@ class RunBook:
         try:
             append_record(self.files.loss, record)
         except OSError as err:
+            self._drain()  # the writes in flight done, not announced: their events would append to this file
             last = self.last_checkpoint()
             survivor = f"the checkpoint of step {last} ({self.files.ckpt}) is intact" if last is not None \
                 else "no checkpoint was written yet"
@@ -200,18 +201,31 @@ class RunBook:
             try:
                 self._settle_oldest()
             except BaseException:
-                for future, _, _ in self._in_flight:
-                    future.exception()  # wait: the run ends with no write going on
-                self._in_flight.clear()
+                self._drain()
                 raise
         if not self._in_flight:
             self._host = None  # no write holds the host copies any more
 
+    def _drain(self) -> None:
+        """Wait for the writes in flight without announcing them: after a failure (they write nothing) or at the end
+        of a run that failed; their checkpoints are not counted as written."""
+        for future, _, entry in self._in_flight:
+            if future.exception() is not None and entry is not None:
+                self.recent_checkpoints = [c for c in self.recent_checkpoints if c is not entry]
+        self._in_flight.clear()
+
+    def last_written_checkpoint(self) -> int | None:
+        """The step of the last checkpoint on disk, once the writes in flight are done; for the sentences that name
+        it. A write that failed meanwhile is logged, not raised: the sentence is about another fault."""
+        try:
+            self.settle()
+        except AndreaError as err:
+            self.log(str(err))
+        return self.last_checkpoint()
+
     def close(self) -> None:
         """At the end of the run, however it ends: no write left going on (a failure is the caller's to report)."""
-        for future, _, _ in self._in_flight:
-            future.exception()
-        self._in_flight.clear()
+        self._drain()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
 

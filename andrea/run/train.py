@@ -385,8 +385,7 @@ class Trainer:
             return self._train()
         except UntrustedState as fault:
             # an update cannot be undone, so --on-nonfinite skip stops here too
-            self.book.settle()
-            last = self.book.last_checkpoint()
+            last = self.book.last_written_checkpoint()
             self.book.event("nonfinite", step=fault.step, detail=str(fault), action="stop")
             self.log(f"{fault}; the last good checkpoint is {'step ' + str(last) if last is not None else 'none'}; "
                      "the run stops")
@@ -501,8 +500,7 @@ class Trainer:
         # An fp16 overflow is part of the loss scale's working, not a fault: always skipped.
         overflow = isinstance(fault, LossScaleOverflow)
         if self.args.on_nonfinite == "stop" and not overflow:
-            self.book.settle()
-            last = self.book.last_checkpoint()
+            last = self.book.last_written_checkpoint()
             self.book.event("nonfinite", step=step, detail=str(fault), action="stop")
             self.log(f"step {step}: {fault}; nothing was updated; the last good checkpoint is "
                      f"{'step ' + str(last) if last is not None else 'none'}; rerun with --resume, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from typing import NamedTuple
 
 from andrea import ops
 
@@ -105,6 +106,26 @@ def alternating(timers: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+class Variant(NamedTuple):
+    """A benchmark variant (scripts/bench.py): PRECISION, PRECISION-eager (the step launched op by op instead of as a
+    CUDA graph), PRECISION-masked (every step under a loss mask) or PRECISION-mma (no warpgroup kernels: the build
+    every sm_80+ card runs)."""
+    precision: str
+    eager: bool
+    masked: bool
+    mma: bool
+
+    @property
+    def plain(self) -> bool:
+        """The precision as the trainer runs it (the variant whose ops the benchmark times one by one)."""
+        return not (self.eager or self.masked or self.mma)
+
+
+def variant_parts(variant: str) -> Variant:
+    precision, _, kind = variant.partition("-")
+    return Variant(precision, kind == "eager", kind == "masked", kind == "mma")
+
+
 # The PyTorch peers an engine precision's bar is judged against, the fastest of them that ran counting: bf16 autocast
 # under torch.compile, and for fp8 also torchao's float8 training under torch.compile (at some shapes slower than its
 # bf16, so the faster of the two is the one to beat)
@@ -126,11 +147,12 @@ def peer_pairs(bench: dict):
     the one that counts: bar_peer)."""
     for key, entry in bench.get("engine", {}).items():
         shape, variant = key.split("/")
-        precision, _, kind = variant.partition("-")
-        if kind == "masked":
+        v = variant_parts(variant)
+        if v.masked:
             continue
-        peers = [precision] + (list(BAR_PEERS.get(precision, ())) if kind in ("", "mma") else [])
-        counted = bar_peer(bench, shape, precision) if kind in ("", "mma") else None
+        barred = v.plain or v.mma
+        peers = [v.precision] + (list(BAR_PEERS.get(v.precision, ())) if barred else [])
+        counted = bar_peer(bench, shape, v.precision) if barred else None
         for peer in peers:
             yield shape, variant, entry, peer, bench.get("baseline", {}).get(f"{shape}/{peer}", {}), peer == counted
 
