@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from andrea.spec.config import load_experiment  # noqa: E402
-from andrea.schedule.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
+from andrea.schedule.crosscheck import (OPTIMIZER, free_device_memory, loss_masks, lr_at,  # noqa: E402
+                                        synthetic_micro_batches)
 from andrea.ops import op_cost  # noqa: E402
 from andrea.spec.precision import PRECISIONS  # noqa: E402
 from andrea.run.train import model_options  # noqa: E402
@@ -100,12 +101,6 @@ def section(name):
 def options(name: str) -> dict:
     """The memory options the trainer gives the experiment's model on the CUDA engine, in every precision."""
     return model_options(EXPERIMENTS[name], "cuda")
-
-
-def free_device_memory():
-    import cupy
-
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def host_cpu() -> dict:

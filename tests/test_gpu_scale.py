@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from andrea.spec.config import load_experiment
-from andrea.schedule.crosscheck import OP_LIMITS, OPS, compare_op, step_allocations, text_training, train_run
+from andrea.schedule.crosscheck import (OP_LIMITS, OPS, compare_op, free_device_memory, step_allocations,
+                                        text_training, train_run)
 from andrea.spec.layout import ParameterLayout
 from andrea.ops.base import OpShape
 from andrea.spec.precision import PRECISIONS
@@ -53,12 +54,6 @@ def engines():
     from andrea.engines.cuda_engine import CudaEngine
 
     return {p: CudaEngine(precision=p) for p in PRECISIONS}
-
-
-def free_device_memory():
-    import cupy
-
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 @pytest.mark.parametrize("op", OPS)

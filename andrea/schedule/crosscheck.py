@@ -9,6 +9,7 @@ buffer an op overwrites starts as NaN, so an element it fails to write shows up 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,16 @@ def loss_masks(batches: list, seed: int) -> list:
     fixed draw of `seed`."""
     rng = np.random.default_rng(seed)
     return [(rng.random(y.shape) < MASK_KEPT).astype(np.float32) for _, y in batches]
+
+
+def free_device_memory() -> None:
+    """Give the device memory of dropped models back to the driver. A model's buffers sit in reference cycles (engine,
+    ops, recorded graphs), so the collector runs first: otherwise it frees them whenever it next runs, in the middle
+    of a later measurement."""
+    import cupy
+
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def step_allocations(model, step: int = 0, seed: int = 0, weighted: bool = False) -> dict:
