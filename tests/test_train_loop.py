@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,39 @@ def test_two_fresh_runs_are_bit_identical(tmp_path, experiment, repetitive_data)
     assert history(a.with_name("tiny.loss.json")) == history(b.with_name("tiny.loss.json"))
     state = json.loads(a.with_name("tiny.state.json").read_text())
     assert state["step"] == 30 and state["experiment"]["name"] == "ANDREA-tiny"
+
+
+def test_the_log_says_where_the_training_time_went(tmp_path, experiment, repetitive_data):
+    """The closing line splits the invocation's training time into the steps and what the intervals add (here evals
+    and an interval checkpoint; no samples: sample 0), the parts summing to the whole."""
+    out = tmp_path / "tiny.ckpt"
+    err = run(train_cmd(experiment, repetitive_data, out, "--max-steps", "55")).stderr
+    line = re.search(r"time: ([\d.,]+) s of training, steps ([\d.]+)% of it; s by part: steps ([\d.,]+), "
+                     r"evals ([\d.,]+), samples ([\d.,]+), checkpoints ([\d.,]+), the rest ([\d.,]+)$", err, re.M)
+    assert line, err
+    wall, share, steps, evals, samples, checkpoints, rest = (float(g.replace(",", "")) for g in line.groups())
+    assert steps > 0 and samples == 0
+    assert abs(steps + evals + samples + checkpoints + rest - wall) <= 0.03  # five parts, each rounded to 0.01 s
+    assert abs(share - 100 * steps / wall) <= 100 * 0.005 / wall + 0.1
+    assert f"time: {line.group(1)}" in out.with_name("tiny.log").read_text()
+
+
+def test_time_spent_counts_each_part_and_the_rest(monkeypatch):
+    """Each part gets the clock's time inside its blocks (a block that raised too); the rest is what no part had."""
+    from andrea.run import train
+
+    clock = iter([0.0, 2.0, 2.0, 2.5, 3.0, 4.25])
+    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+    spent = train.TimeSpent()
+    with spent.on("steps"):
+        pass
+    with spent.on("evals"):
+        pass
+    with pytest.raises(ValueError), spent.on("steps"):
+        raise ValueError
+    assert spent.seconds == {"steps": 3.25, "evals": 0.5, "samples": 0.0, "checkpoints": 0.0}
+    assert spent.line(5.0) == ("time: 5.00 s of training, steps 65.0% of it; s by part: steps 3.25, evals 0.50, "
+                               "samples 0.00, checkpoints 0.00, the rest 1.25")
 
 
 def test_max_steps_then_resume_equals_one_run(tmp_path, experiment, repetitive_data):

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -169,6 +170,7 @@ class Trainer:
         self._build_model()
         self.book.model = self.model  # the checkpoints hold its weights, m and v
         self.elapsed_before = 0.0
+        self.spent = TimeSpent()
 
     def _open_run(self):
         """The run's lock and log (the main rank's; the other ranks log nothing); a checkpoint already there is
@@ -424,7 +426,8 @@ class Trainer:
                 phase = self.program.phase_at(step)
                 lr = phase.lr_at(step)
                 try:
-                    loss, norm, mixed = self._step(phase, step, lr)
+                    with self.spent.on("steps"):
+                        loss, norm, mixed = self._step(phase, step, lr)
                     trained = True
                 except NonFiniteStep as fault:
                     if not self._skips(fault, step + 1):  # the run stops before the update
@@ -436,7 +439,8 @@ class Trainer:
                     self._after_step(phase, step, loss, lr, norm, time.perf_counter() - t0, elapsed, progress, mixed)
                 pivot = step == phase.end and step < self.total_steps
                 if pivot:
-                    book.pivot(phase, step, elapsed)
+                    with self.spent.on("checkpoints"):
+                        book.pivot(phase, step, elapsed)
                 # signals are acted on after every step, a skipped one too
                 if self.data_parallel is not None:
                     signals.terminate, signals.snapshot = self.data_parallel.agree(signals.terminate, signals.snapshot)
@@ -452,12 +456,15 @@ class Trainer:
                     if not pivot:
                         book.checkpoint(step, elapsed, "SIGUSR1")
                 elif trained and not pivot and every and step % every == 0 and step < stop:
-                    book.checkpoint(step, elapsed, "interval")
+                    with self.spent.on("checkpoints"):
+                        book.checkpoint(step, elapsed, "interval")
                 book.settle(wait=False)  # the writes behind the loop that are done: their events and lines
-            if book.last_checkpoint() != step:  # a pivot wrote it
-                book.checkpoint(step, self.elapsed_before + time.perf_counter() - t_start,
-                                "end" if step == self.total_steps else stopped_by)
-            book.settle()
+            with self.spent.on("checkpoints"):
+                if book.last_checkpoint() != step:  # a pivot wrote it
+                    book.checkpoint(step, self.elapsed_before + time.perf_counter() - t_start,
+                                    "end" if step == self.total_steps else stopped_by)
+                book.settle()
+        self.log(self.spent.line(time.perf_counter() - t_start))
         self.log(f"done: step {step} of {self.total_steps}" + ("" if step == self.total_steps else
                  f"; unfinished: stopped by --{stopped_by}; `andrea train --resume`"
                  f"{' on a GPU' if stopped_by == 'cpu-max-steps' else ''} continues it"))
@@ -550,18 +557,47 @@ class Trainer:
                   "time": elapsed, **mixed}
         last = step == phase.end
         if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
-            record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
-            if self.masks:
-                record["val_loss_assistant"] = validation_loss(self.model, self.val_windows, iv["eval_batches"],
-                                                               assistant=True)
-            if self.mixture.active:
-                record["val_loss_sources"] = source_validation_losses(self.model, self.val_windows, iv["eval_batches"])
+            with self.spent.on("evals"):
+                record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
+                if self.masks:
+                    record["val_loss_assistant"] = validation_loss(self.model, self.val_windows, iv["eval_batches"],
+                                                                   assistant=True)
+                if self.mixture.active:
+                    record["val_loss_sources"] = source_validation_losses(self.model, self.val_windows,
+                                                                          iv["eval_batches"])
         if self.is_main:
             self.book.append(record)
-            self.book.offer_best(step, record)
+            with self.spent.on("checkpoints"):
+                self.book.offer_best(step, record)
         progress.update(step, record)
         if self.sampler and ((iv["sample"] and step % iv["sample"] == 0) or last):
-            self.write_samples(step)
+            with self.spent.on("samples"):
+                self.write_samples(step)
+
+
+class TimeSpent:
+    """Where an invocation's training time went, by part: the steps themselves against what the experiment's
+    intervals add (evals, samples, checkpoints; a checkpoint's part is what it held the loop: the copy and check of
+    the state, and waits for the writes behind the loop). The rest is the loop's own bookkeeping."""
+
+    PARTS = ("steps", "evals", "samples", "checkpoints")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+
+    @contextmanager
+    def on(self, part: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - t0
+
+    def line(self, wall: float) -> str:
+        parts = ", ".join(f"{part} {s:,.2f}" for part, s in self.seconds.items())
+        rest = max(0.0, wall - sum(self.seconds.values()))
+        share = self.seconds["steps"] / wall if wall > 0 else 1.0
+        return f"time: {wall:,.2f} s of training, steps {share:.1%} of it; s by part: {parts}, the rest {rest:,.2f}"
 
 
 class Progress:
