@@ -13,7 +13,8 @@ from andrea.store.checkpoint import read_checkpoint, write_checkpoint
 from andrea.cli import main as cli
 from andrea.spec.config import load_experiment
 from andrea.engines.numpy_engine import NumpyEngine
-from andrea.tools.evaluate import evaluate_checkpoint, evaluated_targets, source_validation_losses, validation_loss
+from andrea.tools.evaluate import (evaluate_checkpoint, evaluated_targets, source_validation_losses, validation_loss,
+                                   validation_losses)
 from andrea.tools.inference import load_tokenizer
 from andrea.spec.layout import ParameterLayout
 from andrea.store.loader import TokenWindows
@@ -195,7 +196,12 @@ def test_headline_validation_covers_every_source_by_its_windows(run, two_sources
     assert headline == pytest.approx(expected(union), rel=1e-9)
     first_source_only = expected([("alpha", w) for w in range(n_batches * B)])  # the split's first windows
     assert abs(headline - first_source_only) > 0.1
-    assert validation_loss(model, windows, n_batches, assistant=True) == pytest.approx(expected(union, True), rel=1e-9)
+    forwards = []
+    model.forward = lambda *a, _forward=model.forward, **k: forwards.append(1) or _forward(*a, **k)
+    both = validation_losses(model, windows, n_batches, assistant=True)
+    assert both["val_loss"] == headline and len(forwards) == n_batches  # one forward a micro-batch for both
+    assert both["val_loss_assistant"] == pytest.approx(expected(union, True), rel=1e-9)
+    del model.forward
 
     # each source over its own windows: beta's 15 are fewer than 4 x 4, so all of them once (a padded micro-batch)
     got = source_validation_losses(model, windows, n_batches)

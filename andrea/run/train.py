@@ -548,7 +548,7 @@ class Trainer:
     def _after_step(self, phase, step, loss, lr, norm, dt, elapsed, progress, mixed: dict) -> None:
         """The step's record (validation losses at the eval interval and at the end of each phase), the best
         checkpoint, progress and samples."""
-        from andrea.tools.evaluate import source_validation_losses, validation_loss
+        from andrea.tools.evaluate import source_validation_losses, validation_losses
 
         exp, iv = self.exp, phase.intervals
         record = {"step": step, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": norm,
@@ -558,10 +558,7 @@ class Trainer:
         last = step == phase.end
         if self.is_main and ((iv["eval"] and step % iv["eval"] == 0) or last):
             with self.spent.on("evals"):
-                record["val_loss"] = validation_loss(self.model, self.val_windows, iv["eval_batches"])
-                if self.masks:
-                    record["val_loss_assistant"] = validation_loss(self.model, self.val_windows, iv["eval_batches"],
-                                                                   assistant=True)
+                record.update(validation_losses(self.model, self.val_windows, iv["eval_batches"], assistant=self.masks))
                 if self.mixture.active:
                     record["val_loss_sources"] = source_validation_losses(self.model, self.val_windows,
                                                                           iv["eval_batches"])

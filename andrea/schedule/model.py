@@ -205,9 +205,16 @@ class Model:
         """Run the forward pass on one micro-batch; returns the mean loss, or with `weights` ([B, T], aligned
         with the targets) the weighted mean sum(w * loss) / sum(w), which refuses weights that count no
         target (ValueError). probs holds the last piece's probabilities: all of them with one loss chunk."""
-        self._upload(tokens, targets, weights)
+        self._upload(tokens, targets)
         with self._pass(backward=False):
             self._forward_ops()
+        return self.mean_loss(weights)
+
+    def mean_loss(self, weights: np.ndarray | None = None) -> float:
+        """The last forward's mean loss, or its weighted mean under `weights` (as forward's): a forward's losses
+        are read again under other weights without a second pass (the forward itself reads no weights)."""
+        if weights is not None:
+            self.engine.upload(self.buf["loss_weights"], weights, staged=True)
         return self.engine.mean_loss(self.buf["losses"], None if weights is None else self.buf["loss_weights"])
 
     def forward_backward(self, tokens: np.ndarray, targets: np.ndarray) -> float:

@@ -31,36 +31,44 @@ EVAL_FORMAT = "andrea-eval/1"
 MAX_EXP_ARG = 709.0  # math.exp overflows float64 above this
 
 
-def validation_loss(model, windows, n_batches: int, assistant: bool = False, source: int | None = None) -> float:
-    """The mean cross-entropy over the targets of the validation windows (docs/EVAL.md): windows.val_windows(n_batches
-    x micro-batch), i.e. min(n_batches x B, W) windows evenly spaced over the split (over one source's val split with
-    `source`), each once, so every source counts by its share of the tokens. With `assistant`, over the targets the
-    loss masks count (assistant content and its <|im_end|>): sum(w ce) / sum(w), a micro-batch without such a target
-    adding nothing."""
+def validation_losses(model, windows, n_batches: int, assistant: bool = False,
+                      source: int | None = None) -> dict[str, float]:
+    """{"val_loss": the mean cross-entropy over the targets of the validation windows} (docs/EVAL.md):
+    windows.val_windows(n_batches x micro-batch), i.e. min(n_batches x B, W) windows evenly spaced over the split (over
+    one source's val split with `source`), each once, so every source counts by its share of the tokens. With
+    `assistant`, also "val_loss_assistant": over the targets the loss masks count (assistant content and its
+    <|im_end|>), sum(w ce) / sum(w), a micro-batch without such a target adding nothing; both from one forward pass
+    of each micro-batch."""
     B = model.micro_batch
     chosen = windows.val_windows(n_batches * B, source)
-    total, counted = 0.0, 0.0
+    sums = {"val_loss": [0.0, 0.0], **({"val_loss_assistant": [0.0, 0.0]} if assistant else {})}
     for first in range(0, len(chosen), B):
         rows = chosen[first: first + B]
         real = len(rows)
         rows = rows + rows[-1:] * (B - real)  # the model's micro-batch size; the padding rows weigh 0
         (x, y), = windows.micro_batches_of(rows, 1)
+        every = None
+        if real < B:
+            every = np.zeros(y.shape, np.float32)
+            every[:real] = 1
+        sums["val_loss"][0] += model.forward(x, y, weights=every) * float(real * y.shape[1])
+        sums["val_loss"][1] += float(real * y.shape[1])
         if assistant:
             weights = windows.micro_weights_of(rows, 1)[0]
             weights[real:] = 0
-        elif real < B:
-            weights = np.zeros(y.shape, np.float32)
-            weights[:real] = 1
-        else:
-            weights = None
-        w = float(y.size if weights is None else weights.sum(dtype=np.float64))
-        if w > 0:
-            total += model.forward(x, y, weights=weights) * w
-            counted += w
-    if counted == 0:
+            w = float(weights.sum(dtype=np.float64))
+            if w > 0:
+                sums["val_loss_assistant"][0] += model.mean_loss(weights) * w
+                sums["val_loss_assistant"][1] += w
+    if assistant and sums["val_loss_assistant"][1] == 0:
         raise AndreaError(f"{windows.path}: the {len(chosen)} validation windows hold no assistant target; "
                           "raise intervals.eval_batches or check the loss masks")
-    return total / counted
+    return {key: total / counted for key, (total, counted) in sums.items()}
+
+
+def validation_loss(model, windows, n_batches: int, source: int | None = None) -> float:
+    """validation_losses' "val_loss" alone."""
+    return validation_losses(model, windows, n_batches, source=source)["val_loss"]
 
 
 def source_validation_losses(model, windows, n_batches: int) -> dict[str, float]:
@@ -146,8 +154,8 @@ def evaluate_checkpoint(experiment, ckpt, data_dir=None, *, tokenizer=None, engi
     model = Model(inference_engine(engine, exp.precision), shape, exp.micro_batch_size, training=False)
     model.load_state(params)
     start = time.perf_counter()
-    loss = validation_loss(model, windows, n_batches)
-    loss_assistant = validation_loss(model, windows, n_batches, assistant=True) if windows.has_masks else None
+    losses = validation_losses(model, windows, n_batches, assistant=windows.has_masks)
+    loss, loss_assistant = losses["val_loss"], losses.get("val_loss_assistant")
     model.engine.synchronize()
     wall = time.perf_counter() - start
     per_source = source_validation_losses(model, windows, n_batches)  # not in the throughput: other windows
