@@ -190,6 +190,33 @@ def test_checkpoints_are_written_behind_the_loop(tmp_path, setup, monkeypatch):
     assert (tmp_path / "held5.ckpt").read_bytes() == (tmp_path / "five" / "tiny.ckpt").read_bytes()
 
 
+def test_checkpoint_copies_reuse_their_host_arrays(tmp_path, setup, monkeypatch):
+    """Twelve checkpoints (and a best one) are copied into at most WRITES_IN_FLIGHT sets of host arrays, new ones only
+    while fewer exist: a set is filled again once no write reads it (the write-behind test above checks that a held
+    write's copy is never overwritten), and the checkpoint's bytes are those of copies made into new arrays."""
+    from andrea.run.run_book import WRITES_IN_FLIGHT
+    from andrea.schedule.model import Model
+
+    experiment, data, _, ref_history = setup
+    real, seen = Model.host_state, []
+
+    def host_state(self, out=None):
+        state = real(self, out=out)
+        seen.append(tuple(id(a) for a in state))
+        assert out is None or all(a is b for a, b in zip(state, out))
+        return state
+
+    monkeypatch.setattr(Model, "host_state", host_state)
+    out = tmp_path / "tiny.ckpt"
+    assert train_in_process(experiment, data, out, "--max-steps", "12") == 0
+    assert len(seen) == 12 and 1 <= len(set(seen)) <= WRITES_IN_FLIGHT
+    assert history(out.with_name("tiny.loss.json")) == ref_history[:12]
+    monkeypatch.setattr(Model, "host_state", lambda self, out=None: real(self))  # new arrays at every checkpoint
+    fresh = tmp_path / "fresh" / "tiny.ckpt"
+    assert train_in_process(experiment, data, fresh, "--max-steps", "12") == 0
+    assert out.read_bytes() == fresh.read_bytes()
+
+
 def test_nan_step_can_be_skipped(tmp_path, setup, monkeypatch):
     experiment, data, ref, _ = setup
     out = tmp_path / "tiny.ckpt"

@@ -216,8 +216,9 @@ class CudaEngine(embed.CudaOps, layernorm.CudaOps, attn_qkv.CudaOps, attn.CudaOp
     def replay(self, graph) -> None:
         graph.launch(stream=cupy.cuda.get_current_stream())
 
-    def to_host(self, a) -> np.ndarray:
-        return cupy.asnumpy(a)
+    def to_host(self, a, out: np.ndarray | None = None) -> np.ndarray:
+        """`a` as a new host array, or copied into `out` (contiguous, a's dtype and shape)."""
+        return cupy.asnumpy(a, out=out)
 
     def upload(self, dst, src, staged: bool = False) -> None:
         """dst = src. `staged` (a step's inputs): through a pinned host buffer of dst's own, copied in stream order

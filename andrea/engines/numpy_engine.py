@@ -65,8 +65,11 @@ class NumpyEngine(embed.NumpyOps, layernorm.NumpyOps, attn_qkv.NumpyOps, attn.Nu
         """A float64 engine runs the whole plan in float64."""
         return self.dtype if b.dtype == "float32" else np.dtype(b.dtype)
 
-    def to_host(self, a) -> np.ndarray:
-        return np.asarray(a)
+    def to_host(self, a, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.asarray(a)
+        np.copyto(out, a, casting="same_kind")  # the float64 engine's buffers into float32 ones
+        return out
 
     def upload(self, dst, src, staged: bool = False) -> None:
         dst[...] = src

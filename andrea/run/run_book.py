@@ -83,10 +83,14 @@ class RunBook:
         self.recent_checkpoints: list[dict] = []
         self.skipped_steps: list[int] = []
         self.best: dict | None = None  # {"step", "metric", "value", "sha256"} of NAME.best.ckpt
-        # the writes behind the loop, oldest first: (future, what to announce once done, the entry of a checkpoint)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="andrea-checkpoint") if is_main else None
-        self._in_flight: list[tuple[Future, Callable[[], None], dict | None]] = []
-        self._host: tuple | None = None  # (step, params, m, v, {"sha256"}) last copied: a step's best and interval share it
+        # the writes behind the loop, oldest first: (future, what to announce once done, the entry of a checkpoint,
+        # the params array of the host copy it reads)
+        self._in_flight: list[tuple[Future, Callable[[], None], dict | None, object]] = []
+        # (step, params, m, v, {"sha256"}) last copied: a step's best and interval checkpoints share it
+        self._host: tuple | None = None
+        # the (params, m, v) host arrays copies are made into, filled again; at most WRITES_IN_FLIGHT sets
+        self._host_sets: list[tuple] = []
         self._write_failed = False  # set on the writer thread; nothing is written after it
 
     # ---- NAME.loss.json ------------------------------------------------------------------------
@@ -152,13 +156,30 @@ class RunBook:
         reuses the first one's copies."""
         if self._host is not None and self._host[0] == step:
             return self._host[1:]
-        params, m, v = self.model.host_state()
+        into = self._free_host_set()
+        self._host = None  # `into` may be the arrays it named
+        params, m, v = self.model.host_state(out=into)
+        if into is None:
+            self._host_sets.append((params, m, v))
         fault = untrusted_values(params, m, v)
         if fault:
             raise UntrustedState(step, f"step {step}: {fault} in the model's state; "
                                        f"the {what} was not written")
         self._host = (step, params, m, v, {})
         return self._host[1:]
+
+    def _free_host_set(self) -> tuple | None:
+        """Host arrays for the next copy of the state that no write in flight reads; None (new ones, kept) while
+        fewer than WRITES_IN_FLIGHT sets exist, else after the oldest write is done. Arrays filled again have their
+        pages mapped already: new ones fault in every page of the state during the copy, with the loop waiting."""
+        while True:
+            held = {id(holds) for *_, holds in self._in_flight}
+            free = [s for s in self._host_sets if id(s[0]) not in held]
+            if free:
+                return free[0]
+            if len(self._host_sets) < WRITES_IN_FLIGHT:
+                return None
+            self._settle_oldest()
 
     @staticmethod
     def _digest(step: int, params, m, v, digest: dict) -> str:
@@ -167,10 +188,10 @@ class RunBook:
             digest["sha256"] = checkpoint_digest(step, params, m, v)
         return digest["sha256"]
 
-    def _behind(self, write, announce, entry: dict | None = None) -> None:
+    def _behind(self, write, announce, entry: dict | None, holds) -> None:
         """`write` (files only) on the writer thread after the writes asked before it; `announce` (events, log
-        lines) on this thread once it is done (settle). After a failed write the ones asked later write nothing:
-        their states vouch for the checkpoint that failed."""
+        lines) on this thread once it is done (settle); `holds`: the host copy's params array, which it reads. After
+        a failed write the ones asked later write nothing: their states vouch for the checkpoint that failed."""
         while len(self._in_flight) >= WRITES_IN_FLIGHT:
             self._settle_oldest()
 
@@ -182,10 +203,10 @@ class RunBook:
             except BaseException:
                 self._write_failed = True
                 raise
-        self._in_flight.append((self._writer.submit(guarded), announce, entry))
+        self._in_flight.append((self._writer.submit(guarded), announce, entry, holds))
 
     def _settle_oldest(self) -> None:
-        future, announce, entry = self._in_flight.pop(0)
+        future, announce, entry, _ = self._in_flight.pop(0)
         try:
             future.result()
         except BaseException:
@@ -209,7 +230,7 @@ class RunBook:
     def _drain(self) -> None:
         """Wait for the writes in flight without announcing them: after a failure (they write nothing) or at the end
         of a run that failed; their checkpoints are not counted as written."""
-        for future, _, entry in self._in_flight:
+        for future, _, entry, _ in self._in_flight:
             if future.exception() is not None and entry is not None:
                 self.recent_checkpoints = [c for c in self.recent_checkpoints if c is not entry]
         self._in_flight.clear()
@@ -258,7 +279,7 @@ class RunBook:
         def announce():
             self.event("checkpoint", step=step, reason=reason)
             self.log(f"checkpoint: step {step} -> {self.files.ckpt} ({reason})")
-        self._behind(write, announce, entry)
+        self._behind(write, announce, entry, params)
 
     def offer_best(self, step: int, record: dict) -> None:
         """NAME.best.ckpt, when the step's record holds the best validation loss so far."""
@@ -279,7 +300,10 @@ class RunBook:
                 state = read_state(self.files.ckpt)
                 write_json_atomic(self.files.state, {**state, "best": best, "best_previous": previous})
             write_checkpoint(self.files.best, step, params, m, v)
-        self._behind(write, lambda: self.event("best", step=step, val_loss=value, metric=self.best_metric))
+
+        def announce():
+            self.event("best", step=step, val_loss=value, metric=self.best_metric)
+        self._behind(write, announce, None, params)
 
     # ---- phases --------------------------------------------------------------------------------
     def pivot(self, phase, step: int, elapsed: float) -> None:

@@ -191,14 +191,17 @@ class Model:
                 raise ValueError(f"a {name} history of shape {host.shape} for a model whose rows are {tuple(b.shape)}")
             self.engine.upload(b, host)
 
-    def host_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of params, m and v that the next steps leave alone (a checkpoint is written from them while
-        training goes on): a device's buffers come to the host as new arrays, the host engine's are copied."""
-        def copy(buf):
+    def host_state(self, out: tuple | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of params, m and v (float32) that the next steps leave alone (a checkpoint is written from them
+        while training goes on): into `out`, three such arrays of an earlier copy, else new arrays (a device's buffers
+        come to the host as new arrays, the host engine's are copied)."""
+        def copy(buf, into):
+            if into is not None:
+                return self.engine.to_host(buf, out=into)
             host = self.engine.to_host(buf)
             fresh = not (isinstance(buf, np.ndarray) and np.shares_memory(host, buf))
             return host.astype(np.float32, copy=not fresh)
-        return tuple(copy(self.buf[k]) for k in ("params", "m", "v"))
+        return tuple(copy(self.buf[k], into) for k, into in zip(("params", "m", "v"), out or (None,) * 3))
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None) -> float:
