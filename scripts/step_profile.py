@@ -26,10 +26,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench import BENCH, EXPERIMENTS, engine_for, options, per_step_ms  # noqa: E402
-from andrea.schedule.timing import variant_parts  # noqa: E402
 
 from andrea.schedule.crosscheck import OPTIMIZER, loss_masks, lr_at, synthetic_micro_batches  # noqa: E402
-from andrea.schedule.timing import RECORDED, EngineCalls  # noqa: E402
+from andrea.schedule.timing import RECORDED, EngineCalls, variant_parts  # noqa: E402
 
 # the ops, and the step's engine calls beside them: the weight gradients' zeroing, the weight copies
 TIMED = frozenset((*RECORDED, "zero", "zero_grads", "prepare_fp8_weights", "prepare_qkv_rows"))

@@ -451,12 +451,12 @@ class Trainer:
                     self.log(f"SIGTERM: stopped at step {step}; resume with --resume")
                     return self.args.sigterm_exit_code
                 every = phase.intervals["checkpoint"]
-                if signals.snapshot:
-                    signals.snapshot = False
-                    if not pivot:
-                        book.checkpoint(step, elapsed, "SIGUSR1")
-                elif trained and not pivot and every and step % every == 0 and step < stop:
-                    with self.spent.on("checkpoints"):
+                with self.spent.on("checkpoints"):
+                    if signals.snapshot:
+                        signals.snapshot = False
+                        if not pivot:
+                            book.checkpoint(step, elapsed, "SIGUSR1")
+                    elif trained and not pivot and every and step % every == 0 and step < stop:
                         book.checkpoint(step, elapsed, "interval")
                 book.settle(wait=False)  # the writes behind the loop that are done: their events and lines
             with self.spent.on("checkpoints"):
